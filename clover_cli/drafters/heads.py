@@ -1,0 +1,152 @@
+"""Drafters that run trained heads on the target's hidden states: Clover-2 and Medusa.
+
+Both grow a dynamic tree level by level. At each depth the `width` best nodes are expanded through one batched head
+call; each expanded node's children are the head's top tokens, cut by the Clover-1 rule (drop a candidate below
+`min_ratio` of its best sibling) and a top-p cut on the head's probabilities. A node's score is the product of the
+head probabilities along its path; the engine keeps the best-scoring nodes within its budget.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..target import Target, TreeKVCache
+from ..tree import DraftTree, TreeBuilder
+
+
+# The static tree (--tree static): paths of top-k ranks, Medusa/EAGLE style. (1, 0) is the best child of the
+# root's second-best child. 24 nodes, 5 deep.
+STATIC_TREE = [
+    (0,), (1,), (2,), (3,),
+    (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (3, 0),
+    (0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0), (2, 0, 0),
+    (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 1, 0), (0, 1, 0, 0), (1, 0, 0, 0),
+    (0, 0, 0, 0, 0), (0, 0, 0, 0, 1), (0, 0, 0, 1, 0),
+]
+
+
+class _TreeGrower:
+    """Chooses the children of each expanded node: dynamic (by probability) or static (fixed rank paths)."""
+
+    def __init__(self, topk: int = 8, width: int = 6, min_ratio: float = 0.25, top_p: float = 0.95,
+                 static: bool = False):
+        self.topk, self.width, self.min_ratio, self.top_p = topk, width, min_ratio, top_p
+        self.static = set(STATIC_TREE) if static else None
+        self.paths: dict[int, tuple] = {0: ()}
+
+    def start(self):
+        self.paths = {0: ()}
+
+    def expand(self, builder: TreeBuilder, level: list[int], logits: torch.Tensor, budget: int) -> list[int]:
+        """Add the children of the nodes in `level` (rows of logits); return the next level's nodes."""
+        probs = torch.softmax(logits.float(), dim=-1)
+        top_p, top_i = probs.topk(min(self.topk, probs.shape[-1]), dim=-1)
+        top_p, top_i = top_p.tolist(), top_i.tolist()
+        children = []
+        for row, parent in enumerate(level):
+            base, best, mass = builder.scores[parent], top_p[row][0], 0.0
+            for rank, (p, tok) in enumerate(zip(top_p[row], top_i[row])):
+                if self.static is not None:
+                    path = self.paths[parent] + (rank,)
+                    if path not in self.static:
+                        continue
+                elif p < self.min_ratio * best or mass >= self.top_p:
+                    break
+                mass += p
+                child = builder.add(parent, tok, base * p)
+                self.paths[child] = self.paths[parent] + (rank,)
+                children.append(child)
+        if self.static is not None:
+            return children
+        children.sort(key=lambda i: -builder.scores[i])
+        # A child can only make the final tree if it beats the budget-th best node already there.
+        if len(builder.scores) > budget + 1:
+            floor = sorted(builder.scores[1:], reverse=True)[budget - 1]
+            children = [c for c in children if builder.scores[c] >= floor]
+        return children[: self.width]
+
+
+class CloverDrafter:
+    name = "clover"
+
+    def __init__(self, heads, target: Target, **grow):
+        self.heads = heads
+        self.target = target
+        self.grower = _TreeGrower(**grow)
+        self.dtype = next(heads.parameters()).dtype
+        self.cache = TreeKVCache(heads.cfg.num_layers, 256, target.max_context)
+        self.state = None
+
+    def reset(self, length: int) -> None:
+        self.cache.truncate(length)
+        self.state = None
+
+    @torch.inference_mode()
+    def observe(self, hidden, next_tokens) -> None:
+        n = next_tokens.numel()
+        self.cache.reserve(n)
+        start = self.cache.length
+        pos = torch.arange(start, start + n, device=hidden.device)[None]
+        x = hidden.to(self.dtype)[None]
+        rope = self.target.base.rotary_emb(x, pos)
+        emb = self.target.embed_tokens(next_tokens)[None].to(self.dtype)
+        state = self.heads.augment(x, emb, rope, pos, cache=self.cache)
+        self.cache.append(n)
+        self.state = state[0, -1]
+
+    @torch.inference_mode()
+    def propose(self, context, budget) -> DraftTree:
+        builder = TreeBuilder(context[-1])
+        self.grower.start()
+        if budget <= 0 or self.state is None:
+            return builder.build(0)
+        level, states = [0], self.state[None]
+        for depth in range(self.heads.cfg.num_heads):
+            prev = None
+            if depth:
+                prev = self.target.embed_tokens(
+                    torch.tensor([builder.tokens[i] for i in level], device=states.device)).to(self.dtype)
+            new_states, out = self.heads.step(depth, states, prev)
+            children = self.grower.expand(builder, level, self.target.lm_head(out), budget)
+            if not children:
+                break
+            row_of = {node: row for row, node in enumerate(level)}
+            states = new_states[[row_of[builder.parents[c]] for c in children]]
+            level = children
+        return builder.build(budget)
+
+
+class MedusaDrafter:
+    name = "medusa"
+
+    def __init__(self, heads, target: Target, **grow):
+        self.heads = heads
+        self.target = target
+        self.grower = _TreeGrower(**grow)
+        self.dtype = next(heads.parameters()).dtype
+        self.norm = getattr(target.base, "norm", None)
+        self.logits = None
+
+    def reset(self, length: int) -> None:
+        self.logits = None
+
+    @torch.inference_mode()
+    def observe(self, hidden, next_tokens) -> None:
+        last = hidden[-1:]
+        post = self.norm(last) if self.norm is not None else last
+        outs = self.heads.outputs(post.to(self.dtype))
+        self.logits = [self.target.lm_head(o).float() for o in outs]  # head i: [1, V]
+
+    @torch.inference_mode()
+    def propose(self, context, budget) -> DraftTree:
+        builder = TreeBuilder(context[-1])
+        self.grower.start()
+        if budget <= 0 or self.logits is None:
+            return builder.build(0)
+        level = [0]
+        for depth, logits in enumerate(self.logits):
+            children = self.grower.expand(builder, level, logits.expand(len(level), -1), budget)
+            if not children:
+                break
+            level = children
+        return builder.build(budget)

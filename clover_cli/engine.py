@@ -1,0 +1,257 @@
+"""The speculative decoding loop: draft a token tree, verify it in one target forward, keep the longest agreeing path.
+
+    prefill:  run the prompt, choose the first token (the root) from the target's last logits
+    step:     tree  = drafter.propose(context + [root])        a token tree rooted at the root
+              logits = target(tree tokens, positions = length + depth, ancestor mask)
+              path, bonus = accept(tree, logits)              greedy: follow the target's argmax;
+                                                               sampling: rejection over siblings
+              commit the path's KV in place; the drafter observes the path's hidden states; root = bonus
+
+Every emitted token is one the target alone would have produced (greedy) or a sample of exactly the target's
+distribution (sampling): the drafter only decides how many come per step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from .target import Target
+from .tree import DraftTree
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class StepEvent:
+    tokens: list[int]  # tokens this step adds to the output, in order
+    depths: list[int]  # per token: the draft depth it was accepted at (1, 2, ...), 0 = chosen by the target
+    proposed: int = 0  # drafted nodes the target verified this step
+    tree_depth: int = 0  # depth of the deepest drafted node
+    accepted: int = 0  # drafted tokens the target accepted (before any stop trimmed them)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    elapsed_s: float = 0.0
+    prefill: bool = False
+    finish: str | None = None  # "eos", "stop" or "length" on the last step
+
+
+def warp(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """Sampling probabilities: softmax(logits / temperature), restricted to the top-p nucleus."""
+    probs = torch.softmax(logits.float() / s.temperature, dim=-1)
+    if s.top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        outside = (sorted_p.cumsum(-1) - sorted_p) >= s.top_p  # mass before this token already reaches top_p
+        sorted_p[outside] = 0.0
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    return probs
+
+
+def accept(tree: DraftTree, logits: torch.Tensor, s: Sampling, rng: torch.Generator) -> tuple[list[int], int]:
+    """Walk the tree with the target's verdict. Returns the accepted node path (root first) and the bonus token.
+
+    Greedy: follow the child whose token is the target's argmax. Sampling: at each node, try its children in order;
+    child x is accepted with probability p(x) under the target's (remaining) distribution p, otherwise x is removed
+    from p. If no child is accepted the bonus token is drawn from what remains of p. The proposal of each try is
+    the sibling itself, so the result is an exact sample of p (recursive rejection sampling over siblings).
+    """
+    kids = tree.children()
+    node, path = 0, [0]
+    if s.greedy:
+        choice = logits.argmax(-1).tolist()
+        while True:
+            nxt = next((c for c in kids[node] if tree.tokens[c] == choice[node]), None)
+            if nxt is None:
+                return path, choice[node]
+            path.append(nxt)
+            node = nxt
+    while True:
+        p = warp(logits[node], s)
+        for c in kids[node]:
+            tok = tree.tokens[c]
+            if torch.rand((), generator=rng).item() * p.sum().item() < p[tok].item():
+                path.append(c)
+                node = c
+                break
+            p[tok] = 0.0
+        else:
+            return path, int(torch.multinomial(p, 1, generator=rng).item())
+
+
+class StopCheck:
+    """Ends generation at an EOS token, at a stop string, or after max_new_tokens."""
+
+    def __init__(self, max_new_tokens: int, eos_ids=(), stop_strings=(), decode: Callable | None = None):
+        self.max_new_tokens = max_new_tokens
+        self.eos_ids = set(eos_ids)
+        self.stop_strings = [s for s in stop_strings if s]
+        self.decode = decode
+        self.window = max((len(s) for s in self.stop_strings), default=0) + 8
+        self.out: list[int] = []
+
+    def push(self, token: int) -> str | None:
+        self.out.append(token)
+        if token in self.eos_ids:
+            return "eos"
+        if self.stop_strings and self.decode is not None:
+            tail = self.decode(self.out[-self.window:])
+            if any(s in tail for s in self.stop_strings):
+                return "stop"
+        if len(self.out) >= self.max_new_tokens:
+            return "length"
+        return None
+
+
+@dataclass
+class CostModel:
+    """What a step costs on this device, to choose how many draft nodes are worth verifying.
+
+    verify_s[n] is the measured time of a target forward over n new tokens; draft_s an average of the drafter's
+    time; calibration the running ratio of accepted tokens to the drafter's own expectation (sum of scores).
+    """
+
+    verify_s: dict[int, float] = field(default_factory=dict)
+    draft_s: float = 0.0
+    calibration: float = 1.0
+
+    def verify(self, n: int) -> float:
+        sizes = sorted(self.verify_s)
+        if n <= sizes[0]:
+            return self.verify_s[sizes[0]]
+        for a, b in zip(sizes, sizes[1:]):
+            if n <= b:
+                return self.verify_s[a] + (self.verify_s[b] - self.verify_s[a]) * (n - a) / (b - a)
+        a, b = sizes[-2], sizes[-1]
+        return self.verify_s[b] + (self.verify_s[b] - self.verify_s[a]) * (n - b) / (b - a)
+
+    def best_budget(self, scores: list[float]) -> int:
+        """The number of drafted nodes (best scores first) that maximises expected tokens per second."""
+        ranked = sorted(scores, reverse=True)
+        best_n, best_rate, gain = 0, 1.0 / (self.draft_s + self.verify(1)), 1.0
+        for n, sc in enumerate(ranked, 1):
+            gain += self.calibration * sc
+            rate = gain / (self.draft_s + self.verify(n + 1))
+            if rate > best_rate:
+                best_n, best_rate = n, rate
+        return best_n
+
+    def observe(self, expected: float, accepted: int, draft_s: float):
+        if expected > 0:
+            self.calibration = 0.9 * self.calibration + 0.1 * min(accepted / expected, 3.0)
+        self.draft_s = draft_s if self.draft_s == 0.0 else 0.9 * self.draft_s + 0.1 * draft_s
+
+
+class Engine:
+    """Holds a target, a drafter and what the target's cache already holds, and generates from prompts.
+
+    budget: the most drafted nodes per step; with auto_budget the engine measures the target's verify cost for
+    several tree sizes once and verifies, each step, only as many of the drafter's best nodes as pay for
+    themselves on this device.
+    """
+
+    def __init__(self, target: Target, drafter, budget: int = 32, auto_budget: bool = True):
+        self.target = target
+        self.drafter = drafter
+        self.budget = budget
+        self.auto_budget = auto_budget and budget > 0 and drafter.name != "none"
+        self.cost: CostModel | None = None
+        self.context: list[int] = []  # exactly the tokens in the target's KV cache
+
+    def _device_sync(self):
+        if self.target.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def calibrate(self, root: int):
+        sizes = sorted({1, 2, 4, 8, 16, 32, 64, 128} & set(range(1, self.budget + 2)) | {self.budget + 1})
+        cost = CostModel()
+        for n in sizes:
+            tree = DraftTree([root] * n, [-1] + [0] * (n - 1))
+            tokens, depths, mask = tree.tensors(self.target.device)
+            times = []
+            for _ in range(5):
+                t = time.perf_counter()
+                self.target.forward(tokens, self.target.length + depths, mask)  # nothing is committed
+                self._device_sync()
+                times.append(time.perf_counter() - t)
+            cost.verify_s[n] = min(times)
+            if cost.verify_s[n] > 2.0:  # too slow a device to keep measuring: extrapolate
+                break
+        if len(cost.verify_s) == 1:
+            cost.verify_s[2] = cost.verify_s[1] * 1.05
+        self.cost = cost
+
+    def generate(self, prompt: list[int], stop: StopCheck, sampling: Sampling = Sampling()) -> Iterator[StepEvent]:
+        if not prompt:
+            raise ValueError("empty prompt")
+        rng = torch.Generator()
+        if sampling.seed is not None:
+            rng.manual_seed(sampling.seed)
+        else:
+            rng.seed()
+        device = self.target.device
+
+        # Reuse what the cache already holds of this prompt; re-run at least the last prompt token.
+        same = 0
+        for a, b in zip(self.context, prompt):
+            if a != b:
+                break
+            same += 1
+        keep = max(min(same, len(prompt) - 1) - 1, 0)
+        self.target.reset(keep)
+        self.drafter.reset(keep)
+        self.context = list(prompt[:keep])
+
+        t0 = time.perf_counter()
+        new = torch.tensor(prompt[keep:], dtype=torch.long, device=device)
+        hidden, logits = self.target.forward(new, logits_for=slice(-1, None))
+        self.target.cache.append(new.numel())
+        self.context = list(prompt)
+        _, root = accept(DraftTree.root_only(prompt[-1]), logits, sampling, rng)
+        self.drafter.observe(hidden, torch.tensor(prompt[keep + 1:] + [root], dtype=torch.long, device=device))
+        finish = stop.push(root)
+        self._device_sync()
+        yield StepEvent([root], [0], elapsed_s=time.perf_counter() - t0, prefill=True, finish=finish)
+        if self.auto_budget and self.cost is None and finish is None:
+            self.calibrate(root)
+
+        while finish is None:
+            t0 = time.perf_counter()
+            tree = self.drafter.propose(self.context + [root], self.budget)
+            t1 = time.perf_counter()
+            if self.cost is not None and len(tree) > 1:
+                tree = tree.prune(self.cost.best_budget(tree.scores[1:]))
+            tokens, depths, mask = tree.tensors(device)
+            hidden, logits = self.target.forward(tokens, self.target.length + depths, mask)
+            path, bonus = accept(tree, logits, sampling, rng)
+            self.target.cache.commit(torch.tensor(path, dtype=torch.long, device=device))
+            accepted = [tree.tokens[i] for i in path[1:]]
+            self.drafter.observe(hidden[path], torch.tensor(accepted + [bonus], dtype=torch.long, device=device))
+            self.context += [root] + accepted
+            self._device_sync()
+            t2 = time.perf_counter()
+            if self.cost is not None and len(tree) > 1:
+                self.cost.observe(sum(tree.scores[1:]), len(accepted), t1 - t0)
+
+            out, out_depths = [], []
+            for depth, tok in enumerate(accepted + [bonus], 1):
+                out.append(tok)
+                out_depths.append(depth if depth <= len(accepted) else 0)
+                finish = stop.push(tok)
+                if finish:
+                    break
+            yield StepEvent(out, out_depths, proposed=len(tree) - 1, tree_depth=max(tree.depths()),
+                            accepted=len(accepted), draft_s=t1 - t0, verify_s=t2 - t1, elapsed_s=t2 - t0,
+                            finish=finish)
+            root = bonus

@@ -1,0 +1,288 @@
+"""Draft heads: Clover-2 (arXiv 2408.00264) and Medusa-1, their config, and the heads directory format.
+
+Clover-2, as built here (our own code, after the paper and its reference implementation):
+
+    x_t  = target's last-layer hidden state at t, before the final norm        [H]
+    e(v) = the target's frozen input embedding of token v                      [H]
+
+    fuse:     u_t = x_t + concat_h( cos(q_h, k_h) * v_h ),  q = Wq norm(x_t), k = Wk e(tok_{t+1}), v = Wv e(tok_{t+1})
+    augment:  s_t = norm( N decoder layers of the target's own class over u_0..u_t )    (own small KV cache)
+    head 0:   o_0 = head_norm(W0 s_t)                               -> logits lm_head(o_0), for tok_{t+2}
+    head i>0: s   = rnn(s, e(d_{i-1}))   (the same gated block)    -> o_i = head_norm(W [s; e(d_{i-1})])
+              where d_{i-1} is the token drafted at depth i-1; logits lm_head(o_i), for tok_{t+2+i}
+
+`lm_head` and the embedding belong to the target: shared, frozen, never stored in the heads file. Each o_i is
+trained to match the target's post-norm hidden state one step further on, and its logits the target's
+distribution there.
+
+Medusa-1: head i is a residual SiLU block on the target's post-norm hidden state h_t, o_i = h_t + SiLU(W_i h_t + b_i),
+projected by the same frozen lm_head (for tok_{t+2+i}); heads do not see each other's tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .errors import CloverError
+
+FORMAT_VERSION = 1
+# The parts of the target's config the heads depend on: a mismatch means the heads cannot run on this target.
+TARGET_KEYS = ("model_type", "hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads",
+               "intermediate_size", "head_dim")
+
+
+@dataclass
+class HeadsConfig:
+    architecture: str = "clover2"  # or "medusa"
+    num_heads: int = 5
+    num_layers: int = 2  # Clover-2 augmenting block depth
+    hidden_size: int = 0
+    vocab_size: int = 0
+    num_gate_heads: int = 0  # heads of the regressive attention gates (the target's attention heads)
+    rms_norm_eps: float = 1e-6
+    target: dict = field(default_factory=dict)  # TARGET_KEYS of the target, plus its name and revision
+    training: dict = field(default_factory=dict)  # what `clover train` measured and used
+    format_version: int = FORMAT_VERSION
+
+    @staticmethod
+    def for_target(target_config, architecture="clover2", num_heads=5, num_layers=2, name=None, revision=None):
+        tc = target_config.to_dict()
+        target = {k: tc.get(k) for k in TARGET_KEYS}
+        target.update(name_or_path=name or tc.get("_name_or_path"), revision=revision)
+        return HeadsConfig(
+            architecture=architecture, num_heads=num_heads, num_layers=num_layers,
+            hidden_size=target_config.hidden_size, vocab_size=target_config.vocab_size,
+            num_gate_heads=target_config.num_attention_heads,
+            rms_norm_eps=getattr(target_config, "rms_norm_eps", 1e-6), target=target,
+        )
+
+    def check_target(self, target_config, where: str):
+        tc = target_config.to_dict()
+        if (self.hidden_size, self.vocab_size) != (tc.get("hidden_size"), tc.get("vocab_size")):
+            raise CloverError(f"heads {where} were made for hidden size {self.hidden_size} and vocabulary "
+                              f"{self.vocab_size}; this model has {tc.get('hidden_size')} and {tc.get('vocab_size')}")
+        # Clover-2's augmenting layers are copies of the target's decoder layer: its shape must match too.
+        for key in TARGET_KEYS if self.architecture == "clover2" else ():
+            want, have = self.target.get(key), tc.get(key)
+            if want is not None and want != have:
+                raise CloverError(f"heads {where} were made for a target with {key}={want}, this model has {have}")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def _near_identity(linear: nn.Linear, in_block: int = 0):
+    """Identity on input columns [in_block, in_block + out), small noise elsewhere, zero bias."""
+    with torch.no_grad():
+        nn.init.normal_(linear.weight, std=0.002)
+        out = linear.weight.shape[0]
+        linear.weight[:, in_block:in_block + out] += torch.eye(out)
+        if linear.bias is not None:
+            linear.bias.zero_()
+
+
+class GatedFusion(nn.Module):
+    """Clover's regressive attention block: a per-head cosine gate between the state and a token embedding."""
+
+    def __init__(self, hidden: int, heads: int, eps: float):
+        super().__init__()
+        self.heads = heads
+        self.norm = RMSNorm(hidden, eps)
+        self.q = nn.Linear(hidden, hidden)
+        self.k = nn.Linear(hidden, hidden)
+        self.v = nn.Linear(hidden, hidden)
+        _near_identity(self.q)
+        _near_identity(self.k)
+        nn.init.normal_(self.v.weight, std=0.01)
+        nn.init.zeros_(self.v.bias)
+
+    def forward(self, state, emb):
+        shape = (*state.shape[:-1], self.heads, -1)
+        q = self.q(self.norm(state)).view(shape)
+        k = self.k(emb).view(shape)
+        v = self.v(emb).view(shape)
+        gate = F.cosine_similarity(q.float(), k.float(), dim=-1, eps=1e-6).to(v.dtype)
+        return state + (gate.unsqueeze(-1) * v).flatten(-2)
+
+
+def _layer_class(target_model):
+    return type(target_model.base_model.layers[-1])
+
+
+def _draft_config(target_config):
+    from .target import ATTN_NAME
+
+    cfg = copy.deepcopy(target_config)
+    cfg._attn_implementation = ATTN_NAME
+    return cfg
+
+
+class Clover2Heads(nn.Module):
+    def __init__(self, cfg: HeadsConfig, target_config, layer_class):
+        super().__init__()
+        self.cfg = cfg
+        H, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.fuse = GatedFusion(H, cfg.num_gate_heads, eps)
+        dcfg = _draft_config(target_config)
+        self.layers = nn.ModuleList(layer_class(dcfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(H, eps)
+        self.head0 = nn.Linear(H, H)
+        self.rnn = GatedFusion(H, cfg.num_gate_heads, eps)
+        self.head_next = nn.Linear(2 * H, H)
+        self.head_norm = RMSNorm(H, eps)
+        _near_identity(self.head0)
+        _near_identity(self.head_next)
+
+    def init_from_target(self, target_model):
+        """Augmenting layers start as copies of the target's last decoder layer; norms from its final norm."""
+        last = target_model.base_model.layers[-1].state_dict()
+        for layer in self.layers:
+            layer.load_state_dict(last)
+        final_norm = getattr(target_model.base_model, "norm", None)
+        if final_norm is not None and hasattr(final_norm, "weight"):
+            with torch.no_grad():
+                self.norm.weight.copy_(final_norm.weight.float())
+                self.head_norm.weight.copy_(final_norm.weight.float())
+
+    def augment(self, hidden, next_emb, position_embeddings, position_ids, cache=None):
+        """hidden, next_emb: [B, T, H]. Returns the augmented state [B, T, H] (causal over T, after the cache)."""
+        u = self.fuse(hidden, next_emb)
+        for layer in self.layers:
+            out = layer(u, attention_mask=None, position_ids=position_ids, past_key_values=cache,
+                        use_cache=cache is not None, position_embeddings=position_embeddings)
+            u = out[0] if isinstance(out, tuple) else out
+        return self.norm(u)
+
+    def step(self, depth: int, state, prev_emb=None):
+        """Head `depth` (0-based): returns (next recurrent state, output hidden for lm_head)."""
+        if depth == 0:
+            return state, self.head_norm(self.head0(state))
+        state = self.rnn(state, prev_emb)
+        return state, self.head_norm(self.head_next(torch.cat([state, prev_emb], -1)))
+
+    def forward_train(self, hidden, input_ids, embed, position_embeddings, position_ids):
+        """Teacher-forced outputs of every head: list of [B, T, H]; head i at t predicts token t+2+i.
+
+        hidden: pre-norm target hidden [B, T, H]; input_ids [B, T]. Positions past the end use token 0 and
+        must be masked out of the loss.
+        """
+        T = input_ids.shape[1]
+        ids = F.pad(input_ids, (0, self.cfg.num_heads + 1), value=0)
+        state = self.augment(hidden, embed(ids[:, 1:T + 1]), position_embeddings, position_ids)
+        state, out = self.step(0, state)
+        outs = [out]
+        for i in range(1, self.cfg.num_heads):
+            state, out = self.step(i, state, embed(ids[:, 1 + i:T + 1 + i]))
+            outs.append(out)
+        return outs
+
+
+class MedusaHeads(nn.Module):
+    def __init__(self, cfg: HeadsConfig, target_config=None, layer_class=None):
+        super().__init__()
+        self.cfg = cfg
+        H = cfg.hidden_size
+        self.blocks = nn.ModuleList(nn.Linear(H, H) for _ in range(cfg.num_heads))
+        for b in self.blocks:
+            nn.init.zeros_(b.weight)
+            nn.init.zeros_(b.bias)
+
+    def init_from_target(self, target_model):
+        pass
+
+    def outputs(self, post_hidden):
+        """post_hidden [..., H] -> list of head outputs [..., H] (head i predicts token t+2+i)."""
+        return [post_hidden + F.silu(b(post_hidden)) for b in self.blocks]
+
+    def forward_train(self, post_hidden):
+        return self.outputs(post_hidden)
+
+
+ARCHITECTURES = {"clover2": Clover2Heads, "medusa": MedusaHeads}
+
+
+def build_heads(cfg: HeadsConfig, target_model) -> nn.Module:
+    if cfg.architecture not in ARCHITECTURES:
+        raise CloverError(f"unknown heads architecture {cfg.architecture!r}")
+    return ARCHITECTURES[cfg.architecture](cfg, target_model.config, _layer_class(target_model))
+
+
+def save_heads(heads: nn.Module, out: Path, card: str):
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to("cpu").contiguous() for k, v in heads.state_dict().items()}
+    tmp = out / "model.safetensors.tmp"
+    save_file(state, str(tmp), metadata={"format": "pt"})
+    tmp.replace(out / "model.safetensors")
+    (out / "config.json").write_text(json.dumps(asdict(heads.cfg), indent=2) + "\n")
+    (out / "README.md").write_text(card)
+
+
+def is_heads_dir(path: Path) -> bool:
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        return False
+    try:
+        return "architecture" in json.loads((path / "config.json").read_text())
+    except (ValueError, OSError):
+        return False
+
+
+def load_heads_config(path: Path) -> HeadsConfig:
+    path = Path(path)
+    if not path.is_dir():
+        raise CloverError(f"heads directory not found: {path}")
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        raise CloverError(f"{path} is not a heads directory (no readable config.json)")
+    known = set(HeadsConfig.__dataclass_fields__)
+    if "architecture" not in raw:
+        raise CloverError(f"{path} is not a heads directory (config.json has no 'architecture')")
+    return HeadsConfig(**{k: v for k, v in raw.items() if k in known})
+
+
+def load_heads(path: Path, target_model, dtype=None) -> nn.Module:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    cfg = load_heads_config(path)
+    cfg.check_target(target_model.config, str(path))
+    weights = path / "model.safetensors"
+    if not weights.is_file():
+        raise CloverError(f"heads {path} have no model.safetensors")
+    heads = build_heads(cfg, target_model)
+    try:
+        state = load_file(str(weights))
+    except (SafetensorError, OSError) as e:
+        raise CloverError(f"heads {path}: unreadable model.safetensors ({e})")
+    missing, unexpected = heads.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise CloverError(f"heads {path} do not match their config ({len(missing)} missing, "
+                          f"{len(unexpected)} unexpected tensors)")
+    device = target_model.get_input_embeddings().weight.device
+    compute_dtype = dtype or _compute_dtype(target_model)
+    return heads.to(device=device, dtype=compute_dtype).eval()
+
+
+def _compute_dtype(target_model):
+    dt = target_model.get_input_embeddings().weight.dtype
+    return dt if dt.is_floating_point else torch.float16

@@ -1,0 +1,108 @@
+"""Load a target model and its tokenizer with transformers: device, dtype and 8-bit choices, and clear errors."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import CloverError
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def pick_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise CloverError(f"unknown device {device!r} (use auto, cpu, cuda or cuda:N)")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise CloverError(f"device {device} asked for, but CUDA is not available here")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise CloverError(f"device {device} asked for, but only {torch.cuda.device_count()} GPU(s) exist")
+    elif dev.type != "cpu":
+        raise CloverError(f"unsupported device {device!r} (use auto, cpu, cuda or cuda:N)")
+    return dev
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    if dtype not in DTYPES:
+        raise CloverError(f"unknown dtype {dtype!r} (use auto, float32, float16 or bfloat16)")
+    return DTYPES[dtype]
+
+
+def check_8bit(device: torch.device):
+    try:
+        import bitsandbytes  # noqa: F401
+    except Exception as e:  # ImportError, or a broken native library
+        raise CloverError(f"--load-in-8bit needs a working bitsandbytes ({type(e).__name__}: {e})".splitlines()[0])
+    try:
+        import accelerate  # noqa: F401
+    except ImportError:
+        raise CloverError("--load-in-8bit needs accelerate: pip install accelerate")
+
+
+@dataclass
+class Loaded:
+    model: object
+    tokenizer: object
+    device: torch.device
+    dtype: torch.dtype
+    load_in_8bit: bool
+
+
+def load(path: Path, device: str = "auto", dtype: str = "auto", load_in_8bit: bool = False,
+         trust_remote_code: bool = False, allow_pickle: bool = False) -> Loaded:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+    kwargs = dict(dtype=dt, trust_remote_code=trust_remote_code, use_safetensors=not allow_pickle or None)
+    if load_in_8bit:
+        check_8bit(dev)
+        from transformers import BitsAndBytesConfig
+
+        if dt == torch.float32 and dev.type == "cuda":
+            dt = torch.float16
+        kwargs.update(quantization_config=BitsAndBytesConfig(load_in_8bit=True), device_map={"": str(dev)},
+                      dtype=dt)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as e:
+        raise CloverError(f"cannot load the tokenizer from {path}: {_first_line(e)}")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        if not load_in_8bit:
+            model.to(dev)
+    except torch.cuda.OutOfMemoryError:
+        raise CloverError(f"out of GPU memory loading {path}; try --load-in-8bit, a smaller model or --device cpu")
+    except ImportError as e:
+        raise CloverError(f"cannot load {path}: {_first_line(e)}")
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        msg = _first_line(e)
+        if "trust_remote_code" in msg:
+            msg = "it needs custom code from its repository; pass --trust-remote-code if you trust it"
+        raise CloverError(f"cannot load the model from {path}: {msg}")
+    model.eval()
+    model.generation_config.pad_token_id = model.generation_config.pad_token_id or tokenizer.pad_token_id
+    return Loaded(model, tokenizer, dev, dt, load_in_8bit)
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

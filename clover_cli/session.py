@@ -1,0 +1,207 @@
+"""Everything between a command line and the engine: model, tokenizer, template, drafter, stop rules."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .drafters import NoDrafter
+from .engine import Engine, Sampling, StepEvent, StopCheck
+from .errors import CloverError
+from .hub import resolve_heads, resolve_model
+from .loading import load
+from .target import Target
+from .templates import STOP_STRINGS, chat_template, render
+
+DRAFTS = ("auto", "clover", "medusa", "ngram", "none")
+
+
+@dataclass
+class Options:
+    model: str | None = None
+    revision: str | None = None
+    heads: str | None = None
+    draft: str = "auto"
+    tree: str = "dynamic"
+    tree_budget: str = "auto"
+    load_in_8bit: bool = False
+    device: str = "auto"
+    dtype: str = "auto"
+    trust_remote_code: bool = False
+    allow_pickle: bool = False
+    max_context: int | None = None
+
+
+def parse_budget(text: str) -> tuple[int, bool]:
+    """'auto' -> (64, True): up to 64 nodes, sized per step by measured cost; 'N' -> (N, False)."""
+    if text == "auto":
+        return 64, True
+    try:
+        n = int(text)
+    except ValueError:
+        raise CloverError(f"--tree-budget must be a whole number or 'auto', not {text!r}")
+    if not 0 <= n <= 512:
+        raise CloverError(f"--tree-budget must be between 0 and 512, not {n}")
+    return n, False
+
+
+class Session:
+    def __init__(self, opts: Options, quiet: bool = False):
+        if opts.draft not in DRAFTS:
+            raise CloverError(f"unknown drafter {opts.draft!r}; choose one of {', '.join(DRAFTS)}")
+        if opts.tree not in ("dynamic", "static"):
+            raise CloverError(f"--tree must be dynamic or static, not {opts.tree!r}")
+        budget, auto = parse_budget(opts.tree_budget)
+        if opts.tree == "static":
+            from .drafters.heads import STATIC_TREE
+
+            budget, auto = len(STATIC_TREE), False
+        self.opts = opts
+        self.resolved = resolve_model(opts.model, opts.revision, opts.allow_pickle, quiet=quiet)
+        self.heads_path = None
+        if opts.draft in ("auto", "clover", "medusa"):
+            self.heads_path = resolve_heads(opts.heads, self.resolved, quiet=quiet)
+        elif opts.heads:
+            raise CloverError(f"--heads is for the clover and medusa drafters, not --draft {opts.draft}")
+        loaded = load(self.resolved.path, opts.device, opts.dtype, opts.load_in_8bit, opts.trust_remote_code,
+                      opts.allow_pickle)
+        self.model, self.tokenizer = loaded.model, loaded.tokenizer
+        self.device, self.dtype, self.load_in_8bit = loaded.device, loaded.dtype, loaded.load_in_8bit
+        spec = self.resolved.spec
+        self.template_name, self.template = chat_template(self.tokenizer, spec.template if spec else None)
+        self.target = Target(self.model, max_context=opts.max_context)
+        self.drafter = self._drafter(opts)
+        self.engine = Engine(self.target, self.drafter, budget=budget, auto_budget=auto)
+        self.eos_ids = self._eos_ids()
+        self.stop_strings = STOP_STRINGS.get(self.template_name, [])
+
+    @property
+    def draft_name(self) -> str:
+        return self.drafter.name
+
+    @property
+    def max_context(self) -> int:
+        return self.target.max_context
+
+    def _drafter(self, opts: Options):
+        from .drafters.ngram import NgramDrafter
+
+        if opts.draft == "none":
+            return NoDrafter()
+        if opts.draft == "ngram":
+            return NgramDrafter()
+        if self.heads_path is None:
+            if opts.draft == "auto":
+                return NgramDrafter()
+            raise CloverError(f"no {opts.draft} heads for {self.resolved.name}: pass --heads DIR|REPO, "
+                              f"or make them with `clover train`")
+        from .drafters.heads import CloverDrafter, MedusaDrafter
+        from .heads import load_heads
+
+        heads = load_heads(self.heads_path, self.model)
+        arch = heads.cfg.architecture
+        want = {"clover": "clover2", "medusa": "medusa"}.get(opts.draft, arch)
+        if arch != want:
+            raise CloverError(f"--draft {opts.draft} needs {want} heads, but {self.heads_path} holds {arch} heads")
+        grow = {"static": True} if opts.tree == "static" else {}
+        cls = CloverDrafter if arch == "clover2" else MedusaDrafter
+        return cls(heads, self.target, **grow)
+
+    def _eos_ids(self) -> set[int]:
+        ids = set()
+        for source in (self.tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None)):
+            if isinstance(source, int):
+                ids.add(source)
+            elif isinstance(source, (list, tuple)):
+                ids.update(int(i) for i in source)
+        for text in STOP_STRINGS.get(self.template_name, []):
+            tid = self.tokenizer.convert_tokens_to_ids(text) if text in self.tokenizer.get_vocab() else None
+            if isinstance(tid, int) and tid != self.tokenizer.unk_token_id:
+                ids.add(tid)
+        return ids
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        text = render(self.tokenizer, messages, self.template, add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def encode_raw(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=True)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def check_fits(self, prompt: list[int], max_new_tokens: int):
+        if len(prompt) >= self.max_context:
+            raise CloverError(f"the prompt is {len(prompt)} tokens, longer than the model's context "
+                              f"({self.max_context})")
+        return min(max_new_tokens, self.max_context - len(prompt) - self.engine.budget - 1)
+
+    def generate(self, prompt: list[int], max_new_tokens: int, sampling: Sampling):
+        """Yield StepEvents; the budget of new tokens is cut to what fits the context."""
+        room = self.check_fits(prompt, max_new_tokens)
+        if room < 1:
+            raise CloverError("no room left in the model's context for a reply")
+        stop = StopCheck(room, self.eos_ids, self.stop_strings, self.decode)
+        try:
+            yield from self.engine.generate(prompt, stop, sampling)
+        except torch.cuda.OutOfMemoryError:
+            raise CloverError("out of GPU memory while generating; try a smaller --tree-budget, --load-in-8bit "
+                              "or a shorter conversation")
+
+
+def strip_stop(text: str, stop_strings) -> str:
+    """Cut a reply at the first stop string it contains."""
+    cut = len(text)
+    for s in stop_strings:
+        i = text.find(s)
+        if i >= 0:
+            cut = min(cut, i)
+    return text[:cut]
+
+
+@dataclass
+class RunStats:
+    """Totals over one generation, as --json and the stats stream report them."""
+
+    new_tokens: int = 0
+    steps: int = 0  # target forward passes after prefill
+    drafted_accepted: int = 0
+    proposed: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    finish: str | None = None
+
+    def __post_init__(self):
+        self.depth_hits: list[int] = []  # depth_hits[d-1]: steps whose accepted path reached depth d
+        self.depth_tries: list[int] = []  # depth_tries[d-1]: steps whose tree reached depth d
+
+    def add(self, ev: StepEvent):
+        self.new_tokens += len(ev.tokens)
+        self.finish = ev.finish or self.finish
+        if ev.prefill:
+            self.prefill_s += ev.elapsed_s
+            return
+        self.steps += 1
+        self.decode_s += ev.elapsed_s
+        self.drafted_accepted += ev.accepted
+        self.proposed += ev.proposed
+        for d in range(1, ev.tree_depth + 1):
+            while len(self.depth_tries) < d:
+                self.depth_tries.append(0)
+                self.depth_hits.append(0)
+            self.depth_tries[d - 1] += 1
+            self.depth_hits[d - 1] += ev.accepted >= d
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per target forward after prefill (accepted drafted tokens + the target's own)."""
+        return (self.new_tokens - 1) / self.steps if self.steps else 0.0
+
+    @property
+    def accept_by_depth(self) -> list[float]:
+        return [h / t if t else 0.0 for h, t in zip(self.depth_hits, self.depth_tries)]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return (self.new_tokens - 1) / self.decode_s if self.decode_s > 0 else 0.0

@@ -1,0 +1,200 @@
+"""The target model: a stock transformers causal LM run through our attention function and KV cache.
+
+`TreeKVCache` is preallocated; a forward writes the new tokens' keys and values after the committed ones, and
+`commit(nodes)` moves the accepted tree nodes into place (one gather per layer, no copy of the whole cache).
+`tree_attention` is registered with transformers' `AttentionInterface` as "clover_tree": queries are the new tokens,
+keys the committed prefix plus the new tokens, and the mask (when given) says which new tokens see which.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .errors import CloverError
+
+ATTN_NAME = "clover_tree"
+
+
+def tree_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
+                   position_ids=None, **kwargs):
+    """query [B, Hq, n, D]; key/value [B, Hkv, L+n, D], the last n being the new tokens.
+
+    attention_mask: None for plain causal attention over the new tokens, else a bool [B|1, 1, n, L+n] mask (True =
+    may attend). A sliding window, when the model has one, is applied from the tokens' positions.
+    """
+    n, total = query.shape[2], key.shape[2]
+    past = total - n
+    mask = attention_mask
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask > -1  # additive float mask from another caller: 0 = visible
+    if sliding_window is not None and total > sliding_window:
+        qpos = (position_ids[0] if position_ids is not None else torch.arange(past, total, device=query.device))
+        kpos = torch.cat([torch.arange(past, device=query.device), qpos])
+        window = (qpos[:, None] - kpos[None, :]) < sliding_window
+        if mask is None:
+            mask = (qpos[:, None] >= kpos[None, :]) & window
+        else:
+            mask = mask & window
+    is_causal = False
+    if mask is None:
+        if n > 1 and past == 0:
+            is_causal = True
+        elif n > 1:
+            mask = torch.ones(n, total, dtype=torch.bool, device=query.device).tril(past)
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, is_causal=is_causal, scale=scaling,
+        dropout_p=dropout if module.training else 0.0, enable_gqa=query.shape[1] != key.shape[1],
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTN_NAME, tree_attention)
+
+
+class TreeKVLayer(CacheLayerMixin):
+    """One layer's keys and values in a preallocated buffer [1, Hkv, capacity, D]; the owner holds the length."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, owner: "TreeKVCache"):
+        super().__init__()
+        self.owner = owner
+
+    def lazy_initialization(self, key_states, value_states):
+        shape = (1, key_states.shape[1], self.owner.capacity, key_states.shape[3])
+        self.keys = torch.zeros(shape, dtype=key_states.dtype, device=key_states.device)
+        self.values = torch.zeros(shape, dtype=value_states.dtype, device=value_states.device)
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start, n = self.owner.length, key_states.shape[2]
+        self.keys[:, :, start:start + n] = key_states
+        self.values[:, :, start:start + n] = value_states
+        return self.keys[:, :, :start + n], self.values[:, :, :start + n]
+
+    @torch.inference_mode()
+    def grow(self, capacity: int):
+        if self.is_initialized:
+            for name in ("keys", "values"):
+                old = getattr(self, name)
+                new = old.new_zeros((*old.shape[:2], capacity, old.shape[3]))
+                new[:, :, :old.shape[2]] = old
+                setattr(self, name, new)
+
+    @torch.inference_mode()
+    def commit(self, start: int, index: torch.Tensor):
+        if self.is_initialized:
+            k = index.numel()
+            self.keys[:, :, start:start + k] = self.keys.index_select(2, start + index)
+            self.values[:, :, start:start + k] = self.values.index_select(2, start + index)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.length
+
+    def get_max_length(self) -> int:
+        return self.owner.capacity
+
+
+class TreeKVCache(Cache):
+    """KV cache for tree verification: `length` committed tokens, new tokens written after them per forward."""
+
+    def __init__(self, num_layers: int, capacity: int, max_capacity: int):
+        super().__init__(layers=[TreeKVLayer(self) for _ in range(num_layers)])
+        self.length = 0
+        self.capacity = capacity
+        self.max_capacity = max_capacity
+
+    def reserve(self, n_new: int):
+        """Make room for n_new more tokens, growing the buffers (doubling) up to the model's context."""
+        need = self.length + n_new
+        if need <= self.capacity:
+            return
+        if need > self.max_capacity:
+            raise CloverError(f"the conversation needs {need} tokens but the model's context is {self.max_capacity}")
+        self.capacity = min(self.max_capacity, max(need, 2 * self.capacity))
+        for layer in self.layers:
+            layer.grow(self.capacity)
+
+    def append(self, n: int):
+        """Keep the n tokens just written (a prefill or a single-path step)."""
+        self.length += n
+
+    def commit(self, nodes: torch.Tensor):
+        """Keep the written tokens at offsets `nodes` (ascending, starting at 0) as the next committed tokens."""
+        for layer in self.layers:
+            layer.commit(self.length, nodes)
+        self.length += nodes.numel()
+
+    def truncate(self, length: int):
+        self.length = min(self.length, length)
+
+
+def _find_final_norm(base):
+    norm = getattr(base, "norm", None)
+    return norm if isinstance(norm, torch.nn.Module) else None
+
+
+class Target:
+    """A causal LM with our cache. forward() returns (pre-norm hidden, logits) of the new tokens."""
+
+    def __init__(self, model, max_context: int | None = None, initial_capacity: int = 1024):
+        self.model = model
+        self.config = model.config
+        if model.config._attn_implementation != ATTN_NAME:
+            model.set_attn_implementation(ATTN_NAME)
+        self.base = model.base_model
+        self.lm_head = model.get_output_embeddings()
+        self.embed_tokens = model.get_input_embeddings()
+        self.device = self.embed_tokens.weight.device
+        limit = getattr(self.config, "max_position_embeddings", None) or 4096
+        self.max_context = min(limit, max_context) if max_context else limit
+        self.cache = TreeKVCache(self.config.num_hidden_layers, min(initial_capacity, self.max_context),
+                                 self.max_context)
+        self._pre_norm = None
+        norm = _find_final_norm(self.base)
+        if norm is not None:
+            norm.register_forward_pre_hook(self._capture)
+
+    def _capture(self, module, args):
+        self._pre_norm = args[0]
+
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                tree_mask: torch.Tensor | None = None, logits_for: slice | None = None):
+        """Run the new `tokens` (1-D) after the committed ones.
+
+        positions: absolute positions (default: consecutive after the committed tokens). tree_mask: bool [n, n],
+        which new tokens each new token may see (default causal). Returns pre-norm hidden [n, H] and logits.
+        """
+        n = tokens.numel()
+        self.cache.reserve(n)
+        past = self.cache.length
+        if positions is None:
+            positions = torch.arange(past, past + n, device=self.device)
+        mask = None
+        if tree_mask is not None:
+            mask = torch.ones(1, 1, n, past + n, dtype=torch.bool, device=self.device)
+            mask[0, 0, :, past:] = tree_mask
+        self._pre_norm = None
+        out = self.base(input_ids=tokens[None], position_ids=positions[None], past_key_values=self.cache,
+                        attention_mask=mask, use_cache=True)
+        post = out.last_hidden_state[0]
+        pre = self._pre_norm[0] if self._pre_norm is not None else post
+        logits = self.lm_head(post if logits_for is None else post[logits_for]).float()
+        return pre, logits
+
+    def reset(self, length: int = 0):
+        self.cache.truncate(length)

@@ -1,0 +1,109 @@
+"""Draft token trees: what a drafter proposes and the target verifies in one forward pass.
+
+Node 0 is the root: the token the target chose last, not yet in the KV cache. Every other node is a drafted token
+whose parent comes before it, so a tree is a list ordered parents-first and the ancestor mask is built in one pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+@dataclass
+class DraftTree:
+    tokens: list[int]
+    parents: list[int]
+    scores: list[float] = field(default_factory=list)  # the drafter's estimate that each node is accepted
+
+    @staticmethod
+    def root_only(root: int) -> "DraftTree":
+        return DraftTree([root], [-1], [1.0])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def depths(self) -> list[int]:
+        d = [0] * len(self.tokens)
+        for i in range(1, len(self.tokens)):
+            d[i] = d[self.parents[i]] + 1
+        return d
+
+    def children(self) -> list[list[int]]:
+        kids: list[list[int]] = [[] for _ in self.tokens]
+        for i in range(1, len(self.tokens)):
+            kids[self.parents[i]].append(i)
+        return kids
+
+    def ancestor_mask(self) -> np.ndarray:
+        """bool [n, n]: mask[i, j] is True when node j is node i or one of its ancestors."""
+        n = len(self.tokens)
+        mask = np.zeros((n, n), dtype=bool)
+        for i in range(n):
+            p = self.parents[i]
+            if p >= 0:
+                mask[i] = mask[p]
+            mask[i, i] = True
+        return mask
+
+    def tensors(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(tokens, depth offsets, ancestor mask or None for a single chain) on `device`."""
+        tokens = torch.tensor(self.tokens, dtype=torch.long, device=device)
+        depths = torch.tensor(self.depths(), dtype=torch.long, device=device)
+        is_chain = all(p == i - 1 for i, p in enumerate(self.parents))
+        mask = None if is_chain else torch.from_numpy(self.ancestor_mask()).to(device)
+        return tokens, depths, mask
+
+    def prune(self, budget: int) -> "DraftTree":
+        """Keep the root and the `budget` best-scoring nodes whose ancestors are all kept.
+
+        Scores never grow along a path (a node's score is its path probability), so the best nodes form a tree;
+        ties go to the earlier node, which keeps parents ahead of their children.
+        """
+        if len(self.tokens) <= budget + 1:
+            return self
+        order = sorted(range(1, len(self.tokens)), key=lambda i: (-self.scores[i], i))
+        keep = {0}
+        for i in order:
+            if len(keep) > budget:
+                break
+            if self.parents[i] in keep:
+                keep.add(i)
+        kept = sorted(keep)
+        new_index = {old: new for new, old in enumerate(kept)}
+        return DraftTree(
+            tokens=[self.tokens[i] for i in kept],
+            parents=[new_index[self.parents[i]] if i else -1 for i in kept],
+            scores=[self.scores[i] for i in kept],
+        )
+
+    def validate(self):
+        assert len(self.tokens) == len(self.parents) and self.parents[0] == -1
+        for i in range(1, len(self.tokens)):
+            assert 0 <= self.parents[i] < i, "parents must come before their children"
+        kids = self.children()
+        for k in kids:
+            toks = [self.tokens[c] for c in k]
+            assert len(toks) == len(set(toks)), "siblings must be distinct tokens"
+
+
+class TreeBuilder:
+    """Collect candidate nodes (parents first), then keep the root and the best `budget` of them.
+
+    A node's score is the drafter's estimate that the target accepts it (its path probability), which never
+    exceeds its parent's, so the best nodes form a tree; a node whose parent was dropped is dropped too.
+    """
+
+    def __init__(self, root: int):
+        self.tokens, self.parents, self.scores = [root], [-1], [1.0]
+
+    def add(self, parent: int, token: int, score: float) -> int:
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.scores.append(score)
+        return len(self.tokens) - 1
+
+    def build(self, budget: int) -> DraftTree:
+        return DraftTree(self.tokens, self.parents, self.scores).prune(budget)

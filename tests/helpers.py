@@ -1,0 +1,84 @@
+"""Test drafters and reference decoding shared by the engine tests."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from clover_cli.tree import DraftTree, TreeBuilder
+
+
+class OracleDrafter:
+    """Proposes random trees that follow a known continuation with probability `p_right` per node.
+
+    It knows `reference` (the target's own greedy continuation after `prompt_len` tokens), so accepted paths get
+    long and the engine's commit, bonus and stop logic are exercised at every depth, with random siblings
+    around the right path and random tree shapes.
+    """
+
+    name = "oracle"
+
+    def __init__(self, reference: list[int], prompt_len: int, vocab: int, p_right: float, seed: int):
+        self.reference, self.prompt_len, self.vocab, self.p_right = reference, prompt_len, vocab, p_right
+        self.rng = random.Random(seed)
+
+    def reset(self, length):
+        pass
+
+    def observe(self, hidden, next_tokens):
+        pass
+
+    def propose(self, context, budget):
+        builder = TreeBuilder(context[-1])
+        start = len(context) - self.prompt_len  # index in reference of the token after the root
+        right = {0: True}
+        n = self.rng.randint(0, budget)
+        for _ in range(n):
+            parent = self.rng.randrange(len(builder.tokens))
+            depth = 0
+            p = parent
+            while p:
+                depth += 1
+                p = builder.parents[p]
+            taken = {builder.tokens[c] for c in range(1, len(builder.tokens)) if builder.parents[c] == parent}
+            idx = start + depth
+            if right[parent] and idx < len(self.reference) and self.rng.random() < self.p_right:
+                tok = self.reference[idx]
+            else:
+                tok = self.rng.randrange(self.vocab)
+            if tok in taken:
+                continue
+            node = builder.add(parent, tok, builder.scores[parent] * 0.9)
+            right[node] = right[parent] and idx < len(self.reference) and tok == self.reference[idx]
+        return DraftTree(builder.tokens, builder.parents, builder.scores)
+
+
+def hf_greedy(model, prompt: list[int], n: int, eos=None) -> list[int]:
+    """transformers' own greedy generate: the reference every speculative run must equal.
+
+    Without `eos` no token stops generation (the model's default EOS is switched off, rather than suppressed
+    with min_new_tokens, which would change the greedy choice). The attention mask is given explicitly: left to
+    itself, transformers would mask prompt tokens that happen to equal the pad id.
+    """
+    # transformers fills every unset generation option from the model's own generation config, so the model's
+    # EOS is switched off there for the call.
+    saved = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = eos
+    try:
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                             eos_token_id=eos, pad_token_id=0)
+    finally:
+        model.generation_config.eos_token_id = saved
+    return out[0, len(prompt):].tolist()
+
+
+def run_engine(engine, prompt, stop, sampling=None):
+    from clover_cli.engine import Sampling
+
+    out, events = [], []
+    for ev in engine.generate(prompt, stop, sampling or Sampling()):
+        out += ev.tokens
+        events.append(ev)
+    return out, events

@@ -1,0 +1,141 @@
+"""Losslessness: greedy speculative output is token-identical to transformers' own greedy generate (fp32).
+
+Hundreds of cases: three model families (Llama, Mistral with a short sliding window, Qwen2), every drafter
+(random Clover-2 and Medusa heads, n-gram, none, and an oracle drafter that builds random trees around the right
+answer so that deep paths are accepted), static and dynamic trees, random budgets, many prompts and lengths.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+
+import pytest
+import torch
+
+from clover_cli.drafters import NoDrafter
+from clover_cli.drafters.heads import CloverDrafter, MedusaDrafter
+from clover_cli.drafters.ngram import NgramDrafter
+from clover_cli.engine import Engine, StopCheck
+from clover_cli.heads import HeadsConfig, build_heads
+from clover_cli.target import Target
+from helpers import OracleDrafter, hf_greedy, run_engine
+from conftest import tiny_config
+
+FAMILIES = {
+    "llama": {},
+    "mistral": {"sliding_window": 24},  # shorter than prompt + reply: the window is exercised
+    "qwen2": {},
+}
+
+
+def make_model(family: str, seed: int, vocab: int = 96):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_config(family, vocab, **FAMILIES[family])
+    cfg._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    return model
+
+
+def random_heads(model, arch: str, seed: int, num_heads: int, num_layers: int):
+    torch.manual_seed(seed)
+    cfg = HeadsConfig.for_target(model.config, architecture=arch, num_heads=num_heads, num_layers=num_layers)
+    heads = build_heads(cfg, model)
+    heads.init_from_target(model)
+    with torch.no_grad():  # random, but not too far from the identity init: trees get varied shapes
+        for p in heads.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return heads.eval()
+
+
+def drafter_for(kind: str, model, target, rng: random.Random, reference, prompt_len):
+    if kind == "none":
+        return NoDrafter()
+    if kind == "ngram":
+        return NgramDrafter(max_depth=rng.choice([3, 6, 10]))
+    if kind == "oracle":
+        return OracleDrafter(reference, prompt_len, model.config.vocab_size, rng.choice([0.5, 0.8, 0.95]),
+                             rng.randrange(10**6))
+    arch = {"clover": "clover2", "medusa": "medusa"}[kind]
+    heads = random_heads(model, arch, rng.randrange(10**6), rng.choice([1, 3, 5]), rng.choice([1, 2]))
+    cls = CloverDrafter if kind == "clover" else MedusaDrafter
+    grow = {"static": True} if rng.random() < 0.3 else {"topk": rng.choice([2, 4, 8]), "width": rng.choice([1, 4])}
+    return cls(heads, target, **grow)
+
+
+CASES = [(fam, kind, seed) for fam in FAMILIES for kind in ("clover", "medusa", "ngram", "oracle", "none")
+         for seed in range(12)]
+
+
+@pytest.mark.parametrize("family,kind,seed", CASES)
+def test_greedy_matches_transformers(family, kind, seed):
+    rng = random.Random(zlib.crc32(f"{family}-{kind}-{seed}".encode()))
+    model = make_model(family, seed=seed % 4)
+    target = Target(model)
+    prompts = []
+    for _ in range(3):  # several prompts per model, with repetition so that n-gram lookup finds matches
+        base = [rng.randrange(3, 96) for _ in range(rng.randint(2, 12))]
+        prompts.append((base * rng.randint(1, 3))[: rng.randint(1, 30)] or [5])
+    for prompt in prompts:
+        n = rng.randint(1, 40)
+        reference = hf_greedy(model, prompt, n)
+        drafter = drafter_for(kind, model, target, rng, reference, len(prompt))
+        engine = Engine(target, drafter, budget=rng.choice([1, 4, 16, 40]), auto_budget=False)
+        out, events = run_engine(engine, prompt, StopCheck(n))
+        assert out == reference, f"prompt {prompt} n={n}"
+        assert sum(len(e.tokens) for e in events) == n
+        # A second request that extends the first conversation reuses the cache: still identical.
+        follow = prompt + reference + [rng.randrange(3, 96)]
+        ref2 = hf_greedy(model, follow, 10)
+        if kind == "oracle":
+            engine.drafter = drafter_for(kind, model, target, rng, ref2, len(follow))
+        out2, _ = run_engine(engine, follow, StopCheck(10))
+        assert out2 == ref2
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_stops_inside_accepted_paths(seed):
+    """EOS, stop strings and max_new_tokens cut the output exactly where plain decoding would stop."""
+    rng = random.Random(seed)
+    model = make_model("llama", seed)
+    target = Target(model)
+    prompt = [rng.randrange(3, 96) for _ in range(8)]
+    reference = hf_greedy(model, prompt, 40)
+    # EOS: pick a token from the middle of the reference; HF stops right after emitting it.
+    eos = reference[rng.randrange(5, 30)]
+    ref_eos = hf_greedy(model, prompt, 40, eos=eos)
+    assert ref_eos[-1] == eos
+    engine = Engine(target, OracleDrafter(reference, len(prompt), 96, 0.95, seed), budget=24, auto_budget=False)
+    out, events = run_engine(engine, prompt, StopCheck(40, eos_ids=[eos]))
+    assert out == ref_eos and events[-1].finish == "eos"
+    # max_new_tokens inside a long accepted path.
+    k = rng.randint(1, 39)
+    engine = Engine(target, OracleDrafter(reference, len(prompt), 96, 1.0, seed), budget=24, auto_budget=False)
+    out, events = run_engine(engine, prompt, StopCheck(k))
+    assert out == reference[:k] and events[-1].finish == "length"
+    # A stop string: decode tokens as letters; stop at the first occurrence of the text of two reference tokens.
+    decode = lambda ids: "".join(chr(65 + (i % 58)) for i in ids)  # noqa: E731
+    j = rng.randrange(3, 30)
+    stop_text = decode(reference[j:j + 2])
+    first = decode(reference).find(stop_text)
+    engine = Engine(target, OracleDrafter(reference, len(prompt), 96, 1.0, seed), budget=24, auto_budget=False)
+    out, events = run_engine(engine, prompt, StopCheck(40, stop_strings=[stop_text], decode=decode))
+    assert events[-1].finish == "stop"
+    assert out == reference[:first + 2]
+
+
+def test_auto_budget_is_lossless_and_measures_cost():
+    model = make_model("llama", 3)
+    target = Target(model)
+    rng = random.Random(0)
+    prompt = [rng.randrange(3, 96) for _ in range(10)]
+    reference = hf_greedy(model, prompt, 30)
+    engine = Engine(target, OracleDrafter(reference, len(prompt), 96, 0.9, 0), budget=32, auto_budget=True)
+    out, events = run_engine(engine, prompt, StopCheck(30))
+    assert out == reference
+    assert engine.cost is not None and 1 in engine.cost.verify_s and 33 in engine.cost.verify_s
+    assert all(e.proposed <= 32 for e in events)
