@@ -165,7 +165,7 @@ class Engine:
         self.target = target
         self.drafter = drafter
         self.budget = budget
-        self.auto_budget = auto_budget and budget > 0 and drafter.name != "none"
+        self.auto_budget = auto_budget and budget > 0
         self.cost: CostModel | None = None
         self.context: list[int] = []  # exactly the tokens in the target's KV cache
 
@@ -192,9 +192,26 @@ class Engine:
             cost.verify_s[2] = cost.verify_s[1] * 1.05
         self.cost = cost
 
+    def reset(self):
+        """Forget the cache contents (the next prompt is prefilled from scratch)."""
+        self.context = []
+        self.target.reset(0)
+        self.drafter.reset(0)
+
     def generate(self, prompt: list[int], stop: StopCheck, sampling: Sampling = Sampling()) -> Iterator[StepEvent]:
+        """Yield one StepEvent per target forward. Interrupting it (Ctrl-C, an error, or closing the generator
+        before it finishes) leaves the engine consistent: the next call starts from a clean cache."""
         if not prompt:
             raise ValueError("empty prompt")
+        done = False
+        try:
+            yield from self._generate(prompt, stop, sampling)
+            done = True
+        finally:
+            if not done:
+                self.reset()
+
+    def _generate(self, prompt: list[int], stop: StopCheck, sampling: Sampling) -> Iterator[StepEvent]:
         rng = torch.Generator()
         if sampling.seed is not None:
             rng.manual_seed(sampling.seed)
@@ -223,7 +240,7 @@ class Engine:
         finish = stop.push(root)
         self._device_sync()
         yield StepEvent([root], [0], elapsed_s=time.perf_counter() - t0, prefill=True, finish=finish)
-        if self.auto_budget and self.cost is None and finish is None:
+        if self.auto_budget and self.cost is None and finish is None and self.drafter.name != "none":
             self.calibrate(root)
 
         while finish is None:

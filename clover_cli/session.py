@@ -108,6 +108,20 @@ class Session:
         cls = CloverDrafter if arch == "clover2" else MedusaDrafter
         return cls(heads, self.target, **grow)
 
+    def switch_draft(self, name: str):
+        """Use another drafter from now on (the next reply re-reads the conversation into it)."""
+        from dataclasses import replace
+
+        if name not in DRAFTS:
+            raise CloverError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTS)}")
+        opts = replace(self.opts, draft=name)
+        if name in ("auto", "clover", "medusa") and self.heads_path is None:
+            self.heads_path = resolve_heads(opts.heads, self.resolved, quiet=True)
+        self.drafter = self._drafter(opts)
+        self.opts = opts
+        self.engine.drafter = self.drafter
+        self.engine.reset()
+
     def _eos_ids(self) -> set[int]:
         ids = set()
         for source in (self.tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None)):
