@@ -18,8 +18,12 @@ def is_heldout(conv_id: str) -> bool:
     return int(hashlib.sha1(conv_id.encode()).hexdigest(), 16) % 100 < HELDOUT_PERCENT
 
 
-def _iter_json_array(text: str, source: str) -> Iterator[tuple[int, dict]]:
-    """Yield the items of a JSON array one by one, stopping quietly where the text is cut off."""
+def _iter_json_array(text: str, source: str, strict: bool) -> Iterator[tuple[int, dict]]:
+    """Yield (line, item) for the items of a JSON array one by one.
+
+    The ShareGPT file is cut off mid-item, so where the text stops parsing we stop quietly (strict=False); for a
+    user's own file (strict=True) that is an error naming the line.
+    """
     decoder = json.JSONDecoder()
     i = text.find("[")
     if i < 0:
@@ -34,8 +38,10 @@ def _iter_json_array(text: str, source: str) -> Iterator[tuple[int, dict]]:
             return
         try:
             item, i = decoder.raw_decode(text, i)
-        except json.JSONDecodeError:
-            return  # the ShareGPT file is truncated mid-item: everything before is good
+        except json.JSONDecodeError as e:
+            if strict:
+                raise CloverError(f"{source}:{text.count(chr(10), 0, e.pos) + 1}: malformed JSON ({e.msg})")
+            return
         line += text.count("\n", counted, i)
         counted = i
         yield line, item
@@ -72,7 +78,7 @@ def iter_conversations(source: str = "sharegpt") -> Iterator[tuple[str, list[dic
             except json.JSONDecodeError as e:
                 raise CloverError(f"{source}:{lineno}: malformed JSON ({e.msg})")
     else:
-        items = _iter_json_array(text, source)
+        items = _iter_json_array(text, source, strict)
     for lineno, item in items:
         messages = _to_messages(item, f"{source}:{lineno}", strict)
         if messages is None:

@@ -62,8 +62,6 @@ class Session:
         self.heads_path = None
         if opts.draft in ("auto", "clover", "medusa"):
             self.heads_path = resolve_heads(opts.heads, self.resolved, quiet=quiet)
-        elif opts.heads:
-            raise CloverError(f"--heads is for the clover and medusa drafters, not --draft {opts.draft}")
         loaded = load(self.resolved.path, opts.device, opts.dtype, opts.load_in_8bit, opts.trust_remote_code,
                       opts.allow_pickle)
         self.model, self.tokenizer = loaded.model, loaded.tokenizer

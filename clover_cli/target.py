@@ -198,3 +198,21 @@ class Target:
 
     def reset(self, length: int = 0):
         self.cache.truncate(length)
+
+
+def hidden_states(model, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Last-layer hidden states of a batch (no cache, causal): (before the final norm, after it), [B, T, H].
+
+    Right padding is harmless: with causal attention no real token sees the padding after it.
+    """
+    base = model.base_model
+    norm = _find_final_norm(base)
+    seen = {}
+    handle = norm.register_forward_pre_hook(lambda m, a: seen.__setitem__("pre", a[0])) if norm else None
+    try:
+        out = base(input_ids=input_ids, use_cache=False)
+    finally:
+        if handle is not None:
+            handle.remove()
+    post = out.last_hidden_state
+    return seen.get("pre", post), post
