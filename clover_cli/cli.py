@@ -77,7 +77,9 @@ def read_prompt(path: str) -> str:
         data = sys.stdin.buffer.read()
         where = "standard input"
     else:
-        p = Path(path)
+        p = Path(path).expanduser()
+        if p.is_dir():
+            raise CloverError(f"prompt file {path} is a directory")
         if not p.is_file():
             raise CloverError(f"prompt file not found: {path}")
         try:
@@ -134,10 +136,12 @@ def download(model: str = typer.Argument(..., help="Alias or Hub repo id."),
     from .hub import ALIASES, resolve_heads, resolve_model
 
     resolved = resolve_model(model, revision, allow_pickle)
-    typer.echo(f"{model}: {resolved.path}")
     spec = ALIASES.get(model)
+    hp = None
     if heads or (spec and spec.heads not in (None, "bundled")):
         hp = resolve_heads(heads, resolved)
+    typer.echo(f"{model}: {resolved.path}")  # only once everything asked for is in the cache
+    if hp is not None:
         typer.echo(f"heads: {hp}")
 
 
@@ -164,7 +168,6 @@ def generate(
 
     check_sampling(max_new_tokens, temperature, top_p)
     text = read_prompt(prompt)
-    writer = StatsWriter.open(stats_file)
     session = Session(_options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, device, dtype,
                                trust_remote_code, allow_pickle), quiet=json_out)
     if raw:
@@ -172,7 +175,9 @@ def generate(
     else:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
         ids = session.encode_chat(messages)
-    colour = not json_out and use_colour(no_color)
+    session.check_fits(ids, max_new_tokens)  # a prompt too long fails here, before any output or stats record
+    writer = StatsWriter.open(stats_file)
+    colour = not json_out and use_colour(no_color, sys.stdout)
     detok = Detokenizer(session.tokenizer)
     stats = RunStats()
     sid = writer.new_session("generate", session) if writer else None
@@ -232,7 +237,12 @@ def chat(
                                                                             "cache directory)."),
     stats_file: Optional[str] = Common.stats_file, no_color: bool = Common.no_color,
 ):
-    """Chat with a model in the terminal; accepted draft tokens are coloured as they stream."""
+    """Chat with a model in the terminal; accepted draft tokens are coloured as they stream.
+
+    Enter sends, Esc Enter (Alt-Enter) adds a line, /help lists the slash commands. Ctrl-C stops a reply: the
+    part already shown is kept in the conversation, marked [interrupted] (/regen redoes it, /undo removes it).
+    With standard input not a terminal, each line is one message (or command) and plain replies are printed.
+    """
     from .chat import run_chat
 
     check_sampling(max_new_tokens, temperature, top_p)
@@ -252,10 +262,15 @@ def stats(
 ):
     """Live acceptance statistics of running chat/generate sessions.
 
-    acceptance rate: the share of generated tokens (after the first) that the draft proposed and the target
-    accepted. τ (tau): mean tokens per target forward pass after prefill. Per-depth hit rate: of the steps whose
-    draft tree reached depth d, the share whose accepted path reached depth d. Estimated speedup: τ times the
-    time of a plain step over the measured time of a speculative step (draft + verify).
+    Follows the stats stream in a dashboard until Ctrl-C (a snapshot with --once, --json, or when the output is
+    not a terminal), per session and overall. A truncated or foreign line in the stream is skipped and counted.
+
+    acceptance rate: the share of generated tokens (after each reply's first) that the draft proposed and the
+    target accepted. τ (tau): mean tokens per target forward pass after prefill. Per-depth hit rate: of the steps
+    whose draft tree reached depth d, the share whose accepted path reached depth d. tokens/s: generated tokens
+    over the time of those steps (draft + verify). Estimated speedup: τ times the time of a plain step over the
+    measured time of a speculative step (draft + verify), the plain step timed as the median verify time of the
+    session's steps that verified no drafted token; n/a when a session has fewer than three of them.
     """
     from .stats import run_stats
 
@@ -331,9 +346,23 @@ def bench(
 
 
 def _fail(message: str, code: int = 2):
+    message = " ".join(line.strip() for line in str(message).splitlines() if line.strip()) or "failed"
     sys.stderr.write(f"clover: error: {message}\n")
     sys.stderr.flush()
     raise SystemExit(code)
+
+
+# Typer >= 0.20 vendors click (typer._click): its exceptions derive from typer.TyperException, not from click's.
+_USAGE_ERRORS = (click.exceptions.ClickException, getattr(typer, "TyperException", click.exceptions.ClickException))
+_ABORTS = (KeyboardInterrupt, click.exceptions.Abort, getattr(typer, "Abort", click.exceptions.Abort))
+
+
+def _usage_message(e) -> str:
+    message = " ".join(e.format_message().split())
+    ctx = getattr(e, "ctx", None)  # usage errors carry their command's context
+    if ctx is not None:
+        message += f" (see {ctx.command_path} --help)"
+    return message
 
 
 def main(argv=None):
@@ -342,11 +371,14 @@ def main(argv=None):
         code = command.main(args=argv, prog_name="clover", standalone_mode=False)
     except CloverError as e:
         _fail(str(e))
-    except click.exceptions.UsageError as e:
-        _fail(e.format_message())
-    except click.exceptions.ClickException as e:
-        _fail(e.format_message())
-    except (KeyboardInterrupt, click.exceptions.Abort):
+    except _USAGE_ERRORS as e:
+        if type(e).__name__ == "NoArgsIsHelpError":  # bare `clover`: the help (typer has printed it), as click does
+            help_text = e.format_message().strip()
+            if help_text:
+                sys.stderr.write(help_text + "\n")
+            raise SystemExit(2)
+        _fail(_usage_message(e))
+    except _ABORTS:
         sys.stderr.write("\nclover: interrupted\n")
         raise SystemExit(130)
     except BrokenPipeError:
@@ -357,6 +389,8 @@ def main(argv=None):
         if type(e).__name__ == "OutOfMemoryError":
             _fail("out of GPU memory; try --load-in-8bit, a smaller model or a smaller --tree-budget")
         raise
+    if code == 130:  # typer turns a KeyboardInterrupt inside a command into Exit(130)
+        sys.stderr.write("\nclover: interrupted\n")
     raise SystemExit(code if isinstance(code, int) else 0)
 
 

@@ -249,6 +249,7 @@ class Engine:
             t1 = time.perf_counter()
             if self.cost is not None and len(tree) > 1:
                 tree = tree.prune(self.cost.best_budget(tree.scores[1:]))
+            tree = tree.prune(max(0, self.target.max_context - self.target.length - 1))  # room left in context
             tokens, depths, mask = tree.tensors(device)
             hidden, logits = self.target.forward(tokens, self.target.length + depths, mask)
             path, bonus = accept(tree, logits, sampling, rng)

@@ -72,6 +72,18 @@ def is_cached(repo: str, revision: str | None = None) -> bool:
     return isinstance(hit, str)
 
 
+def _silent_tqdm():
+    """A tqdm class that draws nothing (no bars in logs, pipes or --json runs)."""
+    from tqdm.auto import tqdm
+
+    class SilentTqdm(tqdm):
+        def __init__(self, *args, **kwargs):
+            kwargs["disable"] = True
+            super().__init__(*args, **kwargs)
+
+    return SilentTqdm
+
+
 def _rich_tqdm_class(progress):
     """A tqdm class for huggingface_hub that draws its byte counters on a rich Progress instead of the terminal."""
     from tqdm.auto import tqdm
@@ -88,6 +100,7 @@ def _rich_tqdm_class(progress):
 
         def update(self, n=1):
             self.count += n or 0
+            self.n = self.count  # huggingface_hub reads n to grow the total of its byte counter
             self.refresh()
 
         def refresh(self, *args, **kwargs):
@@ -108,7 +121,7 @@ def download(repo: str, revision: str | None = None, allow_pickle: bool = False,
     rev = f" at revision {revision}" if revision else ""
     try:
         if quiet or not os.isatty(2):
-            path = snapshot_download(repo, revision=revision, allow_patterns=patterns)
+            path = snapshot_download(repo, revision=revision, allow_patterns=patterns, tqdm_class=_silent_tqdm())
         else:
             from rich.console import Console
             from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn

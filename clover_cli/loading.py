@@ -42,14 +42,27 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def check_8bit(device: torch.device):
+    """Fail in one line, before any loading, when bitsandbytes cannot quantize on `device`."""
+    import logging
+
+    # bitsandbytes logs a warning for every 8-bit matmul of a non-fp16 input (all of them on CPU) and one about
+    # optional CPU kernels at import: keep the terminal and --json runs clean.
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     try:
         import bitsandbytes  # noqa: F401
+        from bitsandbytes.functional import int8_vectorwise_quant
     except Exception as e:  # ImportError, or a broken native library
-        raise CloverError(f"--load-in-8bit needs a working bitsandbytes ({type(e).__name__}: {e})".splitlines()[0])
+        raise CloverError(f"--load-in-8bit needs a working bitsandbytes: {_first_line(e)} "
+                          f"(pip install bitsandbytes, or run without --load-in-8bit)")
     try:
         import accelerate  # noqa: F401
     except ImportError:
         raise CloverError("--load-in-8bit needs accelerate: pip install accelerate")
+    try:  # a tiny quantization on the target device: the backend (CPU or this GPU) must really work
+        int8_vectorwise_quant(torch.ones(2, 8, dtype=torch.float16, device=device))
+    except Exception as e:
+        raise CloverError(f"bitsandbytes {getattr(bitsandbytes, '__version__', '?')} cannot run 8-bit "
+                          f"quantization on {device}: {_first_line(e)} (run without --load-in-8bit)")
 
 
 @dataclass

@@ -143,17 +143,20 @@ class Session:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def check_fits(self, prompt: list[int], max_new_tokens: int):
+    def check_fits(self, prompt: list[int], max_new_tokens: int) -> int:
+        """How many new tokens fit after `prompt`; a one-line error when the prompt leaves no room."""
         if len(prompt) >= self.max_context:
             raise CloverError(f"the prompt is {len(prompt)} tokens, longer than the model's context "
                               f"({self.max_context})")
-        return min(max_new_tokens, self.max_context - len(prompt) - self.engine.budget - 1)
+        room = min(max_new_tokens, self.max_context - len(prompt))  # the engine shrinks trees near the end
+        if room < 1:
+            raise CloverError(f"the prompt is {len(prompt)} tokens: no room left in the model's context "
+                              f"({self.max_context}) for a reply")
+        return room
 
     def generate(self, prompt: list[int], max_new_tokens: int, sampling: Sampling):
         """Yield StepEvents; the budget of new tokens is cut to what fits the context."""
         room = self.check_fits(prompt, max_new_tokens)
-        if room < 1:
-            raise CloverError("no room left in the model's context for a reply")
         stop = StopCheck(room, self.eos_ids, self.stop_strings, self.decode)
         try:
             yield from self.engine.generate(prompt, stop, sampling)

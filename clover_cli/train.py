@@ -172,7 +172,9 @@ def regenerate(cfg: TrainConfig, model, tokenizer, template: str, conversations,
         return done[: len(convs)]
     todo = [list(c) for c in convs[len(done):]]
     tokenizer.padding_side = "left"
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    pad = tokenizer.pad_token_id
     eos = tokenizer.eos_token_id
     batch = 16 if device.type == "cpu" else 64
     t0 = time.time()

@@ -1,0 +1,340 @@
+"""The `clover` command line: its commands, `generate --json` on a local directory, and every bad input of the
+foundation issue: one line on stderr starting with `clover: error:`, exit code 2, no traceback, nothing on stdout,
+no stats record. Runs in-process (see conftest.run_cli); the Hub path is in test_hub.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import pytest
+import torch
+
+from conftest import build_model, tiny_config
+
+COMMANDS = ["models", "download", "generate", "chat", "stats", "train", "bench"]
+JSON_KEYS = {"text", "new_tokens", "steps", "tau", "tokens_per_s", "elapsed_s", "model", "draft"}
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    """Stats go to a private cache dir; the Hub is offline with an empty cache (no test may touch the network)."""
+    import huggingface_hub.constants as hf_constants
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("CLOVER_STATS_FILE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    return tmp_path
+
+
+def stats_file(tmp_path):
+    return tmp_path / "xdg" / "clover" / "stats.jsonl"
+
+
+@pytest.fixture(scope="session")
+def prompt_path(tmp_path_factory):
+    p = tmp_path_factory.mktemp("prompts") / "hello.txt"
+    p.write_text("Hello! What is the capital of France?\n")
+    return p
+
+
+@pytest.fixture(scope="session")
+def short_context_dir(tmp_path_factory):
+    """A tiny Llama whose context (64 positions) is shorter than a chat-templated prompt."""
+    return build_model(tmp_path_factory.mktemp("short"), "llama", seed=4, max_position_embeddings=64)
+
+
+def _heads_for(out, **over):
+    """Clover-2 heads saved for a tiny Llama built from `over` (a different target than llama_dir's)."""
+    from transformers import AutoModelForCausalLM
+
+    from clover_cli.heads import HeadsConfig, build_heads, save_heads
+
+    cfg = tiny_config("llama", over.pop("vocab_size", 320), **over)
+    model = AutoModelForCausalLM.from_config(cfg)
+    save_heads(build_heads(HeadsConfig.for_target(cfg, num_heads=2, num_layers=1), model), out, "test\n")
+    return out
+
+
+@pytest.fixture(scope="session")
+def foreign_heads(tmp_path_factory, llama_dir):
+    vocab = json.loads((llama_dir / "config.json").read_text())["vocab_size"]
+    root = tmp_path_factory.mktemp("foreign-heads")
+    return {"hidden": _heads_for(root / "hidden", vocab_size=vocab, hidden_size=32, intermediate_size=64),
+            "vocab": _heads_for(root / "vocab", vocab_size=vocab + 64)}
+
+
+def assert_one_line_error(result, *needles, tmp=None):
+    code, out, err = result
+    assert code == 2, result
+    assert out == "", "stdout must stay empty on an error"
+    assert "Traceback" not in err
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("clover: error: "), err
+    for n in needles:
+        assert n.lower() in lines[0].lower(), (n, lines[0])
+    if tmp is not None:
+        assert not stats_file(tmp).exists(), "a failed run must not create or append to the stats stream"
+    return lines[0]
+
+
+def gen(run_cli, model, prompt, *extra, stdin=None):
+    return run_cli("generate", str(model), "--prompt", str(prompt), *extra, stdin=stdin)
+
+
+# --- commands and the happy path ------------------------------------------------------------------------------
+
+
+def test_help_lists_exactly_the_seven_commands(run_cli):
+    code, out, err = run_cli("--help")
+    assert code == 0 and err == ""
+    section = out.split("Commands", 1)[1]
+    listed = re.findall(r"^\W*│ (\w+)\s{2,}", section, flags=re.M) or re.findall(r"^\s{2}(\w+)\s{2,}", section,
+                                                                                  flags=re.M)
+    assert listed == COMMANDS
+    from typer.main import get_command
+
+    from clover_cli.cli import app
+
+    assert sorted(get_command(app).commands) == sorted(COMMANDS)
+
+
+def test_generate_json_on_cpu(run_cli, llama_dir, prompt_path, isolated):
+    code, out, err = gen(run_cli, llama_dir, prompt_path, "--draft", "none", "--json", "-n", "8")
+    assert code == 0, err
+    assert err == "", "--json runs keep stderr quiet"
+    assert len(out.splitlines()) == 1
+    result = json.loads(out)
+    assert JSON_KEYS <= set(result)
+    assert 1 <= result["new_tokens"] <= 8
+    assert result["steps"] == result["new_tokens"] - 1  # plain decoding: one forward per token after prefill
+    assert result["tau"] == pytest.approx(1.0) or result["steps"] == 0
+    assert result["model"] == str(llama_dir) and result["draft"] == "none"
+    assert result["device"] == "cpu" and result["dtype"] == "float32"
+    assert isinstance(result["text"], str)
+    assert result["elapsed_s"] > 0 and result["tokens_per_s"] >= 0
+    records = [json.loads(line) for line in stats_file(isolated).read_text().splitlines()]
+    assert records, "generate appends to the stats stream"
+
+    # --prompt - reads the same prompt from standard input: same greedy reply.
+    code, out2, err = gen(run_cli, llama_dir, "-", "--draft", "none", "--json", "-n", "8",
+                          stdin=prompt_path.read_text())
+    assert code == 0, err
+    assert json.loads(out2)["text"] == result["text"]
+
+
+def test_generate_8bit_on_cpu(run_cli, llama_dir, prompt_path):
+    """bitsandbytes 0.50 quantizes and runs int8 matmuls on CPU (accelerate places the model)."""
+    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("accelerate")
+    code, out, err = gen(run_cli, llama_dir, prompt_path, "--load-in-8bit", "--draft", "none", "--json", "-n", "6",
+                         "--stats-file", "off")
+    assert code == 0, err
+    assert err == "", "bitsandbytes' per-matmul warnings must not reach the terminal"
+    result = json.loads(out)
+    assert result["new_tokens"] >= 1  # int8 changes numerics: no comparison with the fp32 reply
+
+
+# --- bad prompt files -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("content, needle", [
+    (None, "not found"),
+    (b"", "empty"),
+    (b"  \n\t\n", "empty"),
+    (b"hello\x00world", "binary"),
+    (b"caf\xe9 au lait", "UTF-8"),
+    ("dir", "directory"),
+], ids=["missing", "empty", "blank", "binary", "not-utf8", "directory"])
+def test_bad_prompt_file(run_cli, llama_dir, tmp_path, isolated, content, needle):
+    p = tmp_path / "prompt.txt"
+    if content == "dir":
+        p.mkdir()
+    elif content is not None:
+        p.write_bytes(content)
+    assert_one_line_error(gen(run_cli, llama_dir, p, "--draft", "none"), needle, tmp=isolated)
+
+
+def test_bad_prompt_on_stdin(run_cli, llama_dir, isolated):
+    assert_one_line_error(gen(run_cli, llama_dir, "-", "--draft", "none", stdin=""), "standard input", "empty",
+                          tmp=isolated)
+
+
+# --- bad model names ------------------------------------------------------------------------------------------
+
+
+def test_unknown_alias_or_name(run_cli, prompt_path, tmp_path, isolated):
+    assert_one_line_error(gen(run_cli, "no-such-model", prompt_path), "unknown model", "no-such-model",
+                          tmp=isolated)
+    assert_one_line_error(gen(run_cli, "./no/such/dir/here", prompt_path), "no/such/dir/here", tmp=isolated)
+    assert_one_line_error(gen(run_cli, prompt_path, prompt_path), "not a model directory", tmp=isolated)
+    empty = tmp_path / "empty-model"
+    empty.mkdir()
+    assert_one_line_error(gen(run_cli, empty, prompt_path), "config.json", tmp=isolated)
+    assert_one_line_error(run_cli("download", "no-such-model"), "unknown model", tmp=isolated)
+
+
+def test_offline_without_cached_copy(run_cli, prompt_path, isolated):
+    """HF_HUB_OFFLINE=1 and a repo id never downloaded (the HF cache is an empty tmp dir)."""
+    assert_one_line_error(gen(run_cli, "some-org/never-cached", prompt_path), "some-org/never-cached",
+                          "HF_HUB_OFFLINE", tmp=isolated)
+    assert_one_line_error(run_cli("download", "some-org/never-cached"), "HF_HUB_OFFLINE", tmp=isolated)
+    assert_one_line_error(gen(run_cli, "vicuna-7b", prompt_path), "lmsys/vicuna-7b-v1.5", "HF_HUB_OFFLINE",
+                          tmp=isolated)
+    assert not list((isolated / "hf-cache").rglob("*.safetensors"))
+
+
+# --- bad heads and drafters -----------------------------------------------------------------------------------
+
+
+def test_heads_dir_missing(run_cli, llama_dir, prompt_path, tmp_path, isolated):
+    missing = tmp_path / "no-such-heads"
+    assert_one_line_error(gen(run_cli, llama_dir, prompt_path, "--draft", "clover", "--heads", str(missing)),
+                          "heads", "not found", tmp=isolated)
+    not_heads = tmp_path / "not-heads"
+    not_heads.mkdir()
+    assert_one_line_error(gen(run_cli, llama_dir, prompt_path, "--heads", str(not_heads)), "not a heads",
+                          tmp=isolated)
+
+
+@pytest.mark.parametrize("which, needle", [("hidden", "hidden size"), ("vocab", "vocabulary")])
+def test_heads_for_another_target(run_cli, llama_dir, prompt_path, foreign_heads, isolated, which, needle):
+    for draft in ("clover", "auto"):
+        assert_one_line_error(gen(run_cli, llama_dir, prompt_path, "--draft", draft, "--heads",
+                                  str(foreign_heads[which]), "--json"), needle, tmp=isolated)
+
+
+def test_bad_drafter_choices(run_cli, llama_dir, prompt_path, isolated):
+    assert_one_line_error(gen(run_cli, llama_dir, prompt_path, "--draft", "clover"), "no clover heads",
+                          "--heads", tmp=isolated)
+    assert_one_line_error(gen(run_cli, llama_dir, prompt_path, "--draft", "eagle"), "unknown drafter", "eagle",
+                          tmp=isolated)
+    assert_one_line_error(gen(run_cli, llama_dir, prompt_path, "--draft", "none", "--tree-budget", "lots"),
+                          "--tree-budget", tmp=isolated)
+    assert_one_line_error(gen(run_cli, llama_dir, prompt_path, "--draft", "none", "--tree", "bushy"), "--tree",
+                          tmp=isolated)
+
+
+# --- bad sampling settings ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("option, value", [
+    ("--temperature", "-1"), ("--temperature", "1e9"), ("--temperature", "nan"), ("--temperature", "inf"),
+    ("--top-p", "0"), ("--top-p", "1.5"), ("--top-p", "-0.5"), ("--top-p", "nan"),
+    ("--max-new-tokens", "0"), ("--max-new-tokens", "-5"), ("--max-new-tokens", str(10**9)),
+])
+def test_bad_sampling(run_cli, llama_dir, prompt_path, isolated, option, value):
+    assert_one_line_error(gen(run_cli, llama_dir, prompt_path, option, value, "--json"), option, tmp=isolated)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--temperature", "abc"], "--temperature"),
+    (["--max-new-tokens", "1.5"], "--max-new-tokens"),
+    (["--no-such-flag"], "--no-such-flag"),
+    ([], "--prompt"),
+], ids=["non-numeric", "non-integer", "unknown-option", "missing-prompt"])
+def test_usage_errors(run_cli, llama_dir, prompt_path, isolated, args, needle):
+    prompt = ["--prompt", str(prompt_path)] if args else []
+    assert_one_line_error(run_cli("generate", str(llama_dir), *prompt, *args), needle, tmp=isolated)
+
+
+def test_unknown_command(run_cli):
+    assert_one_line_error(run_cli("serve"), "serve")
+
+
+# --- devices, 8 bits, memory ----------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_cuda_device_without_cuda(run_cli, llama_dir, prompt_path, isolated):
+    assert_one_line_error(gen(run_cli, llama_dir, prompt_path, "--device", "cuda", "--draft", "none"), "cuda",
+                          tmp=isolated)
+    assert_one_line_error(gen(run_cli, llama_dir, prompt_path, "--device", "cuda:3", "--draft", "none"), "cuda",
+                          tmp=isolated)
+
+
+def test_bad_device_and_dtype(run_cli, llama_dir, prompt_path, isolated):
+    assert_one_line_error(gen(run_cli, llama_dir, prompt_path, "--device", "tpu", "--draft", "none"), "tpu",
+                          tmp=isolated)
+    assert_one_line_error(gen(run_cli, llama_dir, prompt_path, "--dtype", "fp8", "--draft", "none"), "fp8",
+                          tmp=isolated)
+
+
+def test_8bit_without_bitsandbytes(run_cli, llama_dir, prompt_path, monkeypatch, isolated):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # `import bitsandbytes` raises ImportError
+    monkeypatch.setitem(sys.modules, "bitsandbytes.functional", None)
+    assert_one_line_error(gen(run_cli, llama_dir, prompt_path, "--load-in-8bit", "--draft", "none", "--json"),
+                          "--load-in-8bit", "bitsandbytes", tmp=isolated)
+
+
+def test_8bit_where_bitsandbytes_cannot_run(run_cli, llama_dir, prompt_path, monkeypatch, isolated):
+    """bitsandbytes imports, but its kernels fail on this device (no backend for it)."""
+    bnb_functional = pytest.importorskip("bitsandbytes.functional")
+
+    def broken(*args, **kwargs):
+        raise NotImplementedError("No kernel registered for int8_vectorwise_quant on device cpu")
+
+    monkeypatch.setattr(bnb_functional, "int8_vectorwise_quant", broken)
+    assert_one_line_error(gen(run_cli, llama_dir, prompt_path, "--load-in-8bit", "--draft", "none", "--json"),
+                          "bitsandbytes", "cpu", tmp=isolated)
+
+
+def test_prompt_longer_than_context(run_cli, short_context_dir, prompt_path, isolated):
+    for mode in ([], ["--json"]):
+        assert_one_line_error(gen(run_cli, short_context_dir, prompt_path, "--draft", "none", *mode), "prompt",
+                              "context (64)", tmp=isolated)
+    # --raw fits (a few tokens): the reply runs to the end of the context, trees shrinking as room runs out.
+    code, out, err = gen(run_cli, short_context_dir, prompt_path, "--draft", "ngram", "--raw", "--tree-budget", "60",
+                         "--json", "-n", "500")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["prompt_tokens"] + result["new_tokens"] == 64 and result["finish"] == "length"
+
+
+def _oom(*args, **kwargs):
+    raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (GPU 0; 23.65 GiB total)")
+
+
+@pytest.mark.parametrize("json_out", [True, False], ids=["json", "stream"])
+def test_cuda_out_of_memory_while_generating(run_cli, llama_dir, prompt_path, monkeypatch, json_out):
+    from clover_cli.target import Target
+
+    monkeypatch.setattr(Target, "forward", _oom)
+    code, out, err = gen(run_cli, llama_dir, prompt_path, "--draft", "ngram", "--stats-file", "off",
+                         *(["--json"] if json_out else []))
+    assert_one_line_error((code, out, err), "out of GPU memory")
+    assert "20.00 GiB" not in err  # the one line is ours, not torch's paragraph
+
+
+def test_cuda_out_of_memory_while_loading(run_cli, llama_dir, prompt_path, monkeypatch, isolated):
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", _oom)
+    assert_one_line_error(gen(run_cli, llama_dir, prompt_path, "--draft", "none", "--json"), "out of GPU memory",
+                          tmp=isolated)
+
+
+def test_cuda_out_of_memory_elsewhere(run_cli, llama_dir, prompt_path, monkeypatch, isolated):
+    """An OOM outside the guarded places (here: building the drafter) still ends in one line, exit 2."""
+    from clover_cli.session import Session
+
+    monkeypatch.setattr(Session, "_drafter", _oom)
+    assert_one_line_error(gen(run_cli, llama_dir, prompt_path, "--draft", "ngram", "--json"), "out of GPU memory",
+                          tmp=isolated)
+
+
+def test_interrupt_is_one_line_exit_130(run_cli, monkeypatch):
+    import clover_cli.hub as hub
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(hub, "resolve_model", interrupted)
+    code, out, err = run_cli("download", "org/model")
+    assert code == 130 and out == ""
+    assert err.strip() == "clover: interrupted" and "Traceback" not in err

@@ -1,0 +1,327 @@
+"""The Hub path, end to end, against a real Hub-compatible server (olah) on loopback serving local git mirrors.
+
+The server mirrors four repositories, all built here:
+  org/model    branch v1: tiny Llama (seed 1) + a pickled pytorch_model.bin that must never be downloaded;
+               main (one commit later): a different tiny Llama (seed 2, one layer)
+  org/heads    Clover-2 heads (random) for that target
+  org/binonly  a tiny Llama with pickled weights only
+  TinyLlama/TinyLlama-1.1B-Chat-v1.0   a tiny Llama under the name of the `tinyllama` alias
+
+`clover` runs as a subprocess with HF_ENDPOINT / HF_HOME in its environment (huggingface_hub reads them at import),
+exactly as a user runs it. Commands that import torch cost ~5 s each, so there are only four of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import build_model
+
+
+def _script(name: str) -> list[str]:
+    """A console script of this environment (next to the interpreter), else on PATH."""
+    here = Path(sys.executable).with_name(name)
+    found = str(here) if here.is_file() else shutil.which(name)
+    assert found, f"{name} is not installed: pip install -e '.[test]'"
+    return [found]
+
+
+_here = Path(sys.executable).with_name("clover")
+CLOVER = [str(_here)] if _here.is_file() else [sys.executable, "-m", "clover_cli.cli"]  # as installed, else -m
+PROMPT = "Hello! What is the capital of France?\n"
+SAFE_SUFFIXES = {".json", ".safetensors", ".jinja", ".txt", ".md", ".model", ".tiktoken"}
+
+
+def _git(repo: Path, *args: str) -> str:
+    env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t",
+               GIT_COMMITTER_EMAIL="t@t", GIT_CONFIG_GLOBAL=os.devnull, GIT_CONFIG_NOSYSTEM="1")
+    return subprocess.run(["git", *args], cwd=repo, env=env, check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def _commit(repo: Path, message: str) -> str:
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", message)
+    return _git(repo, "rev-parse", "HEAD")
+
+
+def _replace_files(repo: Path, src: Path):
+    for f in repo.iterdir():
+        if f.name != ".git":
+            shutil.rmtree(f) if f.is_dir() else f.unlink()
+    for f in src.iterdir():
+        shutil.copy2(f, repo / f.name)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _make_heads(model_dir: Path, out: Path):
+    from transformers import AutoModelForCausalLM
+
+    from clover_cli.heads import HeadsConfig, build_heads, save_heads
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    torch.manual_seed(3)
+    heads = build_heads(HeadsConfig.for_target(model.config, num_heads=3, num_layers=1), model)
+    heads.init_from_target(model)
+    save_heads(heads, out, "test heads\n")
+    return out
+
+
+class Hub:
+    def __init__(self, root: Path, url: str, refs: dict[str, Path], commits: dict[str, str]):
+        self.root, self.url, self.refs, self.commits = root, url, refs, commits
+        self.home = root / "hf-home"  # the HF cache every test below shares
+        self.xdg = root / "xdg"
+
+    def env(self, **extra) -> dict:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING", "TRANSFORMERS_"))}
+        env.update(HF_ENDPOINT=self.url, HF_HOME=str(self.home), XDG_CACHE_HOME=str(self.xdg),
+                   HF_HUB_DISABLE_TELEMETRY="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="2",
+                   COLUMNS="200", NO_COLOR="1")
+        env.update(extra)
+        return env
+
+    def run(self, *args: str, **extra) -> tuple[int, str, str]:
+        p = subprocess.run([*CLOVER, *args], env=self.env(**extra), capture_output=True, text=True, timeout=300,
+                           stdin=subprocess.DEVNULL)
+        return p.returncode, p.stdout, p.stderr
+
+    def cache_files(self, repo: str) -> set[str]:
+        folder = self.home / "hub" / ("models--" + repo.replace("/", "--")) / "snapshots"
+        return {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()} if folder.is_dir() else set()
+
+
+@pytest.fixture(scope="session")
+def hub(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hub")
+    models = root / "mirrors" / "models"
+    refs = {"v1": build_model(root / "ref-v1", "llama", seed=1),
+            "v2": build_model(root / "ref-v2", "llama", seed=2, num_hidden_layers=1)}
+    commits = {}
+
+    repo = models / "org" / "model"
+    repo.mkdir(parents=True)
+    _git(repo, "init", "-q", "-b", "main")
+    _replace_files(repo, refs["v1"])
+    torch.save({"bait": torch.zeros(4)}, repo / "pytorch_model.bin")  # must never be fetched
+    commits["v1"] = _commit(repo, "v1")
+    _git(repo, "branch", "v1")
+    _replace_files(repo, refs["v2"])
+    torch.save({"bait": torch.zeros(4)}, repo / "pytorch_model.bin")
+    commits["v2"] = _commit(repo, "v2")
+
+    heads = models / "org" / "heads"
+    _make_heads(refs["v1"], heads)
+    _git(heads, "init", "-q", "-b", "main")
+    _commit(heads, "heads")
+
+    binonly = models / "org" / "binonly"
+    build_model(binonly, "llama", seed=1)
+    from safetensors.torch import load_file
+
+    torch.save(load_file(str(binonly / "model.safetensors")), binonly / "pytorch_model.bin")
+    (binonly / "model.safetensors").unlink()
+    _git(binonly, "init", "-q", "-b", "main")
+    _commit(binonly, "pickled weights only")
+
+    alias = models / "TinyLlama" / "TinyLlama-1.1B-Chat-v1.0"
+    alias.mkdir(parents=True)
+    _replace_files(alias, refs["v1"])
+    _git(alias, "init", "-q", "-b", "main")
+    _commit(alias, "tiny stand-in")
+
+    port = _free_port()
+    (root / "repos").mkdir()
+    (root / "logs").mkdir()
+    cfg = root / "olah.toml"
+    cfg.write_text(f'[basic]\nhost = "127.0.0.1"\nport = {port}\nrepos-path = "{root / "repos"}"\n'
+                   f'mirrors-path = ["{root / "mirrors"}"]\n[accessibility]\noffline = true\n')
+    log = open(root / "olah.out", "wb")
+    proc = subprocess.Popen([*_script("olah-cli"), "-c", str(cfg), "--log-path", str(root / "logs")], cwd=root,
+                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/api/models/org/model/revision/main", timeout=2).close()
+                break
+            except urllib.error.HTTPError:
+                break  # any HTTP answer: the server is up
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("olah did not start:\n" + (root / "olah.out").read_text(errors="replace"))
+                time.sleep(0.2)
+        yield Hub(root, url, refs, commits)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@pytest.fixture(scope="session")
+def prompt_file(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("prompt") / "prompt.txt"
+    p.write_text(PROMPT)
+    return p
+
+
+@pytest.fixture(scope="session")
+def local_text(prompt_file, hub):
+    """What `clover generate` answers from the reference directories, in-process (the expected Hub results)."""
+    from clover_cli.cli import main
+
+    def answer(ref: str) -> str:
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf), pytest.raises(SystemExit) as e:
+            main(["generate", str(hub.refs[ref]), "--prompt", str(prompt_file), "--draft", "none", "--json",
+                  "-n", "12", "--stats-file", "off"])
+        assert e.value.code == 0
+        return json.loads(buf.getvalue())["text"]
+
+    return {ref: answer(ref) for ref in ("v1", "v2")}
+
+
+@pytest.fixture(scope="session")
+def downloaded(hub):
+    """`clover download org/model` once; later tests rely on the cached copy."""
+    return hub.run("download", "org/model")
+
+
+def assert_one_line_error(code, out, err, *needles):
+    assert code == 2, (code, out, err)
+    assert out == ""
+    assert "Traceback" not in err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("clover: error: "), err
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+
+
+def test_download_fetches_only_safe_files(hub, downloaded):
+    code, out, err = downloaded
+    assert code == 0, err
+    snap = hub.commits["v2"]
+    assert out.strip() == f"org/model: {hub.home / 'hub' / 'models--org--model' / 'snapshots' / snap}"
+    files = hub.cache_files("org/model")
+    names = {Path(f).name for f in files}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
+    assert all(Path(f).suffix in SAFE_SUFFIXES for f in files), files
+    assert not list(hub.home.rglob("*.bin")), "pickled weights were downloaded"
+    # The cache is the standard one: huggingface_hub finds the file there.
+    config = json.loads((hub.home / "hub" / "models--org--model" / "snapshots" / snap / "config.json").read_text())
+    assert config["num_hidden_layers"] == 1  # main is the v2 commit
+
+    # A commit id as --revision gets that commit's snapshot.
+    code, out, err = hub.run("download", "org/model", "--revision", hub.commits["v1"])
+    assert code == 0, err
+    assert out.strip().endswith(hub.commits["v1"])
+    v1_config = Path(out.split(": ", 1)[1].strip()) / "config.json"
+    assert json.loads(v1_config.read_text())["num_hidden_layers"] == 2
+    assert not list(hub.home.rglob("*.bin"))
+
+
+def test_generate_through_the_hub(hub, downloaded, prompt_file, local_text):
+    code, out, err = hub.run("generate", "org/model", "--prompt", str(prompt_file), "--draft", "none", "--json",
+                             "-n", "12")
+    assert code == 0, err
+    assert "Traceback" not in err
+    assert len(out.splitlines()) == 1
+    result = json.loads(out)
+    assert result["model"] == "org/model" and result["draft"] == "none"
+    assert result["new_tokens"] >= 1
+    assert result["text"] == local_text["v2"]
+    assert local_text["v1"] != local_text["v2"], "the two revisions must answer differently for this test"
+    # The default stats stream went to the user cache directory (XDG_CACHE_HOME), not anywhere else.
+    assert (hub.xdg / "clover" / "stats.jsonl").is_file()
+
+
+def test_revision_and_heads_from_the_hub(hub, prompt_file, local_text):
+    code, out, err = hub.run("generate", "org/model", "--revision", "v1", "--heads", "org/heads", "--draft",
+                             "clover", "--prompt", str(prompt_file), "--json", "-n", "12", "--stats-file", "off")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["draft"] == "clover"
+    assert result["text"] == local_text["v1"]  # the v1 commit's weights (lossless greedy with any heads)
+    heads = Path(result["heads"])
+    assert heads.parent.parent.name == "models--org--heads"
+    assert heads.is_relative_to(hub.home)
+    assert {"config.json", "model.safetensors"} <= {p.name for p in heads.iterdir()}
+    cached = hub.home / "hub" / "models--org--model" / "refs" / "v1"
+    assert cached.read_text().strip() == hub.commits["v1"]
+
+
+def test_unknown_repo_and_revision(hub):
+    code, out, err = hub.run("download", "org/no-such-model")
+    assert_one_line_error(code, out, err, "org/no-such-model", "not found")
+    code, out, err = hub.run("download", "org/model", "--revision", "no-such-branch")
+    assert_one_line_error(code, out, err, "org/model", "no-such-branch")
+    code, out, err = hub.run("download", "org/model", "--heads", "org/no-such-heads")
+    assert_one_line_error(code, out, err, "org/no-such-heads")
+    assert not hub.cache_files("org/no-such-model")
+
+
+def test_offline(hub, downloaded, prompt_file, local_text):
+    assert downloaded[0] == 0
+    code, out, err = hub.run("generate", "org/model", "--prompt", str(prompt_file), "--draft", "none", "--json",
+                             "-n", "12", "--stats-file", "off", HF_HUB_OFFLINE="1",
+                             HF_ENDPOINT="http://127.0.0.1:9")  # nothing listens there: offline must not ask
+    assert code == 0, err
+    assert json.loads(out)["text"] == local_text["v2"]
+    code, out, err = hub.run("download", "org/never-downloaded", HF_HUB_OFFLINE="1")
+    assert_one_line_error(code, out, err, "org/never-downloaded", "HF_HUB_OFFLINE")
+    assert not hub.cache_files("org/never-downloaded")
+
+
+def test_unreachable_hub(hub):
+    code, out, err = hub.run("download", "org/model", "--revision", "v1", HF_ENDPOINT="http://127.0.0.1:9",
+                             HF_HOME=str(hub.root / "empty-home"))
+    assert_one_line_error(code, out, err, "org/model")
+
+
+def test_pickled_weights_need_allow_pickle(hub, prompt_file):
+    code, out, err = hub.run("download", "org/binonly")
+    assert_one_line_error(code, out, err, "--allow-pickle")
+    assert not list(hub.home.rglob("*.bin"))
+    code, out, err = hub.run("generate", "org/binonly", "--allow-pickle", "--prompt", str(prompt_file), "--draft",
+                             "none", "--json", "-n", "4", "--stats-file", "off")
+    assert code == 0, err
+    assert json.loads(out)["new_tokens"] >= 1
+    assert {Path(f).name for f in hub.cache_files("org/binonly")} >= {"pytorch_model.bin", "config.json"}
+
+
+def test_models_shows_cached(hub):
+    code, out, err = hub.run("models")
+    assert code == 0, err
+    rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.count("│") >= 6}
+    assert "-" in rows["tinyllama"].split("│")[5]
+    code, out, err = hub.run("download", "tinyllama")
+    assert code == 0, err
+    code, out, err = hub.run("models")
+    assert code == 0, err
+    rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.count("│") >= 6}
+    assert rows["tinyllama"].split("│")[5].strip() == "cached"
+    assert rows["vicuna-7b"].split("│")[5].strip() == "-"

@@ -1,0 +1,178 @@
+"""`clover train`: heads for a small random model it never saw, losslessness with them, and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import build_model
+
+CONVERSATIONS = [
+    {"id": f"c{i}", "conversations": [
+        {"from": "human", "value": f"Tell me about the number {i}. Is it even or odd?"},
+        {"from": "gpt", "value": f"The number {i} is {'even' if i % 2 == 0 else 'odd'}. "
+                                 f"It comes after {i - 1} and before {i + 1}."},
+        {"from": "human", "value": "And twice that?"},
+        {"from": "gpt", "value": f"Twice {i} is {2 * i}, which is always even."},
+    ]}
+    for i in range(60)
+]
+
+
+@pytest.fixture(scope="module")
+def fresh_model(tmp_path_factory):
+    return build_model(tmp_path_factory.mktemp("unseen"), "llama", seed=7)
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    p = tmp_path_factory.mktemp("data") / "chats.json"
+    p.write_text(json.dumps(CONVERSATIONS))
+    return p
+
+
+@pytest.fixture(scope="module")
+def trained(fresh_model, data_file, tmp_path_factory):
+    from clover_cli.cli import main
+
+    out = tmp_path_factory.mktemp("heads") / "h"
+    with pytest.raises(SystemExit) as e:
+        main(["train", str(fresh_model), "--data", str(data_file), "--max-steps", "20", "--out", str(out),
+              "--heads", "3", "--layers", "1", "--batch-tokens", "2048", "--max-len", "384", "--eval-every", "10"])
+    assert e.value.code == 0
+    return out
+
+
+def test_train_writes_a_loadable_heads_dir(trained):
+    cfg = json.loads((trained / "config.json").read_text())
+    assert cfg["architecture"] == "clover2" and cfg["num_heads"] == 3 and cfg["num_layers"] == 1
+    assert cfg["training"]["steps"] == 20
+    assert cfg["training"]["heldout_tau"] is not None and cfg["training"]["heldout_tau"] >= 1.0
+    assert len(cfg["training"]["heldout_accuracy"]) == 3
+    assert (trained / "model.safetensors").is_file()
+    card = (trained / "README.md").read_text()
+    assert "held-out" in card and "| 20 |" in card
+    # Neither the target's embeddings nor its lm_head are stored.
+    from safetensors import safe_open
+
+    with safe_open(str(trained / "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    assert not any("embed" in k or "lm_head" in k for k in keys)
+
+
+def test_trained_heads_are_lossless(trained, fresh_model, tmp_path, run_cli):
+    prompt = tmp_path / "p.txt"
+    texts = {}
+    for draft in ("none", "clover"):
+        for i, words in enumerate(["Tell me about the number 12.", "Is 7 even or odd?", "Twice 30?"]):
+            prompt.write_text(words)
+            code, out, err = run_cli("generate", str(fresh_model), "--prompt", str(prompt), "--draft", draft,
+                                     "--heads", str(trained), "--json", "-n", "48", "--stats-file", "off",
+                                     "--tree-budget", "12")
+            assert code == 0, err
+            texts[draft, i] = json.loads(out)
+    for i in range(3):
+        assert texts["clover", i]["text"] == texts["none", i]["text"]
+        assert texts["clover", i]["draft"] == "clover"
+
+
+def test_medusa_and_feature_cache_and_resume(fresh_model, data_file, tmp_path, run_cli):
+    out = tmp_path / "medusa"
+    args = ["train", str(fresh_model), "--data", str(data_file), "--arch", "medusa", "--out", str(out),
+            "--heads", "2", "--batch-tokens", "2048", "--max-len", "384", "--eval-every", "3", "--cache-features"]
+    code, _, err = run_cli(*args, "--max-steps", "3")
+    assert code == 0, err
+    assert json.loads((out / "config.json").read_text())["architecture"] == "medusa"
+    assert any((out / "features").glob("shard_*.safetensors"))
+    # Running again without --resume or --overwrite is refused; --resume continues from step 3.
+    code, stdout, err = run_cli(*args, "--max-steps", "6")
+    assert code == 2 and "--resume" in err and err.count("\n") == 1
+    code, _, err = run_cli(*args, "--max-steps", "6", "--resume")
+    assert code == 0, err
+    assert "resumed from step 3" in err
+    assert json.loads((out / "config.json").read_text())["training"]["steps"] == 6
+
+
+def test_regenerate_uses_the_targets_own_replies(fresh_model, data_file, tmp_path, run_cli):
+    out = tmp_path / "regen"
+    code, _, err = run_cli("train", str(fresh_model), "--data", str(data_file), "--out", str(out), "--heads", "2",
+                           "--layers", "1", "--max-steps", "2", "--batch-tokens", "2048", "--max-len", "384",
+                           "--max-conversations", "6", "--regenerate")
+    assert code == 0, err
+    rows = [json.loads(line) for line in (out / "regenerated.jsonl").read_text().splitlines()]
+    assert len(rows) == 6
+    original = {c["conversations"][0]["value"]: c["conversations"][1]["value"] for c in CONVERSATIONS}
+    changed = [r for r in rows if r[1]["content"] != original[r[0]["content"]]]
+    assert changed, "assistant turns were not replaced"
+
+
+def test_interrupt_keeps_the_last_checkpoint(fresh_model, data_file, tmp_path, run_cli, monkeypatch):
+    from clover_cli import train as train_mod
+
+    out = tmp_path / "interrupted"
+    real = train_mod.heads_loss
+    calls = {"n": 0}
+
+    def flaky(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 5:  # after the checkpoint at step 2 (eval-every 2), during step 3
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(train_mod, "heads_loss", flaky)
+    monkeypatch.setattr(train_mod, "EVAL_PROMPTS", 0)
+    code, _, err = run_cli("train", str(fresh_model), "--data", str(data_file), "--out", str(out), "--heads", "2",
+                           "--layers", "1", "--max-steps", "10", "--batch-tokens", "2048", "--max-len", "384",
+                           "--eval-every", "2")
+    assert code == 130
+    assert "interrupted at step" in err and "--resume" in err
+    state = json.loads((out / "checkpoint" / "state.json").read_text())
+    assert state["step"] == 2
+    assert (out / "checkpoint" / "heads.safetensors").is_file()
+
+
+@pytest.mark.parametrize("content,needle", [
+    (None, "not found"),
+    ('{"conversations": [{"from": "human", "value": "hi"}]}\n{not json\n', ":2: malformed JSON"),
+    ('{"conversations": [{"from": "human", "value": "hi"}]}\n', "no conversations with assistant turns"),
+    ('[{"conversations": 5}]', "expected an object with a 'conversations' list"),
+])
+def test_bad_data(fresh_model, tmp_path, run_cli, content, needle):
+    data = tmp_path / "d.jsonl"
+    if content is not None:
+        data.write_text(content)
+    code, out, err = run_cli("train", str(fresh_model), "--data", str(data), "--out", str(tmp_path / "o"),
+                             "--max-steps", "1")
+    assert code == 2 and out == ""
+    assert err.startswith("clover: error:") and err.count("\n") == 1 and needle in err
+
+
+def test_bad_out_and_options(fresh_model, data_file, tmp_path, run_cli):
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    code, _, err = run_cli("train", str(fresh_model), "--data", str(data_file), "--out", str(foreign))
+    assert code == 2 and "not a heads directory" in err and "--overwrite" in err
+    assert (foreign / "notes.txt").read_text() == "keep me"
+    for args, needle in [(["--arch", "eagle"], "--arch"), (["--heads", "0"], "--heads"), (["--lr", "-1"], "--lr"),
+                         (["--resume"], "no checkpoint"), (["--max-len", "64", "--batch-tokens", "32"],
+                                                           "--batch-tokens")]:
+        code, _, err = run_cli("train", str(fresh_model), "--data", str(data_file), "--out", str(tmp_path / "x"),
+                               *args)
+        assert code == 2 and needle in err and err.count("\n") == 1, (args, err)
+
+
+def test_out_of_memory_suggests_smaller_batches(fresh_model, data_file, tmp_path, run_cli, monkeypatch):
+    from clover_cli import train as train_mod
+
+    def oom(*a, **k):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(train_mod, "heads_loss", oom)
+    code, _, err = run_cli("train", str(fresh_model), "--data", str(data_file), "--out", str(tmp_path / "o"),
+                           "--max-steps", "2", "--batch-tokens", "2048", "--max-len", "384")
+    assert code == 2
+    errors = [line for line in err.splitlines() if line.startswith("clover: error:")]
+    assert len(errors) == 1 and "--batch-tokens" in errors[0] and "Traceback" not in err
