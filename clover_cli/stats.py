@@ -2,27 +2,61 @@
 
 Each record is one JSON line written with a single append (O_APPEND), so lines from concurrent sessions never
 interleave; the file is private (0600) and is rotated to `<file>.1` when it grows past ROTATE_BYTES.
+
+Records:
+
+    {"kind":"session","session":sid,"t":..,"command":"chat","pid":..,"model":..,"draft":..,"device":..}
+    {"kind":"step","session":sid,"t":..,"model":..,"draft":..,"tokens":n,"accepted":a,"proposed":p,"depth":d,
+     "elapsed_s":..,"draft_s":..,"verify_s":..[,"prefill":true]}
+
+`tokens` is what the step added to the reply, `accepted` how many drafted tokens the target accepted, `proposed`
+how many drafted nodes it verified, `depth` how deep the draft tree reached. The prefill step (the prompt, and the
+reply's first token) is marked and left out of the decoding figures.
+
+Definitions used by `clover stats` (and chat's /stats), over the decoding steps (every step but the prefill):
+
+    acceptance rate  accepted drafted tokens / generated tokens: the share of the tokens after each reply's first
+                     that the draft proposed and the target accepted (the rest are the target's own, one per step)
+    tau              generated tokens / steps: tokens per target forward pass
+    hit rate at d    of the steps whose draft tree reached depth d, the share whose accepted path reached depth d
+    tokens/s         generated tokens / time of the steps (draft + verify)
+    est. speedup     the time plain decoding would need for the same tokens / the time the steps took, where plain
+                     decoding costs one target forward per token, timed as the median verify time of the session's
+                     (last PLAIN_SAMPLES) steps that verified no drafted token (a one-token forward). Equivalently
+                     tau * t_plain / t_step. Without MIN_PLAIN_STEPS such steps in a session there is no honest
+                     estimate: n/a. Overall: the sessions with an estimate, sum of plain times / sum of step times.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import statistics
+import sys
 import time
 import uuid
+from collections import deque
 from pathlib import Path
 
 from .errors import CloverError
 
 ROTATE_BYTES = 8 * 1024 * 1024
+MAX_LINE = 1 << 20  # longer "lines" are not ours: skipped
+MIN_PLAIN_STEPS = 3
+PLAIN_SAMPLES = 50_000  # the most recent plain-step times kept per session
 
 
 def default_path() -> Path:
     env = os.environ.get("CLOVER_STATS_FILE")
     if env:
         return Path(env).expanduser()
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "clover" / "stats.jsonl"
+    return cache_dir() / "stats.jsonl"
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "clover"
 
 
 def stats_path(arg: str | None) -> Path | None:
@@ -31,9 +65,24 @@ def stats_path(arg: str | None) -> Path | None:
     return Path(arg).expanduser() if arg else default_path()
 
 
+def step_record(sid: str | None, ev, model: str | None = None, draft: str | None = None) -> dict:
+    rec = {"kind": "step", "session": sid, "t": round(time.time(), 3)}
+    if model is not None:
+        rec["model"] = model
+    if draft is not None:
+        rec["draft"] = draft
+    rec.update({"tokens": len(ev.tokens), "accepted": ev.accepted, "proposed": ev.proposed, "depth": ev.tree_depth,
+                "elapsed_s": round(ev.elapsed_s, 6), "draft_s": round(ev.draft_s, 6),
+                "verify_s": round(ev.verify_s, 6)})
+    if ev.prefill:
+        rec["prefill"] = True
+    return rec
+
+
 class StatsWriter:
     def __init__(self, path: Path):
         self.path = path
+        self.meta: dict[str, dict] = {}  # session id -> model and drafter, stamped on each of its steps
 
     @staticmethod
     def open(arg: str | None) -> "StatsWriter | None":
@@ -41,23 +90,56 @@ class StatsWriter:
         if path is None:
             return None
         try:
+            if path.is_dir():
+                raise IsADirectoryError(21, "Is a directory")
             path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
             os.close(fd)
         except OSError as e:
             if arg:
-                raise CloverError(f"cannot write the stats file {path}: {e.strerror}")
+                raise CloverError(f"cannot write the stats file {path}: {e.strerror or e}")
             return None  # the default location is a convenience: never fail a chat over it
         return StatsWriter(path)
 
-    def write(self, record: dict):
-        line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+    def _open(self) -> int:
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
-            if self.path.exists() and self.path.stat().st_size + len(line) > ROTATE_BYTES:
-                os.replace(self.path, self.path.with_name(self.path.name + ".1"))
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            st = os.fstat(fd)
+            if st.st_mode & 0o077 and st.st_uid == os.getuid():
+                os.fchmod(fd, 0o600)
+        except (OSError, AttributeError):
+            pass
+        return fd
+
+    def _rotate(self, fd: int) -> int:
+        """Move a full file aside to <file>.1 (once, even with several writers) and open the new one."""
+        try:
+            import fcntl
+        except ImportError:  # not POSIX: no lock, the race only costs an early rotation
+            fcntl = None
+        st = os.fstat(fd)
+        try:
+            if fcntl:
+                fcntl.flock(fd, fcntl.LOCK_EX)
             try:
-                os.write(fd, line)
+                if os.stat(self.path).st_ino == st.st_ino:  # nobody rotated it while we waited
+                    os.replace(self.path, self.path.with_name(self.path.name + ".1"))
+            except FileNotFoundError:
+                pass
+        finally:
+            if fcntl:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+        return self._open()
+
+    def write(self, record: dict):
+        line = (json.dumps(record, separators=(",", ":"), ensure_ascii=False) + "\n").encode()
+        try:
+            fd = self._open()
+            try:
+                if os.fstat(fd).st_size + len(line) > ROTATE_BYTES:
+                    fd = self._rotate(fd)
+                os.write(fd, line)  # one write of one whole line, O_APPEND: never interleaved
             finally:
                 os.close(fd)
         except OSError:
@@ -65,21 +147,530 @@ class StatsWriter:
 
     def new_session(self, command: str, session) -> str:
         sid = uuid.uuid4().hex[:8]
-        self.write({"kind": "session", "session": sid, "t": time.time(), "command": command, "pid": os.getpid(),
-                    "model": session.resolved.name, "draft": session.draft_name, "device": str(session.device)})
+        self.meta[sid] = {"model": session.resolved.name, "draft": session.draft_name}
+        self.write({"kind": "session", "session": sid, "t": round(time.time(), 3), "command": command,
+                    "pid": os.getpid(), "model": session.resolved.name, "draft": session.draft_name,
+                    "device": str(session.device)})
         return sid
 
     def step(self, sid: str, ev, draft: str | None = None):
-        rec = {"kind": "step", "session": sid, "t": round(time.time(), 3), "tokens": len(ev.tokens),
-               "accepted": ev.accepted, "proposed": ev.proposed, "depth": ev.tree_depth,
-               "elapsed_s": round(ev.elapsed_s, 6), "draft_s": round(ev.draft_s, 6),
-               "verify_s": round(ev.verify_s, 6)}
-        if ev.prefill:
-            rec["prefill"] = True
+        meta = self.meta.get(sid, {})
         if draft:
-            rec["draft"] = draft
-        self.write(rec)
+            meta["draft"] = draft
+        self.write(step_record(sid, ev, meta.get("model"), meta.get("draft")))
+
+
+# ----------------------------------------------------------------------------------------------- aggregation
+
+
+def _count(rec: dict, key: str, default=None) -> int:
+    v = rec.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0 or v > 1_000_000_000:
+        raise ValueError(key)
+    return v
+
+
+def _seconds(rec: dict, key: str, default=None) -> float:
+    v = rec.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or v > 1e7:
+        raise ValueError(key)
+    return float(v)
+
+
+def _text(rec: dict, key: str) -> str | None:
+    v = rec.get(key)
+    return v[:200] if isinstance(v, str) else None
+
+
+class SessionStats:
+    """Totals of one session (or of several: `merge`)."""
+
+    def __init__(self, sid: str = "", command: str | None = None, model: str | None = None,
+                 draft: str | None = None, device: str | None = None, started: float | None = None):
+        self.id, self.command, self.model, self.draft, self.device = sid, command, model, draft, device
+        self.drafts: list[str] = [draft] if draft else []
+        self.started = started
+        self.last = started
+        self.replies = 0  # prefill steps: one per reply
+        self.prefill_s = 0.0
+        self.steps = 0
+        self.tokens = 0  # generated by decoding steps (after each reply's first token)
+        self.accepted = 0  # accepted drafted tokens that were emitted (at most the step's tokens)
+        self.proposed = 0
+        self.elapsed_s = 0.0
+        self.draft_s = 0.0
+        self.verify_s = 0.0
+        self.depth_tries: list[int] = []
+        self.depth_hits: list[int] = []
+        self.hist: list[int] = []  # hist[a]: steps that accepted a drafted tokens
+        self.plain_verify = deque(maxlen=PLAIN_SAMPLES)  # verify times of steps that verified no drafted token
+
+    def note_draft(self, draft: str | None):
+        if draft:
+            self.draft = draft
+            if draft not in self.drafts:
+                self.drafts.append(draft)
+
+    def add(self, rec: dict):
+        """Add one step record (a dict as StatsWriter writes it); ValueError if it is not a valid one."""
+        tokens = _count(rec, "tokens")
+        accepted = _count(rec, "accepted", 0)
+        proposed = _count(rec, "proposed", 0)
+        depth = _count(rec, "depth", 0)
+        elapsed = _seconds(rec, "elapsed_s")
+        draft_s = _seconds(rec, "draft_s", 0.0)
+        verify_s = _seconds(rec, "verify_s", 0.0)
+        if depth > 4096 or accepted > 4096:
+            raise ValueError("depth")
+        t = rec.get("t")
+        if isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t):
+            self.last = max(self.last or t, t)
+            self.started = min(self.started or t, t)
+        if self.model is None:
+            self.model = _text(rec, "model")
+        self.note_draft(_text(rec, "draft"))
+        if rec.get("prefill") is True:
+            self.replies += 1
+            self.prefill_s += elapsed
+            return
+        self.steps += 1
+        self.tokens += tokens
+        self.accepted += min(accepted, tokens)
+        self.proposed += proposed
+        self.elapsed_s += elapsed
+        self.draft_s += draft_s
+        self.verify_s += verify_s
+        while len(self.depth_tries) < depth:
+            self.depth_tries.append(0)
+            self.depth_hits.append(0)
+        for d in range(1, depth + 1):
+            self.depth_tries[d - 1] += 1
+            self.depth_hits[d - 1] += accepted >= d
+        while len(self.hist) <= accepted:
+            self.hist.append(0)
+        self.hist[accepted] += 1
+        if proposed == 0 and verify_s > 0:
+            self.plain_verify.append(verify_s)
+
+    # figures (see the module docstring)
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.tokens if self.tokens else None
+
+    @property
+    def tau(self) -> float | None:
+        return self.tokens / self.steps if self.steps else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.tokens / self.elapsed_s if self.elapsed_s > 0 else None
+
+    @property
+    def hit_rates(self) -> list[float]:
+        return [h / t if t else 0.0 for h, t in zip(self.depth_hits, self.depth_tries)]
+
+    @property
+    def plain_step_s(self) -> float | None:
+        if len(self.plain_verify) < MIN_PLAIN_STEPS:
+            return None
+        return statistics.median(self.plain_verify)
+
+    @property
+    def plain_equivalent_s(self) -> float | None:
+        """What plain decoding would have taken for this session's generated tokens (None: no estimate)."""
+        t = self.plain_step_s
+        return None if t is None else self.tokens * t
+
+    @property
+    def speedup(self) -> float | None:
+        plain = self.plain_equivalent_s
+        if plain is None or self.elapsed_s <= 0:
+            return None
+        return plain / self.elapsed_s
+
+    def summary(self) -> dict:
+        def r(x, n=4):
+            return None if x is None else round(x, n)
+
+        return {
+            "session": self.id or None,
+            "command": self.command,
+            "model": self.model,
+            "draft": self.draft,
+            "drafts": list(self.drafts),
+            "device": self.device,
+            "started": self.started,
+            "last": self.last,
+            "replies": self.replies,
+            "steps": self.steps,
+            "tokens": self.tokens,
+            "accepted": self.accepted,
+            "proposed": self.proposed,
+            "acceptance_rate": r(self.acceptance_rate),
+            "tau": r(self.tau),
+            "tokens_per_s": r(self.tokens_per_s, 3),
+            "plain_step_s": r(self.plain_step_s, 6),
+            "speedup": r(self.speedup, 3),
+            "hit_rate_by_depth": [round(x, 4) for x in self.hit_rates],
+            "accepted_hist": list(self.hist),
+            "decode_s": round(self.elapsed_s, 6),
+            "draft_s": round(self.draft_s, 6),
+            "verify_s": round(self.verify_s, 6),
+            "prefill_s": round(self.prefill_s, 6),
+        }
+
+
+def merge(parts: list[SessionStats]) -> dict:
+    """Overall figures: sums of the sessions' counts. The speedup is over the sessions that have an estimate:
+    their plain-decoding-equivalent time over their measured time."""
+    total = SessionStats()
+    for s in parts:
+        total.replies += s.replies
+        total.prefill_s += s.prefill_s
+        total.steps += s.steps
+        total.tokens += s.tokens
+        total.accepted += s.accepted
+        total.proposed += s.proposed
+        total.elapsed_s += s.elapsed_s
+        total.draft_s += s.draft_s
+        total.verify_s += s.verify_s
+        for name, src in (("depth_tries", s.depth_tries), ("depth_hits", s.depth_hits), ("hist", s.hist)):
+            dst = getattr(total, name)
+            while len(dst) < len(src):
+                dst.append(0)
+            for i, v in enumerate(src):
+                dst[i] += v
+        for d in s.drafts:
+            total.note_draft(d)
+    out = total.summary()
+    plain = [(s.plain_equivalent_s, s.elapsed_s) for s in parts if s.plain_equivalent_s is not None]
+    spent = sum(e for _, e in plain)
+    out["speedup"] = round(sum(p for p, _ in plain) / spent, 3) if spent > 0 else None
+    out["plain_step_s"] = None
+    for key in ("session", "command", "model", "draft", "device", "started", "last"):
+        out.pop(key)
+    out["sessions"] = len(parts)
+    return out
+
+
+class Aggregate:
+    """Everything read from a stream so far, by session; foreign or broken lines are counted in `skipped`."""
+
+    def __init__(self):
+        self.sessions: dict[str, SessionStats] = {}
+        self.lines = 0
+        self.skipped = 0
+
+    def feed(self, line: bytes | str):
+        self.lines += 1
+        try:
+            rec = json.loads(line)
+            if not isinstance(rec, dict):
+                raise ValueError("not an object")
+            sid = rec.get("session")
+            if not isinstance(sid, str) or not sid or len(sid) > 64:
+                raise ValueError("session")
+            kind = rec.get("kind")
+            if kind == "session":
+                s = self._get(sid)
+                s.command = _text(rec, "command") or s.command
+                s.model = _text(rec, "model") or s.model
+                s.device = _text(rec, "device") or s.device
+                s.note_draft(_text(rec, "draft"))
+                t = rec.get("t")
+                if isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t):
+                    s.started = t if s.started is None else min(s.started, t)
+                    s.last = t if s.last is None else max(s.last, t)
+            elif kind == "step":
+                s = self.sessions.get(sid)
+                fresh = s is None
+                if fresh:
+                    s = SessionStats(sid)
+                s.add(rec)  # validates before it changes anything
+                if fresh:
+                    self.sessions[sid] = s
+            else:
+                raise ValueError("kind")
+        except (ValueError, TypeError, RecursionError):  # json.JSONDecodeError and UnicodeDecodeError included
+            self.skipped += 1
+
+    def _get(self, sid: str) -> SessionStats:
+        if sid not in self.sessions:
+            self.sessions[sid] = SessionStats(sid)
+        return self.sessions[sid]
+
+    def select(self, session: str | None) -> list[SessionStats]:
+        if not session:
+            return list(self.sessions.values())
+        return [s for sid, s in self.sessions.items() if sid.startswith(session)]
+
+    def snapshot(self, path: Path | None = None, session: str | None = None) -> dict:
+        chosen = self.select(session)
+        snap = merge(chosen)
+        snap = {"stats_file": str(path) if path else None, "lines": self.lines, "skipped_lines": self.skipped,
+                **snap, "by_session": [s.summary() for s in sorted(chosen, key=lambda s: s.started or 0)]}
+        return snap
+
+
+class Follower:
+    """Reads whole new lines from a file that others append to, across rotation (rename) and truncation."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.f = None
+        self.ino = None
+        self.buf = b""
+        self.discard = False  # inside an over-long line: drop until its end
+        self.broken = 0  # over-long and unfinished lines
+
+    def _open(self) -> bool:
+        try:
+            self.f = open(self.path, "rb")
+        except OSError:
+            self.f = None
+            return False
+        self.ino = os.fstat(self.f.fileno()).st_ino
+        self.buf, self.discard = b"", False
+        return True
+
+    def _drain(self) -> list[bytes]:
+        out = []
+        while True:
+            data = self.f.read(1 << 20)
+            if not data:
+                return out
+            self.buf += data
+            *lines, self.buf = self.buf.split(b"\n")
+            for line in lines:
+                if self.discard:
+                    self.discard = False
+                    continue
+                if len(line) > MAX_LINE:
+                    self.broken += 1
+                elif line.strip():
+                    out.append(line)
+            if len(self.buf) > MAX_LINE:
+                self.buf, self.discard = b"", True
+                self.broken += 1
+
+    def _finish(self) -> list[bytes]:
+        """The end of a file nobody will append to: an unfinished last line is a broken one."""
+        out = self._drain()
+        if self.buf.strip() and not self.discard:
+            out.append(self.buf)
+        self.buf = b""
+        self.f.close()
+        self.f = None
+        return out
+
+    def poll(self) -> list[bytes]:
+        """New complete lines since the last call."""
+        if self.f is None and not self._open():
+            return []
+        out = self._drain()
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            st = None
+        if st is None or st.st_ino != self.ino:  # rotated (or removed): finish the old file, go on with the new
+            out += self._finish()
+            if st is not None and self._open():
+                out += self._drain()
+        elif st.st_size < self.f.tell():  # truncated in place
+            self.f.seek(0)
+            self.buf, self.discard = b"", False
+            out += self._drain()
+        return out
+
+    def close(self, final: bool = True) -> list[bytes]:
+        if self.f is None:
+            return []
+        return self._finish() if final else []
+
+
+def read_all(path: Path, agg: "Aggregate | None" = None) -> list[bytes]:
+    """Every line of a file as it stands, an unfinished last line included (it counts as a broken one when it
+    does not parse). With `agg`, the lines are fed to it, and over-long ones counted as skipped."""
+    f = Follower(path)
+    lines = f._finish() if f._open() else []
+    if agg is not None:
+        for line in lines:
+            agg.feed(line)
+        agg.lines += f.broken
+        agg.skipped += f.broken
+    return lines
+
+
+# ----------------------------------------------------------------------------------------------- dashboard
+
+BAR_WIDTH = 24
+SPARK = "▁▂▃▄▅▆▇█"
+
+
+def _pct(x) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def _num(x, fmt="{:.2f}") -> str:
+    return "n/a" if x is None else fmt.format(x)
+
+
+def _bar(frac: float, width: int = BAR_WIDTH) -> str:
+    frac = min(max(frac, 0.0), 1.0)
+    eighths = round(frac * width * 8)
+    full, part = divmod(eighths, 8)
+    return ("█" * full + ("▏▎▍▌▋▊▉"[part - 1] if part else "")).ljust(width, "·")
+
+
+def _spark(values: list[float]) -> str:
+    if not values:
+        return "-"
+    top = max(values) or 1.0
+    return "".join(SPARK[min(len(SPARK) - 1, int(v / top * (len(SPARK) - 1) + 0.5))] if v else " " for v in values)
+
+
+def _ago(t, now) -> str:
+    if t is None:
+        return "?"
+    d = max(0.0, now - t)
+    if d < 60:
+        return f"{d:.0f}s ago"
+    if d < 3600:
+        return f"{d / 60:.0f}m ago"
+    if d < 86400:
+        return f"{d / 3600:.1f}h ago"
+    return f"{d / 86400:.1f}d ago"
+
+
+def render(snap: dict, waiting: str | None = None, max_sessions: int = 12):
+    """A rich renderable of a snapshot: overall figures with bars, then one row per session."""
+    from rich.console import Group
+    from rich.panel import Panel
+    from rich.table import Table
+    from rich.text import Text
+
+    now = time.time()
+    head = Text()
+    head.append("clover stats", style="bold")
+    head.append(f" · {snap['stats_file']} · {snap['sessions']} session(s) · {snap['lines']} lines")
+    if snap["skipped_lines"]:
+        head.append(f" · {snap['skipped_lines']} skipped (truncated or foreign)", style="yellow")
+    parts = [head]
+    if waiting:
+        parts.append(Text(waiting, style="dim"))
+
+    figures = Table.grid(padding=(0, 3))
+    for _ in range(6):
+        figures.add_column(justify="right")
+    figures.add_row(*(Text(x, style="dim") for x in ("acceptance rate", "τ (tokens/step)", "tokens/s",
+                                                      "est. speedup", "tokens", "steps")))
+    figures.add_row(_pct(snap["acceptance_rate"]), _num(snap["tau"]), _num(snap["tokens_per_s"], "{:.1f}"),
+                    _num(snap["speedup"], "{:.2f}×"), str(snap["tokens"]), str(snap["steps"]))
+
+    depth = Table.grid(padding=(0, 1))
+    depth.add_column(justify="right", style="dim")
+    depth.add_column()
+    depth.add_column(justify="right")
+    for d, rate in enumerate(snap["hit_rate_by_depth"], 1):
+        depth.add_row(f"depth {d}", Text(_bar(rate), style="cyan"), f"{100 * rate:5.1f}%")
+    if not snap["hit_rate_by_depth"]:
+        depth.add_row("", "no drafted steps yet", "")
+
+    hist = Table.grid(padding=(0, 1))
+    hist.add_column(justify="right", style="dim")
+    hist.add_column()
+    hist.add_column(justify="right")
+    counts = snap["accepted_hist"]
+    top = max(counts, default=0) or 1
+    for a, c in enumerate(counts):
+        hist.add_row(f"{a} accepted", Text(_bar(c / top), style="green"), str(c))
+    if not counts:
+        hist.add_row("", "no steps yet", "")
+
+    bars = Table.grid(padding=(0, 4))
+    bars.add_column()
+    bars.add_column()
+    bars.add_row(Text("hit rate by draft depth", style="bold"), Text("accepted tokens per step", style="bold"))
+    bars.add_row(depth, hist)
+    parts.append(Panel(Group(figures, Text(""), bars), expand=False, title="overall" if snap["sessions"] != 1 else
+                       f"session {snap['by_session'][0]['session']}", title_align="left"))
+
+    sessions = snap["by_session"][-max_sessions:]
+    if sessions:
+        table = Table(title=None, show_edge=False, pad_edge=False)
+        for col, just in (("session", "left"), ("command", "left"), ("model", "left"), ("draft", "left"),
+                          ("replies", "right"), ("tokens", "right"), ("accept", "right"), ("τ", "right"),
+                          ("tok/s", "right"), ("speedup", "right"), ("hit by depth", "left"),
+                          ("accepted lengths", "left"), ("last", "right")):
+            table.add_column(col, justify=just, no_wrap=True, overflow="ellipsis",
+                             max_width=28 if col == "model" else None)
+        for s in sessions:
+            table.add_row(s["session"] or "?", s["command"] or "?", s["model"] or "?", "/".join(s["drafts"]) or "?",
+                          str(s["replies"]), str(s["tokens"]), _pct(s["acceptance_rate"]), _num(s["tau"]),
+                          _num(s["tokens_per_s"], "{:.1f}"), _num(s["speedup"], "{:.2f}×"),
+                          _spark(s["hit_rate_by_depth"]), _spark([float(c) for c in s["accepted_hist"]]),
+                          _ago(s["last"], now))
+        parts.append(table)
+        hidden = len(snap["by_session"]) - len(sessions)
+        if hidden > 0:
+            parts.append(Text(f"({hidden} older session(s) not shown; --json lists all)", style="dim"))
+    return Group(*parts)
 
 
 def run_stats(stats_file, once, json_out, session, interval):
-    raise CloverError("clover stats is not available yet")
+    """`clover stats`: a snapshot (--once / --json, or when standard output is not a terminal), else a live
+    dashboard that follows the stream until Ctrl-C."""
+    from rich.console import Console
+
+    path = stats_path(stats_file)
+    if path is None:
+        raise CloverError("--stats-file off: there is no stream to read")
+    if not (math.isfinite(interval) and 0.05 <= interval <= 3600):
+        raise CloverError(f"--interval must be between 0.05 and 3600 seconds, not {interval}")
+    if path.is_dir():
+        raise CloverError(f"{path} is a directory, not a stats file")
+    live = not once and not json_out and sys.stdout.isatty()
+    if not live and not path.exists():
+        raise CloverError(f"no stats file at {path} (chat and generate write it; --stats-file chooses another)")
+
+    agg = Aggregate()
+    read_all(path.with_name(path.name + ".1"), agg)  # the rotated part first: its sessions go on in the file
+    if not live:
+        read_all(path, agg)
+        if session and not agg.select(session):
+            raise CloverError(f"no session {session!r} in {path}")
+        snap = agg.snapshot(path, session)
+        if json_out:
+            sys.stdout.write(json.dumps(snap, ensure_ascii=False) + "\n")
+        else:
+            Console(highlight=False).print(render(snap))
+        return
+
+    from rich.live import Live
+
+    console = Console(highlight=False)
+    follower = Follower(path)
+    for line in follower.poll():
+        agg.feed(line)
+
+    def view():
+        snap = agg.snapshot(path, session)
+        snap["skipped_lines"] += follower.broken
+        waiting = None
+        if not path.exists():
+            waiting = f"waiting for {path} (Ctrl-C to leave)"
+        elif session and not snap["by_session"]:
+            waiting = f"waiting for session {session} (Ctrl-C to leave)"
+        else:
+            waiting = "following the stream · Ctrl-C to leave"
+        return render(snap, waiting)
+
+    try:
+        with Live(view(), console=console, auto_refresh=False, transient=False) as screen:
+            while True:
+                time.sleep(interval)
+                for line in follower.poll():
+                    agg.feed(line)
+                screen.update(view(), refresh=True)
+    except KeyboardInterrupt:
+        pass

@@ -1,0 +1,229 @@
+"""Engine pieces: KV cache commits, sampling exactness, trees and the n-gram drafter."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from transformers import DynamicCache
+
+from clover_cli.drafters.ngram import NgramDrafter
+from clover_cli.engine import Engine, Sampling, StopCheck, accept, warp
+from clover_cli.target import Target
+from clover_cli.tree import DraftTree, TreeBuilder
+from helpers import OracleDrafter, hf_greedy, run_engine
+from test_lossless import make_model
+
+
+# ------------------------------------------------------------------------------------------------ KV cache
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("seed", range(3))
+def test_cache_equals_plain_forward(family, seed):
+    """After any sequence of accepts, the committed cache equals the cache of one plain forward over its tokens."""
+    rng = random.Random(seed)
+    model = make_model(family, seed)
+    target = Target(model)
+    prompt = [rng.randrange(3, 96) for _ in range(rng.randint(1, 20))]
+    reference = hf_greedy(model, prompt, 50)
+    engine = Engine(target, OracleDrafter(reference, len(prompt), 96, 0.7, seed), budget=rng.choice([4, 16, 32]),
+                    auto_budget=False)
+    run_engine(engine, prompt, StopCheck(50))
+    # A second, edited conversation exercises truncation and prefix reuse too.
+    edited = prompt + reference[:7] + [rng.randrange(3, 96)]
+    ref2 = hf_greedy(model, edited, 20)
+    engine.drafter = OracleDrafter(ref2, len(edited), 96, 0.7, seed + 1)
+    run_engine(engine, edited, StopCheck(20))
+
+    tokens = engine.context
+    assert len(tokens) == target.length
+    plain = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        model(input_ids=torch.tensor([tokens]), past_key_values=plain, use_cache=True)
+        model.set_attn_implementation("clover_tree")
+    for layer, mine in zip(plain.layers, target.cache.layers):
+        n = len(tokens)
+        torch.testing.assert_close(mine.keys[:, :, :n], layer.keys, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(mine.values[:, :, :n], layer.values, rtol=1e-4, atol=1e-5)
+
+
+def test_cache_grows_and_refuses_past_the_context():
+    from clover_cli.errors import CloverError
+    from clover_cli.target import TreeKVCache
+
+    model = make_model("llama", 0)
+    target = Target(model, initial_capacity=8)
+    prompt = list(range(3, 40))
+    reference = hf_greedy(model, prompt, 30)
+    engine = Engine(target, OracleDrafter(reference, len(prompt), 96, 0.9, 0), budget=16, auto_budget=False)
+    out, _ = run_engine(engine, prompt, StopCheck(30))
+    assert out == reference and target.cache.capacity >= target.length
+    cache = TreeKVCache(2, 4, 10)
+    cache.length = 8
+    with pytest.raises(CloverError, match="context"):
+        cache.reserve(5)
+
+
+# ------------------------------------------------------------------------------------------------ sampling
+
+def _tv(counts: np.ndarray, probs: np.ndarray) -> float:
+    return 0.5 * float(np.abs(counts / counts.sum() - probs).sum())
+
+
+def _null_tv_bound(probs: np.ndarray, n: int, rng: np.random.Generator, sims: int = 400) -> float:
+    """A bound on the TV distance of n exact samples: above the largest of `sims` simulated exact runs."""
+    tvs = [_tv(rng.multinomial(n, probs).astype(float), probs) for _ in range(sims)]
+    return 1.2 * max(tvs)
+
+
+def _first_token(tree, logits, s, gen, rule=accept):
+    path, bonus = rule(tree, logits, s, gen)
+    return tree.tokens[path[1]] if len(path) > 1 else bonus
+
+
+def _biased_accept(tree, logits, s, gen):
+    """A classic mistake: accept a child with probability p(x) but draw the fallback from the unmodified p."""
+    p = warp(logits[0], s)
+    for c in tree.children()[0]:
+        if torch.rand((), generator=gen).item() < p[tree.tokens[c]].item():
+            return [0, c], 0
+    return [0], int(torch.multinomial(p, 1, generator=gen).item())
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (1.3, 0.8)])
+def test_sibling_rejection_samples_exactly(temperature, top_p):
+    """The first token out of accept() follows the warped target distribution exactly, whatever the siblings."""
+    torch.manual_seed(0)
+    V = 12
+    logits = torch.randn(5, V) * 2.0
+    s = Sampling(temperature, top_p)
+    probs = warp(logits[0], s).numpy().astype(float)
+    order = np.argsort(-probs)
+    # Children: the two likeliest tokens, a mid one and an unlikely one (possibly outside the nucleus).
+    kids = [int(order[0]), int(order[1]), int(order[5]), int(order[-1])]
+    tree = DraftTree([0] + kids, [-1, 0, 0, 0, 0])
+    gen = torch.Generator().manual_seed(1)
+    n = 20000
+    counts = np.zeros(V)
+    for _ in range(n):
+        counts[_first_token(tree, logits, s, gen)] += 1
+    bound = _null_tv_bound(probs, n, np.random.default_rng(0))
+    assert _tv(counts, probs) < bound
+    if top_p < 1.0:
+        assert counts[probs == 0].sum() == 0  # nothing outside the nucleus, ever
+    # The same statistic catches a biased rule: the test can fail.
+    biased = np.zeros(V)
+    for _ in range(n):
+        biased[_first_token(tree, logits, s, gen, _biased_accept)] += 1
+    assert _tv(biased, probs) > bound
+
+
+class RandomTreeDrafter:
+    """Random trees over a tiny vocabulary: likely and unlikely tokens, several siblings, depth up to 3."""
+
+    name = "random"
+
+    def __init__(self, vocab, seed):
+        self.vocab, self.rng = vocab, random.Random(seed)
+
+    def reset(self, length):
+        pass
+
+    def observe(self, hidden, next_tokens):
+        pass
+
+    def propose(self, context, budget):
+        b = TreeBuilder(context[-1])
+        frontier = [0]
+        for _ in range(3):
+            nxt = []
+            for node in frontier:
+                for tok in self.rng.sample(range(self.vocab), self.rng.randint(0, 3)):
+                    nxt.append(b.add(node, tok, b.scores[node] * 0.5))
+            frontier = nxt
+        return b.build(budget)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.8, 0.9)])
+def test_speculative_sampling_matches_the_target_distribution(temperature, top_p):
+    """End to end on a tiny-vocabulary model: the joint distribution of the first two sampled tokens equals the
+    target's own (computed exactly by enumeration), within a TV bound that exact sampling meets."""
+    V = 6
+    model = make_model("llama", 5, vocab=V)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(0.15)  # temper the x8 sharpening: spread-out distributions
+    s = Sampling(temperature, top_p)
+    prompt = [1, 4, 2, 5]
+    exact = np.zeros((V, V))
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        p1 = warp(model(torch.tensor([prompt])).logits[0, -1], s)
+        for a in range(V):
+            if p1[a] > 0:
+                p2 = warp(model(torch.tensor([prompt + [a]])).logits[0, -1], s)
+                exact[a] = (p1[a] * p2).numpy()
+    exact = exact.ravel() / exact.sum()
+    target = Target(model)
+    engine = Engine(target, RandomTreeDrafter(V, 0), budget=12, auto_budget=False)
+    n = 2500
+    counts = np.zeros(V * V)
+    accepted = 0
+    for i in range(n):
+        out, events = run_engine(engine, prompt, StopCheck(2), Sampling(temperature, top_p, seed=i))
+        counts[out[0] * V + out[1]] += 1
+        accepted += sum(e.accepted for e in events)
+    assert accepted > n * 0.2  # the drafts really were accepted a good share of the time
+    assert _tv(counts, exact) < _null_tv_bound(exact, n, np.random.default_rng(1))
+
+
+def test_sampling_is_reproducible_with_a_seed():
+    """The same seed and the same drafts give the same sample (drafts steer which random numbers are used)."""
+    model = make_model("llama", 2)
+    target = Target(model)
+    runs = []
+    for _ in range(2):
+        engine = Engine(target, RandomTreeDrafter(96, 3), budget=8, auto_budget=False)
+        runs.append(run_engine(engine, [5, 6, 7], StopCheck(20), Sampling(0.9, 0.95, seed=42))[0])
+    assert runs[0] == runs[1]
+
+
+# ------------------------------------------------------------------------------------------------ trees
+
+def test_prune_keeps_best_nodes_with_their_ancestors():
+    rng = random.Random(0)
+    for _ in range(200):
+        b = TreeBuilder(0)
+        for _ in range(rng.randint(0, 40)):
+            parent = rng.randrange(len(b.tokens))
+            b.add(parent, rng.randrange(10**6), b.scores[parent] * rng.random())
+        full = DraftTree(b.tokens, b.parents, b.scores)
+        budget = rng.randint(0, 45)
+        tree = full.prune(budget)
+        tree.validate()
+        assert len(tree) == min(budget, len(full) - 1) + 1
+        kept = sorted(tree.scores[1:], reverse=True)
+        # every dropped node scores no better than the worst kept one (or its parent was dropped)
+        if kept and len(tree) < len(full):
+            worst = kept[-1]
+            dropped = sorted(set(full.scores[1:]) - set(tree.scores[1:]))
+            assert not dropped or max(dropped) <= worst + 1e-12
+        mask = tree.ancestor_mask()
+        for i, p in enumerate(tree.parents):
+            assert mask[i, i] and (p < 0 or (mask[i] >= mask[p]).all())
+
+
+# ------------------------------------------------------------------------------------------------ n-gram
+
+def test_ngram_proposes_what_followed_before_and_learns_trigrams():
+    d = NgramDrafter(max_depth=5)
+    context = [9, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3]
+    tree = d.propose(context, budget=10)
+    tree.validate()
+    path = [tree.tokens[i] for i in range(1, len(tree)) if tree.depths()[i] <= 5]
+    assert path[:5] == [4, 5, 6, 7, 8]  # the continuation after the earlier "1 2 3"
+    # Tri-grams persist across a new conversation: (7, 8) was followed by 1.
+    tree = d.propose([50, 51, 7, 8], budget=4)
+    assert 1 in tree.tokens[1:]
