@@ -1,0 +1,417 @@
+"""`clover bench`: every decoding method on the same prompts, interleaved, with speed, τ and output identity.
+
+Methods: hf (transformers greedy generate), hf-lookup (its prompt-lookup assisted generation), hf-assisted (a
+smaller assistant model, when given), and our engine with plain / ngram / medusa / clover drafting. One model
+load serves every method. Each prompt is run by every method in turn (so drift on the machine hits all alike),
+after one untimed warm-up run of each method. Our engine starts every run from an empty cache (no reuse of a
+previous run's prefix) with a fresh drafter, so no method sees another run's output.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import date
+from pathlib import Path
+
+import torch
+
+from .errors import CloverError
+
+ALL_METHODS = ("hf", "hf-lookup", "hf-assisted", "plain", "ngram", "medusa", "clover")
+BUILTIN_PROMPTS = Path(__file__).parent / "bench_prompts.jsonl"
+LOOKUP_TOKENS = 10
+
+
+@dataclass
+class BenchConfig:
+    model: str | None = None
+    prompts: str | None = None
+    methods: str | None = None
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    repeats: int = 1
+    limit: int | None = None
+    heads: str | None = None
+    medusa_heads: str | None = None
+    assistant: str | None = None
+    tree_budget: str = "auto"
+    device: str = "auto"
+    dtype: str = "auto"
+    load_in_8bit: bool = False
+    json_out: bool = False
+    plot: Path | None = None
+
+
+@dataclass
+class Row:
+    method: str
+    runs: int = 0
+    new_tokens: int = 0
+    decode_s: float = 0.0
+    total_s: float = 0.0
+    steps: int = 0
+    depth_hits: list = field(default_factory=list)
+    depth_tries: list = field(default_factory=list)
+    outputs: dict = field(default_factory=dict)  # prompt index -> token ids (first repeat)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return (self.new_tokens - self.runs) / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def tokens_per_s_e2e(self) -> float:
+        return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
+
+    @property
+    def tau(self) -> float | None:
+        return (self.new_tokens - self.runs) / self.steps if self.steps else None
+
+
+def load_prompts(spec: str | None, limit: int | None) -> list[dict]:
+    """[{'id', 'category', 'messages'}] from a directory of .txt files, a JSONL file, or the built-in set."""
+    rows = []
+    if spec is None:
+        rows = [json.loads(line) for line in BUILTIN_PROMPTS.read_text().splitlines() if line.strip()]
+    else:
+        path = Path(spec).expanduser()
+        if path.is_dir():
+            files = sorted(path.glob("*.txt"))
+            if not files:
+                raise CloverError(f"--prompts {spec}: no .txt files in the directory")
+            for f in files:
+                text = f.read_text(encoding="utf-8", errors="replace").strip()
+                if text:
+                    rows.append({"id": f.stem, "category": "file", "messages": [{"role": "user", "content": text}]})
+        elif path.is_file():
+            for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise CloverError(f"--prompts {spec}:{n}: malformed JSON ({e.msg})")
+                if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"].strip():
+                    raise CloverError(f"--prompts {spec}:{n}: each line needs a non-empty 'prompt' string")
+                rows.append({"id": str(obj.get("id", n)), "category": str(obj.get("category", "file")),
+                             "messages": [{"role": "user", "content": obj["prompt"]}]})
+        else:
+            raise CloverError(f"--prompts {spec}: no such file or directory")
+    if not rows:
+        raise CloverError("no prompts to run")
+    return rows[:limit] if limit else rows
+
+
+def choose_methods(spec: str | None, session, cfg: BenchConfig) -> list[str]:
+    if spec:
+        methods = [m.strip() for m in spec.split(",") if m.strip()]
+        unknown = [m for m in methods if m not in ALL_METHODS]
+        if unknown:
+            raise CloverError(f"unknown method {unknown[0]!r}; choose from {', '.join(ALL_METHODS)}")
+        if "hf-assisted" in methods and not cfg.assistant:
+            raise CloverError("hf-assisted needs --assistant MODEL")
+        if "clover" in methods and session.clover_heads is None:
+            raise CloverError("the clover method needs Clover-2 heads: pass --heads")
+        if "medusa" in methods and session.medusa_heads is None:
+            raise CloverError("the medusa method needs Medusa heads: pass --medusa-heads")
+        if cfg.temperature > 0 and any(m.startswith("hf-") for m in methods):
+            raise CloverError("hf-lookup and hf-assisted run greedy only; use --temperature 0")
+        return methods
+    methods = ["hf", "hf-lookup"]
+    if cfg.assistant:
+        methods.append("hf-assisted")
+    methods += ["plain", "ngram"]
+    if session.medusa_heads is not None:
+        methods.append("medusa")
+    if session.clover_heads is not None:
+        methods.append("clover")
+    if cfg.temperature > 0:
+        methods = [m for m in methods if not m.startswith("hf-")]
+    return methods
+
+
+class _Timestamps:
+    """A transformers streamer that notes when the first generated token arrives (prefill done)."""
+
+    def __init__(self):
+        self.calls, self.first = 0, None
+
+    def put(self, value):
+        self.calls += 1
+        if self.calls == 2 and self.first is None:
+            self.first = time.perf_counter()
+
+    def end(self):
+        pass
+
+
+class BenchSession:
+    """One loaded target with what every method needs."""
+
+    def __init__(self, cfg: BenchConfig):
+        from .heads import load_heads
+        from .hub import resolve_heads
+        from .session import Options, Session
+
+        self.session = Session(Options(model=cfg.model, heads=cfg.heads, draft="none", device=cfg.device,
+                                       dtype=cfg.dtype, load_in_8bit=cfg.load_in_8bit, tree_budget=cfg.tree_budget),
+                               quiet=cfg.json_out)
+        s = self.session
+        heads_path = resolve_heads(cfg.heads, s.resolved, quiet=True)
+        self.clover_heads = self.medusa_heads = None
+        for path in filter(None, [heads_path, cfg.medusa_heads]):
+            heads = load_heads(Path(path), s.model)
+            if heads.cfg.architecture == "clover2":
+                self.clover_heads, self.clover_path = heads, str(path)
+            else:
+                self.medusa_heads, self.medusa_path = heads, str(path)
+        self.assistant = None
+        if cfg.assistant:
+            from .hub import resolve_model
+            from .loading import load
+
+            res = resolve_model(cfg.assistant, quiet=cfg.json_out)
+            self.assistant = load(res.path, device=str(s.device), dtype=str(s.dtype).replace("torch.", "")).model
+            self.assistant.set_attn_implementation("sdpa")
+        from .session import parse_budget
+
+        self.budget, self.auto = parse_budget(cfg.tree_budget)
+        self.engines = {}
+
+    def engine(self, method: str):
+        """A fresh drafter every run; the engine (and its measured cost model) is kept per method."""
+        from .drafters import NoDrafter
+        from .drafters.heads import CloverDrafter, MedusaDrafter
+        from .drafters.ngram import NgramDrafter
+        from .engine import Engine
+
+        s = self.session
+        drafter = {"plain": NoDrafter, "ngram": NgramDrafter}.get(method)
+        drafter = drafter() if drafter else (CloverDrafter(self.clover_heads, s.target) if method == "clover"
+                                             else MedusaDrafter(self.medusa_heads, s.target))
+        if method not in self.engines:
+            self.engines[method] = Engine(s.target, drafter, budget=self.budget, auto_budget=self.auto)
+        eng = self.engines[method]
+        eng.drafter = drafter
+        eng.reset()
+        return eng
+
+    def run(self, method: str, ids: list[int], cfg: BenchConfig, seed: int):
+        """(token ids, decode seconds, total seconds, RunStats or None)."""
+        from .engine import Sampling, StopCheck
+        from .session import RunStats
+
+        s = self.session
+        n = min(cfg.max_new_tokens, s.max_context - len(ids))
+        if method.startswith("hf"):
+            model = s.model
+            model.set_attn_implementation("sdpa")
+            kwargs = dict(max_new_tokens=n, eos_token_id=sorted(s.eos_ids) or None,
+                          pad_token_id=s.tokenizer.pad_token_id or (sorted(s.eos_ids) or [0])[0])
+            if cfg.temperature > 0:
+                kwargs.update(do_sample=True, temperature=cfg.temperature, top_p=1.0, top_k=0)
+                torch.manual_seed(seed)
+            else:
+                kwargs.update(do_sample=False)
+            if method == "hf-lookup":
+                kwargs["prompt_lookup_num_tokens"] = LOOKUP_TOKENS
+            if method == "hf-assisted":
+                kwargs["assistant_model"] = self.assistant
+            x = torch.tensor([ids], device=s.device)
+            stamps = _Timestamps()
+            try:
+                t0 = time.perf_counter()
+                with torch.inference_mode():
+                    out = model.generate(x, attention_mask=torch.ones_like(x), streamer=stamps, **kwargs)
+                _sync(s.device)
+                t1 = time.perf_counter()
+            finally:
+                model.set_attn_implementation("clover_tree")
+            new = out[0, len(ids):].tolist()
+            return new, t1 - (stamps.first or t0), t1 - t0, None
+        eng = self.engine(method)
+        stats = RunStats()
+        new = []
+        t0 = time.perf_counter()
+        stop = StopCheck(n, s.eos_ids)
+        for ev in eng.generate(ids, stop, Sampling(cfg.temperature, 1.0, seed)):
+            stats.add(ev)
+            new += ev.tokens
+        t1 = time.perf_counter()
+        return new, stats.decode_s, t1 - t0, stats
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_bench(cfg: BenchConfig):
+    if not 1 <= cfg.max_new_tokens <= 100_000:
+        raise CloverError(f"--max-new-tokens must be between 1 and 100000, not {cfg.max_new_tokens}")
+    if not (math.isfinite(cfg.temperature) and 0 <= cfg.temperature <= 10):
+        raise CloverError(f"--temperature must be between 0 and 10, not {cfg.temperature}")
+    if not 1 <= cfg.repeats <= 100:
+        raise CloverError(f"--repeats must be between 1 and 100, not {cfg.repeats}")
+    if cfg.limit is not None and cfg.limit < 1:
+        raise CloverError(f"--limit must be at least 1, not {cfg.limit}")
+    if cfg.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise CloverError("--plot needs matplotlib: pip install 'clover-cli[plot]'")
+    prompts = load_prompts(cfg.prompts, cfg.limit)
+    bs = BenchSession(cfg)
+    methods = choose_methods(cfg.methods, bs, cfg)
+    s = bs.session
+    encoded = []
+    for p in prompts:
+        ids = s.encode_chat(p["messages"])
+        if len(ids) >= s.max_context - 1:
+            raise CloverError(f"prompt {p['id']} is {len(ids)} tokens, longer than the model's context")
+        encoded.append(ids)
+
+    rows = {m: Row(m) for m in methods}
+    progress = _progress(cfg, len(prompts) * cfg.repeats * len(methods) + len(methods))
+    with torch.inference_mode():
+        for m in methods:  # warm-up: first-call costs (and the engine's cost measurement) stay out of the timings
+            bs.run(m, encoded[0][:64], BenchConfig(max_new_tokens=8, temperature=cfg.temperature), seed=0)
+            progress.advance(f"warm-up {m}")
+        for r in range(cfg.repeats):
+            for i, ids in enumerate(encoded):
+                for m in methods:
+                    new, decode_s, total_s, stats = bs.run(m, ids, cfg, seed=1000 * r + i)
+                    row = rows[m]
+                    row.new_tokens += len(new)
+                    row.runs += 1
+                    row.decode_s += decode_s
+                    row.total_s += total_s
+                    if r == 0:
+                        row.outputs[i] = new
+                    if stats is not None:
+                        row.steps += stats.steps
+                        for d, (h, t) in enumerate(zip(stats.depth_hits, stats.depth_tries)):
+                            while len(row.depth_hits) <= d:
+                                row.depth_hits.append(0)
+                                row.depth_tries.append(0)
+                            row.depth_hits[d] += h
+                            row.depth_tries[d] += t
+                    progress.advance(f"{m} · prompt {i + 1}/{len(encoded)}")
+    progress.close()
+    report = make_report(cfg, bs, methods, rows, prompts)
+    if cfg.json_out:
+        sys.stdout.write(json.dumps(report, ensure_ascii=False) + "\n")
+    else:
+        print_table(report)
+    if cfg.plot is not None:
+        plot(report, cfg.plot)
+    return report
+
+
+def make_report(cfg, bs, methods, rows, prompts) -> dict:
+    s = bs.session
+    hf, plain = rows.get("hf"), rows.get("plain")
+    greedy = cfg.temperature == 0
+    out = []
+    for m in methods:
+        row = rows[m]
+        mismatches = []
+        if greedy and hf is not None and m != "hf":
+            mismatches = [prompts[i]["id"] for i in row.outputs if row.outputs[i] != hf.outputs.get(i)]
+        out.append({
+            "method": m,
+            "tokens_per_s": round(row.tokens_per_s, 2),
+            "tokens_per_s_e2e": round(row.tokens_per_s_e2e, 2),
+            "tau": None if row.tau is None else round(row.tau, 3),
+            "accept_by_depth": [round(h / t, 3) if t else 0.0 for h, t in zip(row.depth_hits, row.depth_tries)],
+            "speedup_vs_hf": round(row.tokens_per_s / hf.tokens_per_s, 3) if hf and hf.tokens_per_s else None,
+            "speedup_vs_plain": (round(row.tokens_per_s / plain.tokens_per_s, 3)
+                                 if plain and plain.tokens_per_s else None),
+            "identical": (not mismatches) if (greedy and hf is not None) else None,
+            "mismatches": mismatches,
+            "new_tokens": row.new_tokens,
+        })
+    return {
+        "model": s.resolved.name, "device": str(s.device), "dtype": str(s.dtype).replace("torch.", ""),
+        "prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
+        "repeats": cfg.repeats, "tree_budget": cfg.tree_budget,
+        "machine": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} threads".strip(),
+        "torch": torch.__version__, "date": date.today().isoformat(), "methods": out,
+    }
+
+
+def print_table(report: dict):
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"clover bench · {report['model']} · {report['device']} {report['dtype']} · "
+                    f"{report['prompts']} prompts x {report['max_new_tokens']} tokens")
+    for col in ("method", "tok/s", "tok/s e2e", "τ", "accept by depth", "vs hf", "vs plain", "identical"):
+        t.add_column(col, justify="right" if col not in ("method", "accept by depth") else "left")
+    for r in report["methods"]:
+        ident = {True: "yes", False: f"NO ({len(r['mismatches'])})", None: "-"}[r["identical"]]
+        t.add_row(r["method"], f"{r['tokens_per_s']:.1f}", f"{r['tokens_per_s_e2e']:.1f}",
+                  "-" if r["tau"] is None else f"{r['tau']:.2f}",
+                  " ".join(f"{a:.2f}" for a in r["accept_by_depth"][:6]) or "-",
+                  "-" if r["speedup_vs_hf"] is None else f"{r['speedup_vs_hf']:.2f}x",
+                  "-" if r["speedup_vs_plain"] is None else f"{r['speedup_vs_plain']:.2f}x", ident)
+    console = Console() if sys.stdout.isatty() else Console(width=150)
+    console.print(t)
+    for r in report["methods"]:
+        if r["mismatches"]:
+            console.print(f"[red]{r['method']}: output differs from hf greedy on {', '.join(r['mismatches'])}[/]")
+
+
+def plot(report: dict, path: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["methods"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    names = [r["method"] for r in rows]
+    a.bar(names, [r["speedup_vs_hf"] or 0 for r in rows], color="#3b7dd8")
+    a.axhline(1.0, color="gray", lw=0.8)
+    a.set_ylabel("speedup vs hf (decode tok/s)")
+    a.set_title(f"{report['model']} · {report['device']}")
+    for r in rows:
+        if r["accept_by_depth"]:
+            b.plot(range(1, len(r["accept_by_depth"]) + 1), r["accept_by_depth"], marker="o", label=r["method"])
+    b.set_xlabel("draft depth")
+    b.set_ylabel("acceptance (accepted path reached depth)")
+    b.set_ylim(0, 1)
+    if b.lines:
+        b.legend()
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as e:
+        raise CloverError(f"cannot write the plot {path}: {e.strerror}")
+    finally:
+        plt.close(fig)
+
+
+class _progress:
+    def __init__(self, cfg, total):
+        self.bar = None
+        if sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+            self.bar = Progress(TextColumn("[bold]bench"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("{task.description}"), console=Console(stderr=True), transient=True)
+            self.task = self.bar.add_task("", total=total)
+            self.bar.start()
+
+    def advance(self, what: str):
+        if self.bar is not None:
+            self.bar.update(self.task, advance=1, description=what)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.stop()

@@ -1,0 +1,110 @@
+"""`clover bench`: every method on the same prompts, identity with HF greedy, JSON and plot output, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from clover_cli.heads import HeadsConfig, build_heads, save_heads
+
+
+@pytest.fixture(scope="module")
+def model_with_heads(llama_dir, tmp_path_factory):
+    """The llama fixture plus random Clover-2 and Medusa heads (random heads still must be lossless)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(llama_dir)
+    root = tmp_path_factory.mktemp("bench_heads")
+    paths = {}
+    for arch in ("clover2", "medusa"):
+        torch.manual_seed(0)
+        heads = build_heads(HeadsConfig.for_target(model.config, architecture=arch, num_heads=3, num_layers=1), model)
+        heads.init_from_target(model)
+        save_heads(heads, root / arch, "test heads")
+        paths[arch] = root / arch
+    return llama_dir, paths
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    p = tmp_path / "prompts.jsonl"
+    p.write_text("\n".join(json.dumps({"prompt": t}) for t in [
+        "Tell me about the fox and the dog.", "What is 2 + 3?", "Hello! How can I help you today?"]) + "\n")
+    return p
+
+
+def test_bench_json_all_methods_identical(model_with_heads, prompts_file, run_cli, tmp_path):
+    model, heads = model_with_heads
+    png = tmp_path / "bench.png"
+    code, out, err = run_cli("bench", str(model), "--heads", str(heads["clover2"]), "--medusa-heads",
+                             str(heads["medusa"]), "--prompts", str(prompts_file), "-n", "24", "--json",
+                             "--plot", str(png))
+    assert code == 0, err
+    report = json.loads(out)
+    rows = {r["method"]: r for r in report["methods"]}
+    assert list(rows) == ["hf", "hf-lookup", "plain", "ngram", "medusa", "clover"]
+    for name, r in rows.items():
+        assert r["identical"] is True and r["mismatches"] == [], name
+        assert r["tokens_per_s"] > 0 and r["new_tokens"] == 3 * 24
+        assert {"method", "tokens_per_s", "tau", "speedup_vs_hf", "identical"} <= set(r)
+    assert rows["hf"]["speedup_vs_hf"] == 1.0 and rows["plain"]["tau"] == 1.0
+    assert rows["ngram"]["tau"] >= 1.0 and rows["clover"]["tau"] >= 1.0
+    assert png.is_file() and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_prompt_directory_and_methods(model_with_heads, tmp_path, run_cli):
+    model, _ = model_with_heads
+    d = tmp_path / "p"
+    d.mkdir()
+    (d / "a.txt").write_text("Say hello.")
+    (d / "b.txt").write_text("Count to five.")
+    code, out, err = run_cli("bench", str(model), "--prompts", str(d), "--methods", "plain,ngram", "-n", "8",
+                             "--json", "--repeats", "2")
+    assert code == 0, err
+    report = json.loads(out)
+    assert [r["method"] for r in report["methods"]] == ["plain", "ngram"]
+    assert report["prompts"] == 2 and report["repeats"] == 2
+    assert all(r["identical"] is None for r in report["methods"])  # no hf row to compare with
+    assert report["methods"][0]["new_tokens"] == 2 * 2 * 8
+
+
+def test_bench_table(model_with_heads, prompts_file, run_cli):
+    model, _ = model_with_heads
+    code, out, err = run_cli("bench", str(model), "--prompts", str(prompts_file), "--methods", "hf,plain",
+                             "-n", "6", "--limit", "1")
+    assert code == 0, err
+    assert "clover bench" in out and "plain" in out and "yes" in out
+
+
+def test_builtin_prompts_are_heldout_and_categorised():
+    from clover_cli.bench import load_prompts
+    from clover_cli.data import is_heldout
+
+    rows = load_prompts(None, None)
+    assert len(rows) >= 20
+    assert {r["category"] for r in rows} == {"multi-turn", "translation", "summarisation", "qa", "math",
+                                             "retrieval"}
+    assert all(is_heldout(r["id"]) for r in rows)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--methods", "eagle"], "unknown method"),
+    (["--methods", "hf-assisted"], "--assistant"),
+    (["--methods", "clover"], "Clover-2 heads"),
+    (["--prompts", "/nonexistent/prompts.jsonl"], "no such file"),
+    (["-n", "0"], "--max-new-tokens"),
+    (["--repeats", "0"], "--repeats"),
+    (["--temperature", "-1"], "--temperature"),
+])
+def test_bench_bad_input(llama_dir, run_cli, args, needle, prompts_file):
+    code, out, err = run_cli("bench", str(llama_dir), "--prompts", str(prompts_file), *args)
+    assert code == 2 and out == "" and err.count("\n") == 1 and needle in err, err
+
+
+def test_bench_malformed_prompts(llama_dir, run_cli, tmp_path):
+    p = tmp_path / "bad.jsonl"
+    p.write_text('{"prompt": "ok"}\n{"text": "no prompt field"}\n')
+    code, out, err = run_cli("bench", str(llama_dir), "--prompts", str(p))
+    assert code == 2 and ":2:" in err and err.count("\n") == 1
