@@ -8,6 +8,8 @@ keys the committed prefix plus the new tokens, and the mask (when given) says wh
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
@@ -17,6 +19,28 @@ from .errors import CloverError
 
 ATTN_NAME = "clover_tree"
 
+# Device types on which tree attention and the KV commit run through the Triton kernels (clover_kernels). CPU keeps
+# the torch path; the kernel tests add "cpu" under TRITON_INTERPRET=1 to exercise this wiring without a GPU.
+# CLOVER_TRITON=0 turns the kernels off.
+TRITON_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
+TREE_BITS_KWARG = "clover_tree_bits"  # packed tree mask that Target.forward hands to every attention call
+_kernels = None
+
+
+def triton_kernels(device: torch.device):
+    """The clover_kernels module when its Triton kernels are to run on `device`, else None (imported lazily)."""
+    global _kernels
+    if device.type not in TRITON_DEVICE_TYPES or os.environ.get("CLOVER_TRITON", "1") == "0":
+        return None
+    if _kernels is None:
+        try:
+            import clover_kernels
+
+            _kernels = clover_kernels if clover_kernels.triton_available() else False
+        except ImportError:
+            _kernels = False
+    return _kernels or None
+
 
 def tree_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
                    position_ids=None, **kwargs):
@@ -24,9 +48,19 @@ def tree_attention(module, query, key, value, attention_mask, scaling=None, drop
 
     attention_mask: None for plain causal attention over the new tokens, else a bool [B|1, 1, n, L+n] mask (True =
     may attend). A sliding window, when the model has one, is applied from the tokens' positions.
+
+    With `clover_tree_bits` (the mask's tree part packed by Target.forward, which passes it only where the Triton
+    kernels run) and no active sliding window, the Triton tree-attention kernel runs instead of SDPA.
     """
     n, total = query.shape[2], key.shape[2]
     past = total - n
+    bits = kwargs.get(TREE_BITS_KWARG)
+    if (bits is not None and attention_mask is not None and query.shape[0] == 1
+            and not (module.training and dropout) and (sliding_window is None or total <= sliding_window)):
+        kernels = triton_kernels(query.device)
+        if kernels is not None:
+            out = kernels.tree_attention_triton(query, key, value, bits, past, scaling)
+            return out.transpose(1, 2).contiguous(), None  # already contiguous: no copy
     mask = attention_mask
     if mask is not None and mask.dtype != torch.bool:
         mask = mask > -1  # additive float mask from another caller: 0 = visible
@@ -112,6 +146,7 @@ class TreeKVCache(Cache):
         self.length = 0
         self.capacity = capacity
         self.max_capacity = max_capacity
+        self._pointer_table = None  # K/V buffer addresses for the one-launch Triton commit
 
     def reserve(self, n_new: int):
         """Make room for n_new more tokens, growing the buffers (doubling) up to the model's context."""
@@ -129,10 +164,27 @@ class TreeKVCache(Cache):
         self.length += n
 
     def commit(self, nodes: torch.Tensor):
-        """Keep the written tokens at offsets `nodes` (ascending, starting at 0) as the next committed tokens."""
-        for layer in self.layers:
-            layer.commit(self.length, nodes)
+        """Keep the written tokens at offsets `nodes` (ascending, starting at 0) as the next committed tokens.
+
+        Where the Triton kernels run, all layers' keys and values move in one launch (clover_kernels.kv_commit).
+        """
+        if not self._commit_triton(nodes):
+            for layer in self.layers:
+                layer.commit(self.length, nodes)
         self.length += nodes.numel()
+
+    def _commit_triton(self, nodes: torch.Tensor) -> bool:
+        kernels = triton_kernels(nodes.device)
+        if kernels is None or not nodes.numel() or not all(layer.is_initialized for layer in self.layers):
+            return False
+        if self._pointer_table is None:
+            self._pointer_table = kernels.PointerTable()
+        try:
+            kernels.kv_commit_triton([layer.keys for layer in self.layers], [layer.values for layer in self.layers],
+                                     self.length, nodes, nodes.numel(), table=self._pointer_table)
+        except ValueError:  # layers of different shapes, dtypes or devices: one gather per layer instead
+            return False
+        return True
 
     def truncate(self, length: int):
         self.length = min(self.length, length)
@@ -185,12 +237,16 @@ class Target:
         if positions is None:
             positions = torch.arange(past, past + n, device=self.device)
         mask = None
+        extra = {}
         if tree_mask is not None:
             mask = torch.ones(1, 1, n, past + n, dtype=torch.bool, device=self.device)
             mask[0, 0, :, past:] = tree_mask
+            kernels = triton_kernels(self.device)
+            if kernels is not None:  # packed once here, used by every layer's attention
+                extra[TREE_BITS_KWARG] = kernels.pack_tree_mask(tree_mask)
         self._pre_norm = None
         out = self.base(input_ids=tokens[None], position_ids=positions[None], past_key_values=self.cache,
-                        attention_mask=mask, use_cache=True)
+                        attention_mask=mask, use_cache=True, **extra)
         post = out.last_hidden_state[0]
         pre = self._pre_norm[0] if self._pre_norm is not None else post
         logits = self.lm_head(post if logits_for is None else post[logits_for]).float()
