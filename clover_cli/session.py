@@ -72,7 +72,8 @@ class Session:
         self.drafter = self._drafter(opts)
         self.engine = Engine(self.target, self.drafter, budget=budget, auto_budget=auto)
         self.eos_ids = self._eos_ids()
-        self.stop_strings = STOP_STRINGS.get(self.template_name, [])
+        # the tokenizer's own template has no known stop strings; an alias names the template it follows
+        self.stop_strings = STOP_STRINGS.get(self.template_name) or STOP_STRINGS.get(spec.template if spec else "", [])
 
     @property
     def draft_name(self) -> str:

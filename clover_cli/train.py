@@ -561,15 +561,18 @@ forward of the real engine, greedy, {EVAL_PROMPTS} prompts x {EVAL_NEW_TOKENS} t
 
 def push(out: Path, repo: str):
     from huggingface_hub import HfApi
-    from huggingface_hub.errors import HfHubHTTPError
+    # the HTTP client's base error (httpx in huggingface_hub 1.x, httpx2 in 2.x): both HfHubHTTPError and a
+    # connection error (refused, timed out, unknown host), which huggingface_hub raises as it is
+    from huggingface_hub.errors import HTTPError
 
     api = HfApi()
     try:
         api.create_repo(repo, exist_ok=True)
         api.upload_folder(repo_id=repo, folder_path=str(out),
                           allow_patterns=["config.json", "model.safetensors", "README.md"])
-    except (HfHubHTTPError, OSError) as e:
-        raise CloverError(f"could not push to {repo}: {str(e).splitlines()[0]} (the heads are saved in {out})")
+    except (HTTPError, OSError) as e:
+        why = (str(e).splitlines() or [type(e).__name__])[0]
+        raise CloverError(f"could not push to {repo}: {why} (the heads are saved in {out})")
 
 
 def _save_checkpoint(out: Path, heads, opt, sched, step: int, history: list):
