@@ -427,7 +427,6 @@ def run_training(cfg: TrainConfig):
     n_tokens = sum(len(i) for i in ids)
     log(f"{len(ids)} training conversations ({n_tokens} tokens), {len(held_ids)} held out")
 
-    rng = random.Random(cfg.seed)
     per_epoch = len(make_batches([len(i) for i in ids], cfg.batch_tokens, random.Random(0)))
     total_steps = cfg.max_steps or max(1, int(math.ceil(per_epoch * cfg.epochs)))
     total_steps = max(1, total_steps // accelerator.num_processes) if cfg.max_steps is None else total_steps

@@ -164,9 +164,6 @@ def main():
         t_long = measure(lambda: gen(args.new_tokens), 3)
     report["hf_ms_per_token"] = round(1000 * (t_long - t_short) / (args.new_tokens - 1), 3)
     model.set_attn_implementation("clover_tree")
-    del model, target, heads, drafter
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
     # 5. the bundled model end to end, with and without speculation
     from clover_cli.engine import Sampling

@@ -82,3 +82,76 @@ def run_engine(engine, prompt, stop, sampling=None):
         out += ev.tokens
         events.append(ev)
     return out, events
+
+
+# ------------------------------------------------------------------------------------ processes and servers
+
+def console_script(name: str) -> list[str]:
+    """A console script of this environment (next to the interpreter), else on PATH."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    here = Path(sys.executable).with_name(name)
+    found = str(here) if here.is_file() else shutil.which(name)
+    assert found, f"{name} is not installed: pip install -e '.[test]'"
+    return [found]
+
+
+def clover_command() -> list[str]:
+    """The installed `clover` script, else `python -m clover_cli.cli`."""
+    import sys
+    from pathlib import Path
+
+    here = Path(sys.executable).with_name("clover")
+    return [str(here)] if here.is_file() else [sys.executable, "-m", "clover_cli.cli"]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def olah_server(root, probe_repo: str):
+    """Run olah (a Hub-compatible mirror server) on loopback, serving the git repos under root/mirrors.
+
+    A generator for a fixture: yields the endpoint URL once any HTTP answer comes back for probe_repo.
+    """
+    import subprocess
+    import time
+    import urllib.error
+    import urllib.request
+
+    for d in ("repos", "mirrors", "logs"):
+        (root / d).mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    cfg = root / "olah.toml"
+    cfg.write_text(f'[basic]\nhost = "127.0.0.1"\nport = {port}\nrepos-path = "{root / "repos"}"\n'
+                   f'mirrors-path = ["{root / "mirrors"}"]\n[accessibility]\noffline = true\n')
+    url = f"http://127.0.0.1:{port}"
+    with open(root / "olah.out", "wb") as log:
+        proc = subprocess.Popen([*console_script("olah-cli"), "-c", str(cfg), "--log-path", str(root / "logs")],
+                                cwd=root, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    urllib.request.urlopen(f"{url}/api/models/{probe_repo}/revision/main", timeout=2).close()
+                    break
+                except urllib.error.HTTPError:
+                    break  # any HTTP answer: the server is up
+                except OSError:
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError("olah did not start:\n" + (root / "olah.out").read_text(errors="replace"))
+                    time.sleep(0.2)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -18,30 +18,17 @@ import io
 import json
 import os
 import shutil
-import socket
 import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import build_model
+from helpers import clover_command, olah_server
 
 
-def _script(name: str) -> list[str]:
-    """A console script of this environment (next to the interpreter), else on PATH."""
-    here = Path(sys.executable).with_name(name)
-    found = str(here) if here.is_file() else shutil.which(name)
-    assert found, f"{name} is not installed: pip install -e '.[test]'"
-    return [found]
-
-
-_here = Path(sys.executable).with_name("clover")
-CLOVER = [str(_here)] if _here.is_file() else [sys.executable, "-m", "clover_cli.cli"]  # as installed, else -m
+CLOVER = clover_command()
 PROMPT = "Hello! What is the capital of France?\n"
 SAFE_SUFFIXES = {".json", ".safetensors", ".jinja", ".txt", ".md", ".model", ".tiktoken"}
 
@@ -65,12 +52,6 @@ def _replace_files(repo: Path, src: Path):
             shutil.rmtree(f) if f.is_dir() else f.unlink()
     for f in src.iterdir():
         shutil.copy2(f, repo / f.name)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _make_heads(model_dir: Path, out: Path):
@@ -149,37 +130,8 @@ def hub(tmp_path_factory):
     _git(alias, "init", "-q", "-b", "main")
     _commit(alias, "tiny stand-in")
 
-    port = _free_port()
-    (root / "repos").mkdir()
-    (root / "logs").mkdir()
-    cfg = root / "olah.toml"
-    cfg.write_text(f'[basic]\nhost = "127.0.0.1"\nport = {port}\nrepos-path = "{root / "repos"}"\n'
-                   f'mirrors-path = ["{root / "mirrors"}"]\n[accessibility]\noffline = true\n')
-    log = open(root / "olah.out", "wb")
-    proc = subprocess.Popen([*_script("olah-cli"), "-c", str(cfg), "--log-path", str(root / "logs")], cwd=root,
-                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"{url}/api/models/org/model/revision/main", timeout=2).close()
-                break
-            except urllib.error.HTTPError:
-                break  # any HTTP answer: the server is up
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("olah did not start:\n" + (root / "olah.out").read_text(errors="replace"))
-                time.sleep(0.2)
+    for url in olah_server(root, "org/model"):
         yield Hub(root, url, refs, commits)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 @pytest.fixture(scope="session")

@@ -13,21 +13,15 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import socket
 import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from conftest import build_model
+from helpers import clover_command, free_port, olah_server
 
-_here = Path(sys.executable).with_name("clover")
-CLOVER = [str(_here)] if _here.is_file() else [sys.executable, "-m", "clover_cli.cli"]
+CLOVER = clover_command()
 REPO = "org/heads"
 PUSHED = ("config.json", "model.safetensors", "README.md")
 
@@ -40,12 +34,6 @@ CONVERSATIONS = [
     ]}
     for i in range(20)
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -96,46 +84,14 @@ def assert_push_failed(code: int, err: str, out: Path, *needles: str):
 
 
 def test_push_to_unreachable_hub(train):
-    code, _, err, out = train(f"http://127.0.0.1:{_free_port()}")  # nothing listens there
+    code, _, err, out = train(f"http://127.0.0.1:{free_port()}")  # nothing listens there
     assert_push_failed(code, err, out, "Connection refused")
 
 
 @pytest.fixture()
 def read_only_hub(tmp_path):
     """olah, serving no repositories, offline: a real Hub-compatible server without the write API."""
-    olah = Path(sys.executable).with_name("olah-cli")
-    olah = str(olah) if olah.is_file() else shutil.which("olah-cli")
-    assert olah, "olah is not installed: pip install -e '.[test]'"
-    root = tmp_path / "olah"
-    for d in ("repos", "mirrors", "logs"):
-        (root / d).mkdir(parents=True)
-    port = _free_port()
-    (root / "olah.toml").write_text(f'[basic]\nhost = "127.0.0.1"\nport = {port}\nrepos-path = "{root / "repos"}"\n'
-                                    f'mirrors-path = ["{root / "mirrors"}"]\n[accessibility]\noffline = true\n')
-    url = f"http://127.0.0.1:{port}"
-    with open(root / "olah.out", "wb") as log:
-        proc = subprocess.Popen([olah, "-c", str(root / "olah.toml"), "--log-path", str(root / "logs")], cwd=root,
-                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        try:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    urllib.request.urlopen(f"{url}/api/models/{REPO}/revision/main", timeout=2).close()
-                    break
-                except urllib.error.HTTPError:
-                    break  # any HTTP answer: the server is up
-                except OSError:
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError("olah did not start:\n" + (root / "olah.out").read_text(errors="replace"))
-                    time.sleep(0.2)
-            yield url
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    yield from olah_server(tmp_path / "olah", REPO)
 
 
 def test_push_refused_by_the_hub(train, read_only_hub):

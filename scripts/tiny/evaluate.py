@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import time
 from datetime import date
 from pathlib import Path
 
@@ -121,7 +120,6 @@ def main():
     speed = {"none": [0, 0.0], "clover": [0, 0.0]}
     for ids in encoded:
         for name in ("none", "clover"):
-            t0 = time.perf_counter()
             out, stats = run(base, name, ids, args.max_new_tokens, 0.0, 0)
             speed[name][0] += stats.new_tokens - 1
             speed[name][1] += stats.decode_s
