@@ -76,7 +76,7 @@ def load_prompts(spec: str | None, limit: int | None) -> list[dict]:
     """[{'id', 'category', 'messages'}] from a directory of .txt files, a JSONL file, or the built-in set."""
     rows = []
     if spec is None:
-        rows = [json.loads(line) for line in BUILTIN_PROMPTS.read_text().splitlines() if line.strip()]
+        rows = [json.loads(line) for line in BUILTIN_PROMPTS.read_text().split("\n") if line.strip()]
     else:
         path = Path(spec).expanduser()
         if path.is_dir():
@@ -88,7 +88,7 @@ def load_prompts(spec: str | None, limit: int | None) -> list[dict]:
                 if text:
                     rows.append({"id": f.stem, "category": "file", "messages": [{"role": "user", "content": text}]})
         elif path.is_file():
-            for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            for n, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
                 if not line.strip():
                     continue
                 try:

@@ -70,7 +70,7 @@ def iter_conversations(source: str = "sharegpt") -> Iterator[tuple[str, list[dic
         raise CloverError(f"{source}: not UTF-8 text")
     if path.suffix == ".jsonl" or (strict and not text.lstrip().startswith("[")):
         items = []
-        for lineno, line in enumerate(text.splitlines(), 1):
+        for lineno, line in enumerate(text.split("\n"), 1):  # not splitlines(): U+2028 may sit in a string
             if not line.strip():
                 continue
             try:

@@ -166,7 +166,7 @@ def regenerate(cfg: TrainConfig, model, tokenizer, template: str, conversations,
     cache = Path(cfg.out) / "regenerated.jsonl"
     done = []
     if cache.is_file():
-        done = [json.loads(line) for line in cache.read_text().splitlines() if line.strip()]
+        done = [json.loads(line) for line in cache.read_text().split("\n") if line.strip()]
     convs = [m[: 2 * REGEN_MAX_TURNS + (m[0]["role"] == "system")] for m in conversations]
     if len(done) >= len(convs):
         return done[: len(convs)]

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The whole recipe of the bundled `tiny` model, from ShareGPT to the package (CPU; resumable step by step).
+#
+#   bash scripts/tiny/build.sh            # WORK=runs/tiny by default
+#
+# 1. tokenizer + target from scratch          scripts/tiny/train_target.py (recipe.json)
+# 2. English ShareGPT as JSONL                scripts/tiny/export_data.py
+# 3. Clover-2 heads, self-distilled           clover train --regenerate (the target's own replies)
+# 4. Medusa heads on the same data and steps  clover train --arch medusa (for comparison; not shipped)
+# 5. evaluation on held-out prompts           scripts/tiny/evaluate.py -> docs/tiny_eval.json
+# 6. fp16 weights into clover_cli/bundled     scripts/tiny/export.py
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+WORK=${WORK:-runs/tiny}
+CONVERSATIONS=${CONVERSATIONS:-1200}
+STEPS=${STEPS:-300}
+HEADS_ARGS=(--data "$WORK/sharegpt_en.jsonl" --max-conversations "$CONVERSATIONS" --max-steps "$STEPS"
+            --heads 5 --batch-tokens 8192 --max-len 1024 --lr 2e-3 --eval-every 100 --seed 0 --cache-features)
+
+python scripts/tiny/train_target.py --work "$WORK"
+python scripts/tiny/export_data.py --work "$WORK"
+[ -f "$WORK/heads-clover/model.safetensors" ] ||
+  clover train "$WORK/target" --out "$WORK/heads-clover" --arch clover --layers 1 --regenerate "${HEADS_ARGS[@]}"
+mkdir -p "$WORK/heads-medusa"
+cp "$WORK/heads-clover/regenerated.jsonl" "$WORK/heads-medusa/regenerated.jsonl"  # the very same replies
+[ -f "$WORK/heads-medusa/model.safetensors" ] ||
+  clover train "$WORK/target" --out "$WORK/heads-medusa" --arch medusa --regenerate --overwrite "${HEADS_ARGS[@]}"
+python scripts/tiny/evaluate.py --model "$WORK/target" --clover "$WORK/heads-clover" --medusa "$WORK/heads-medusa"
+python scripts/tiny/export.py --work "$WORK"
