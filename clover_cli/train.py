@@ -31,8 +31,6 @@ import torch.nn.functional as F
 
 from .errors import CloverError
 
-REGEN_MAX_NEW_TOKENS = 256
-REGEN_MAX_TURNS = 4
 EVAL_PROMPTS = 4
 EVAL_NEW_TOKENS = 64
 MARKER = "clover-train.json"
@@ -63,6 +61,8 @@ class TrainConfig:
     dtype: str = "auto"
     revision: str | None = None
     trust_remote_code: bool = False
+    regen_turns: int = 4
+    regen_max_tokens: int = 256
     reg_weight: float = 1.0
     decay: float = 0.7
     warmup_frac: float = 0.05
@@ -89,6 +89,10 @@ def validate(cfg: TrainConfig):
         raise CloverError(f"--epochs must be positive, not {cfg.epochs}")
     if cfg.eval_every < 1:
         raise CloverError(f"--eval-every must be at least 1, not {cfg.eval_every}")
+    if not 1 <= cfg.regen_turns <= 64:
+        raise CloverError(f"--regen-turns must be between 1 and 64, not {cfg.regen_turns}")
+    if not 1 <= cfg.regen_max_tokens < cfg.max_len:
+        raise CloverError(f"--regen-max-tokens must be between 1 and --max-len - 1, not {cfg.regen_max_tokens}")
     if cfg.max_conversations is not None and cfg.max_conversations < 1:
         raise CloverError(f"--max-conversations must be at least 1, not {cfg.max_conversations}")
 
@@ -159,50 +163,95 @@ def encode(conversations, tokenizer, template: str, max_len: int):
     return ids, masks
 
 
-def regenerate(cfg: TrainConfig, model, tokenizer, template: str, conversations, device, log):
-    """Self-distillation: replace each assistant turn with the target's own greedy reply (cached in --out)."""
+def regenerate(cfg: TrainConfig, model, tokenizer, template: str, stop_strings, conversations, device, log,
+               target_box: dict):
+    """Self-distillation: replace each assistant turn with the target's own greedy reply.
+
+    Turn by turn, so later turns see the target's earlier replies; at most cfg.regen_turns turns, each at most
+    cfg.regen_max_tokens tokens. On a CPU each reply comes from clover's own engine with the n-gram drafter (greedy
+    is lossless, and one sequence at a time beats padded batches there); on a GPU from batched transformers
+    generate over prompts sorted by length. Finished conversations are appended to --out/regenerated.jsonl, so an
+    interrupted run resumes where it stopped.
+    """
+    from .session import strip_stop
     from .templates import render
 
     cache = Path(cfg.out) / "regenerated.jsonl"
     done = []
     if cache.is_file():
         done = [json.loads(line) for line in cache.read_text().split("\n") if line.strip()]
-    convs = [m[: 2 * REGEN_MAX_TURNS + (m[0]["role"] == "system")] for m in conversations]
+    convs = [m[: 2 * cfg.regen_turns + (m[0]["role"] == "system")] for m in conversations]
     if len(done) >= len(convs):
         return done[: len(convs)]
-    todo = [list(c) for c in convs[len(done):]]
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
-    pad = tokenizer.pad_token_id
-    eos = tokenizer.eos_token_id
-    batch = 16 if device.type == "cpu" else 64
+    eos = {i for i in (tokenizer.eos_token_id,) if i is not None}
+
+    def prompt_ids(messages, a):
+        text = render(tokenizer, messages[:a], template, add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False)["input_ids"][-(cfg.max_len - cfg.regen_max_tokens):]
+
+    def replies_engine(prompts):
+        from .drafters.ngram import NgramDrafter
+        from .engine import Engine, StopCheck
+
+        if target_box.get("target") is None:
+            from .target import Target
+
+            target_box["target"] = Target(model)
+        engine = Engine(target_box["target"], NgramDrafter(), budget=32, auto_budget=True)
+        outs = []
+        for ids in prompts:
+            stop = StopCheck(cfg.regen_max_tokens, eos, stop_strings,
+                             lambda t: tokenizer.decode(t, skip_special_tokens=False))
+            outs.append([tok for ev in engine.generate(ids, stop) for tok in ev.tokens])
+        return outs
+
+    def replies_batched(prompts):
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (min(eos) if eos else 0)
+        order = sorted(range(len(prompts)), key=lambda k: len(prompts[k]))
+        outs = [None] * len(prompts)
+        for b in range(0, len(order), 32):
+            rows = order[b:b + 32]
+            width = max(len(prompts[k]) for k in rows)
+            x = torch.full((len(rows), width), pad, dtype=torch.long)
+            att = torch.zeros_like(x)
+            for r, k in enumerate(rows):  # left padding
+                x[r, width - len(prompts[k]):] = torch.tensor(prompts[k])
+                att[r, width - len(prompts[k]):] = 1
+            model.set_attn_implementation("sdpa")
+            try:
+                with torch.no_grad():
+                    out = model.generate(input_ids=x.to(device), attention_mask=att.to(device), do_sample=False,
+                                         max_new_tokens=cfg.regen_max_tokens, pad_token_id=pad,
+                                         eos_token_id=sorted(eos) or None)
+            finally:
+                from .target import ATTN_NAME
+
+                model.set_attn_implementation(ATTN_NAME)
+            for r, k in enumerate(rows):
+                outs[k] = out[r, width:].tolist()
+        return outs
+
+    generate = replies_engine if device.type == "cpu" else replies_batched
+    chunk_size = 8 if device.type == "cpu" else 256
     t0 = time.time()
-    for turn in range(REGEN_MAX_TURNS):
-        idx = [k for k, c in enumerate(todo) if _assistant_index(c, turn) is not None]
-        for b in range(0, len(idx), batch):
-            chunk = idx[b:b + batch]
-            prompts = []
-            for k in chunk:
-                a = _assistant_index(todo[k], turn)
-                prompts.append(render(tokenizer, todo[k][:a], template, add_generation_prompt=True))
-            enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-            if enc["input_ids"].shape[1] > cfg.max_len:
-                keep = cfg.max_len
-                enc = {k: v[:, -keep:] for k, v in enc.items()}
-            with torch.no_grad():
-                out = model.generate(**enc, max_new_tokens=REGEN_MAX_NEW_TOKENS, do_sample=False,
-                                     pad_token_id=pad, eos_token_id=eos)
-            for row, k in enumerate(chunk):
-                reply = tokenizer.decode(out[row, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip()
-                a = _assistant_index(todo[k], turn)
-                todo[k][a] = {"role": "assistant", "content": reply}
-            log(f"regenerated turn {turn + 1}: {min(b + batch, len(idx))}/{len(idx)} replies "
-                f"({time.time() - t0:.0f}s)")
-    with cache.open("a") as f:
-        for c in todo:
-            f.write(json.dumps(c, ensure_ascii=False) + "\n")
-    return done + todo
+    todo = convs[len(done):]
+    for c0 in range(0, len(todo), chunk_size):
+        chunk = [list(c) for c in todo[c0:c0 + chunk_size]]
+        for turn in range(cfg.regen_turns):
+            where = [(k, _assistant_index(c, turn)) for k, c in enumerate(chunk)]
+            where = [(k, a) for k, a in where if a is not None]
+            if not where:
+                break
+            outs = generate([prompt_ids(chunk[k], a) for k, a in where])
+            for (k, a), ids in zip(where, outs):
+                reply = strip_stop(tokenizer.decode(ids, skip_special_tokens=True), stop_strings).strip()
+                chunk[k][a] = {"role": "assistant", "content": reply}
+        with cache.open("a") as f:
+            for c in chunk:
+                f.write(json.dumps(c, ensure_ascii=False) + "\n")
+        done.extend(chunk)
+        log(f"regenerated {len(done)}/{len(convs)} conversations ({time.time() - t0:.0f}s)")
+    return done
 
 
 def _assistant_index(messages, turn: int):
@@ -286,8 +335,12 @@ class FeatureCache:
 
 
 def _autocast(device):
-    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu",
-                                                                                                     enabled=False)
+    """bf16 autocast on GPUs, and on CPUs with native bf16 instructions (AVX512-BF16/AMX); fp32 elsewhere."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    native = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)() or \
+        getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(native))
 
 
 def _hidden(model, x):
@@ -308,28 +361,40 @@ def heads_loss(heads, arch: str, model, x, mask, pre, post, cfg: TrainConfig):
         outs = heads.forward_train(pre, x, model.get_input_embeddings(), rope, pos)
     else:
         outs = heads.forward_train(post)
+    # The target's distribution at every position whose next token is an assistant token, computed once and
+    # shared by all heads (head i reads it i positions further on). The soft cross-entropy of a head output o is
+    #     -sum_v p(v) log q(v) = logsumexp(W o) - sum_v p(v) (W o)_v = logsumexp(W o) - (p W) . o
+    # so the target side reduces to its expected output embedding pW, one [H] vector per position.
+    need = torch.zeros_like(mask, dtype=torch.bool)
+    need[:, :-1] = mask[:, 1:] > 0
+    with torch.no_grad():
+        t_logits = lm_head(post[need].to(lm_head.weight.dtype)).float()
+        t_arg = t_logits.argmax(-1)
+        t_prob = torch.softmax(t_logits, -1)
+        del t_logits
+        t_emb = t_prob @ lm_head.weight.float()
+        t_bias = t_prob @ lm_head.bias.float() if getattr(lm_head, "bias", None) is not None else None
+        del t_prob
+        row_of = torch.full(mask.shape, -1, dtype=torch.long, device=mask.device)
+        row_of[need] = torch.arange(t_emb.shape[0], device=mask.device)
     total = pre.new_zeros(())
     per_head = []
     for i, out in enumerate(outs):
         n = T - 2 - i
-        if n <= 0:
-            per_head.append((0.0, 0.0, 0))
-            continue
-        m = mask[:, 2 + i:2 + i + n] > 0  # the token predicted at t is t+2+i: an assistant token
-        if not m.any():
+        m = mask[:, 2 + i:2 + i + n] > 0 if n > 0 else None  # the token predicted at t is t+2+i
+        if m is None or not m.any():
             per_head.append((0.0, 0.0, 0))
             continue
         student = out[:, :n][m]
         teacher = post[:, 1 + i:1 + i + n][m]
-        with torch.no_grad():
-            t_logits = lm_head(teacher.to(lm_head.weight.dtype)).float()
-            t_logp = torch.log_softmax(t_logits, -1)
-        s_logits = lm_head(student.to(lm_head.weight.dtype)).float()
-        ce = -(t_logp.exp() * torch.log_softmax(s_logits, -1)).sum(-1).mean()
+        rows = row_of[:, 1 + i:1 + i + n][m]
+        s_logits = lm_head(student.to(lm_head.weight.dtype))
+        dot = (t_emb[rows] * student.float()).sum(-1) + (t_bias[rows] if t_bias is not None else 0.0)
+        ce = (torch.logsumexp(s_logits.float(), -1) - dot).mean()
         reg = F.smooth_l1_loss(student.float(), teacher.float(), reduction="none").mean(-1).mean()
         loss_i = ce + cfg.reg_weight * reg
         total = total + (cfg.decay ** i) * loss_i
-        acc = (s_logits.argmax(-1) == t_logits.argmax(-1)).float().mean().item()
+        acc = (s_logits.argmax(-1) == t_arg[rows]).float().mean().item()
         per_head.append((loss_i.item(), acc, int(m.sum())))
     return total, per_head
 
@@ -393,7 +458,7 @@ def run_training(cfg: TrainConfig):
     from .heads import HeadsConfig, build_heads, save_heads
     from .hub import resolve_model
     from .loading import load
-    from .templates import chat_template
+    from .templates import STOP_STRINGS, chat_template
 
     try:
         from accelerate import Accelerator
@@ -415,11 +480,13 @@ def run_training(cfg: TrainConfig):
     model, tokenizer = loaded.model, loaded.tokenizer
     model.requires_grad_(False)
     spec = resolved.spec
-    _, template = chat_template(tokenizer, spec.template if spec else None)
+    template_name, template = chat_template(tokenizer, spec.template if spec else None)
+    stop_strings = STOP_STRINGS.get(template_name) or STOP_STRINGS.get(spec.template if spec else "", [])
 
+    target_box: dict = {}  # one Target wrapper (our cache + attention) for regeneration and evaluation
     train_msgs, held_msgs = load_data(cfg, tokenizer, template)
     if cfg.regenerate:
-        train_msgs = regenerate(cfg, model, tokenizer, template, train_msgs, device, log)
+        train_msgs = regenerate(cfg, model, tokenizer, template, stop_strings, train_msgs, device, log, target_box)
     ids, masks = encode(train_msgs, tokenizer, template, cfg.max_len)
     held_ids, held_masks = encode(held_msgs, tokenizer, template, cfg.max_len)
     if not ids:
@@ -455,7 +522,6 @@ def run_training(cfg: TrainConfig):
     features = FeatureCache(out / "features", model, ids, device, torch.bfloat16 if device.type == "cuda"
                             else torch.float32) if cfg.cache_features else None
 
-    target_box: dict = {}
     t_start, tokens_seen, last = time.time(), 0, {}
     epoch = step // max(1, per_epoch)
     batches = make_batches([len(i) for i in ids], cfg.batch_tokens, random.Random(cfg.seed + epoch))

@@ -176,3 +176,36 @@ def test_out_of_memory_suggests_smaller_batches(fresh_model, data_file, tmp_path
     assert code == 2
     errors = [line for line in err.splitlines() if line.startswith("clover: error:")]
     assert len(errors) == 1 and "--batch-tokens" in errors[0] and "Traceback" not in err
+
+
+def test_loss_matches_the_direct_soft_cross_entropy(llama_dir):
+    """heads_loss's shortcut (logsumexp - expected output embedding) equals -sum p log q computed directly."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from clover_cli.heads import HeadsConfig, build_heads
+    from clover_cli.target import hidden_states
+    from clover_cli.train import TrainConfig, heads_loss
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(llama_dir).eval()
+    heads = build_heads(HeadsConfig.for_target(model.config, "medusa", num_heads=3), model)
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    x = torch.randint(3, model.config.vocab_size, (2, 40))
+    mask = (torch.rand(2, 40) < 0.6).float()
+    with torch.no_grad():
+        pre, post = hidden_states(model, x)
+    cfg = TrainConfig(model="m", out="o", reg_weight=0.0, decay=0.5)
+    total, per_head = heads_loss(heads, "medusa", model, x, mask, pre, post, cfg)
+    lm_head = model.get_output_embeddings()
+    expected = 0.0
+    for i, out in enumerate(heads.forward_train(post)):
+        n = 40 - 2 - i
+        m = mask[:, 2 + i:2 + i + n] > 0
+        p = torch.softmax(lm_head(post[:, 1 + i:1 + i + n][m]), -1)
+        logq = F.log_softmax(lm_head(out[:, :n][m]), -1)
+        ce = -(p * logq).sum(-1).mean()
+        assert abs(per_head[i][0] - ce.item()) < 1e-4
+        expected = expected + 0.5 ** i * ce
+    assert abs(total.item() - expected.item()) < 1e-4
