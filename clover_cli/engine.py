@@ -243,12 +243,18 @@ class Engine:
         if self.auto_budget and self.cost is None and finish is None and self.drafter.name != "none":
             self.calibrate(root)
 
+        idle = 0  # steps in a row where no drafted node was worth verifying
         while finish is None:
             t0 = time.perf_counter()
-            tree = self.drafter.propose(self.context + [root], self.budget)
+            if self.cost is not None and idle >= 3 and idle % 8:
+                tree = DraftTree.root_only(root)  # drafting does not pay here: plain steps, retrying now and then
+                idle += 1
+            else:
+                tree = self.drafter.propose(self.context + [root], self.budget)
             t1 = time.perf_counter()
             if self.cost is not None and len(tree) > 1:
                 tree = tree.prune(self.cost.best_budget(tree.scores[1:]))
+                idle = 0 if len(tree) > 1 else idle + 1
             tree = tree.prune(max(0, self.target.max_context - self.target.length - 1))  # room left in context
             tokens, depths, mask = tree.tensors(device)
             hidden, logits = self.target.forward(tokens, self.target.length + depths, mask)

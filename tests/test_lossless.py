@@ -139,3 +139,26 @@ def test_auto_budget_is_lossless_and_measures_cost():
     assert out == reference
     assert engine.cost is not None and 1 in engine.cost.verify_s and 33 in engine.cost.verify_s
     assert all(e.proposed <= 32 for e in events)
+
+
+def test_drafts_that_never_pay_are_mostly_skipped():
+    """With auto budget, a drafter whose nodes are never worth verifying is asked only now and then."""
+    model = make_model("llama", 4)
+    target = Target(model)
+    prompt = [7, 8, 9, 10]
+    reference = hf_greedy(model, prompt, 40)
+
+    class Hopeless(OracleDrafter):
+        calls = 0
+
+        def propose(self, context, budget):
+            Hopeless.calls += 1
+            tree = super().propose(context, budget)
+            tree.scores = [1.0] + [1e-9] * (len(tree) - 1)
+            return tree
+
+    engine = Engine(target, Hopeless(reference, len(prompt), 96, 0.0, 0), budget=16, auto_budget=True)
+    out, events = run_engine(engine, prompt, StopCheck(40))
+    assert out == reference
+    steps = len(events) - 1
+    assert Hopeless.calls < steps / 2 and all(e.proposed == 0 for e in events)
