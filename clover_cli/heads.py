@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from .errors import CloverError
 
 FORMAT_VERSION = 1
+DRAFT_VOCAB_KEY = "draft_vocab"  # optional int64 [n]: the token ids heads draft from (most used first)
 # The parts of the target's config the heads depend on: a mismatch means the heads cannot run on this target.
 TARGET_KEYS = ("model_type", "hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads",
                "intermediate_size", "head_dim")
@@ -47,6 +48,7 @@ class HeadsConfig:
     vocab_size: int = 0
     num_gate_heads: int = 0  # heads of the regressive attention gates (the target's attention heads)
     rms_norm_eps: float = 1e-6
+    draft_vocab_size: int = 0  # >0: heads draft only from this many of the target's most used tokens
     target: dict = field(default_factory=dict)  # TARGET_KEYS of the target, plus its name and revision
     training: dict = field(default_factory=dict)  # what `clover train` measured and used
     format_version: int = FORMAT_VERSION
@@ -219,7 +221,9 @@ ARCHITECTURES = {"clover2": Clover2Heads, "medusa": MedusaHeads}
 def build_heads(cfg: HeadsConfig, target_model) -> nn.Module:
     if cfg.architecture not in ARCHITECTURES:
         raise CloverError(f"unknown heads architecture {cfg.architecture!r}")
-    return ARCHITECTURES[cfg.architecture](cfg, target_model.config, _layer_class(target_model))
+    heads = ARCHITECTURES[cfg.architecture](cfg, target_model.config, _layer_class(target_model))
+    heads.draft_vocab = None  # all of the target's vocabulary, unless train/load sets a shortlist
+    return heads
 
 
 def save_heads(heads: nn.Module, out: Path, card: str):
@@ -228,6 +232,9 @@ def save_heads(heads: nn.Module, out: Path, card: str):
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to("cpu").contiguous() for k, v in heads.state_dict().items()}
+    vocab = getattr(heads, "draft_vocab", None)
+    if vocab is not None:
+        state[DRAFT_VOCAB_KEY] = vocab.to("cpu", torch.long).contiguous()
     tmp = out / "model.safetensors.tmp"
     save_file(state, str(tmp), metadata={"format": "pt"})
     tmp.replace(out / "model.safetensors")
@@ -270,15 +277,20 @@ def load_heads(path: Path, target_model, dtype=None) -> nn.Module:
     if not weights.is_file():
         raise CloverError(f"heads {path} have no model.safetensors")
     heads = build_heads(cfg, target_model)
+    device = target_model.get_input_embeddings().weight.device
     try:
         state = load_file(str(weights))
     except (SafetensorError, OSError) as e:
         raise CloverError(f"heads {path}: unreadable model.safetensors ({e})")
+    vocab = state.pop(DRAFT_VOCAB_KEY, None)
+    if vocab is not None:
+        if vocab.ndim != 1 or len(vocab) != cfg.draft_vocab_size or int(vocab.max()) >= cfg.vocab_size:
+            raise CloverError(f"heads {path}: the draft vocabulary does not match the config")
+        heads.draft_vocab = vocab.to(device)
     missing, unexpected = heads.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise CloverError(f"heads {path} do not match their config ({len(missing)} missing, "
                           f"{len(unexpected)} unexpected tensors)")
-    device = target_model.get_input_embeddings().weight.device
     compute_dtype = dtype or _compute_dtype(target_model)
     return heads.to(device=device, dtype=compute_dtype).eval()
 

@@ -61,6 +61,7 @@ class TrainConfig:
     dtype: str = "auto"
     revision: str | None = None
     trust_remote_code: bool = False
+    draft_vocab: int = 32768
     regen_turns: int = 4
     regen_max_tokens: int = 256
     reg_weight: float = 1.0
@@ -89,6 +90,8 @@ def validate(cfg: TrainConfig):
         raise CloverError(f"--epochs must be positive, not {cfg.epochs}")
     if cfg.eval_every < 1:
         raise CloverError(f"--eval-every must be at least 1, not {cfg.eval_every}")
+    if cfg.draft_vocab < 0:
+        raise CloverError(f"--draft-vocab must be 0 (the whole vocabulary) or positive, not {cfg.draft_vocab}")
     if not 1 <= cfg.regen_turns <= 64:
         raise CloverError(f"--regen-turns must be between 1 and 64, not {cfg.regen_turns}")
     if not 1 <= cfg.regen_max_tokens < cfg.max_len:
@@ -262,6 +265,18 @@ def _assistant_index(messages, turn: int):
                 return i
             seen += 1
     return None
+
+
+def draft_vocabulary(ids, masks, vocab_size: int, size: int) -> torch.Tensor | None:
+    """The `size` tokens used most in the training replies (then by id), or None for the whole vocabulary."""
+    if size <= 0 or size >= vocab_size:
+        return None
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for i, m in zip(ids, masks):
+        t = torch.tensor(i)[torch.tensor(m, dtype=torch.bool)]
+        counts += torch.bincount(t, minlength=vocab_size)[:vocab_size]
+    order = sorted(range(vocab_size), key=lambda v: (-int(counts[v]), v))
+    return torch.tensor(order[:size], dtype=torch.long)
 
 
 def make_batches(lengths: list[int], batch_tokens: int, rng: random.Random) -> list[list[int]]:
@@ -501,8 +516,11 @@ def run_training(cfg: TrainConfig):
     hcfg = HeadsConfig.for_target(model.config, architecture="clover2" if cfg.arch == "clover" else "medusa",
                                   num_heads=cfg.num_heads, num_layers=cfg.num_layers, name=resolved.name,
                                   revision=cfg.revision)
+    vocab = draft_vocabulary(ids, masks, model.config.vocab_size, cfg.draft_vocab)
+    hcfg.draft_vocab_size = 0 if vocab is None else len(vocab)
     heads = build_heads(hcfg, model)
     heads.init_from_target(model)
+    heads.draft_vocab = None if vocab is None else vocab.to(device)
     heads.to(device=device, dtype=torch.float32).train()
     opt = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     warmup = max(1, int(cfg.warmup_frac * total_steps))

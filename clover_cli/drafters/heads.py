@@ -37,10 +37,16 @@ class _TreeGrower:
     def start(self):
         self.paths = {0: ()}
 
-    def expand(self, builder: TreeBuilder, level: list[int], logits: torch.Tensor, budget: int) -> list[int]:
-        """Add the children of the nodes in `level` (rows of logits); return the next level's nodes."""
+    def expand(self, builder: TreeBuilder, level: list[int], logits: torch.Tensor, budget: int,
+               token_ids: torch.Tensor | None = None) -> list[int]:
+        """Add the children of the nodes in `level` (rows of logits); return the next level's nodes.
+
+        token_ids maps logit columns to token ids when the heads draft from a shortlist of the vocabulary.
+        """
         probs = torch.softmax(logits.float(), dim=-1)
         top_p, top_i = probs.topk(min(self.topk, probs.shape[-1]), dim=-1)
+        if token_ids is not None:
+            top_i = token_ids[top_i]
         top_p, top_i = top_p.tolist(), top_i.tolist()
         children = []
         for row, parent in enumerate(level):
@@ -66,6 +72,28 @@ class _TreeGrower:
         return children[: self.width]
 
 
+class DraftProjection:
+    """The target's frozen lm_head, restricted to the heads' draft vocabulary when they have one.
+
+    Reading the whole [vocabulary x hidden] matrix at every draft depth is what a draft step mostly costs on a CPU;
+    a shortlist of the target's most used tokens (as in FR-Spec) reads a fraction of it. Verification always uses
+    the full lm_head, so this changes which tokens get proposed, never the output.
+    """
+
+    def __init__(self, lm_head, vocab: torch.Tensor | None):
+        self.lm_head, self.token_ids = lm_head, None
+        if vocab is not None and vocab.numel() < lm_head.weight.shape[0]:
+            self.token_ids = vocab.to(lm_head.weight.device)
+            self.weight = lm_head.weight.detach()[self.token_ids].contiguous()
+            bias = getattr(lm_head, "bias", None)
+            self.bias = bias.detach()[self.token_ids].contiguous() if bias is not None else None
+
+    def __call__(self, out: torch.Tensor) -> torch.Tensor:
+        if self.token_ids is None:
+            return self.lm_head(out)
+        return torch.nn.functional.linear(out.to(self.weight.dtype), self.weight, self.bias)
+
+
 class CloverDrafter:
     name = "clover"
 
@@ -74,6 +102,7 @@ class CloverDrafter:
         self.target = target
         self.grower = _TreeGrower(**grow)
         self.dtype = next(heads.parameters()).dtype
+        self.project = DraftProjection(target.lm_head, getattr(heads, "draft_vocab", None))
         self.cache = TreeKVCache(heads.cfg.num_layers, 256, target.max_context)
         self.state = None
 
@@ -107,7 +136,7 @@ class CloverDrafter:
                 prev = self.target.embed_tokens(
                     torch.tensor([builder.tokens[i] for i in level], device=states.device)).to(self.dtype)
             new_states, out = self.heads.step(depth, states, prev)
-            children = self.grower.expand(builder, level, self.target.lm_head(out), budget)
+            children = self.grower.expand(builder, level, self.project(out), budget, self.project.token_ids)
             if not children:
                 break
             row_of = {node: row for row, node in enumerate(level)}
@@ -124,6 +153,7 @@ class MedusaDrafter:
         self.target = target
         self.grower = _TreeGrower(**grow)
         self.dtype = next(heads.parameters()).dtype
+        self.project = DraftProjection(target.lm_head, getattr(heads, "draft_vocab", None))
         self.norm = getattr(target.base, "norm", None)
         self.logits = None
 
@@ -135,7 +165,7 @@ class MedusaDrafter:
         last = hidden[-1:]
         post = self.norm(last) if self.norm is not None else last
         outs = self.heads.outputs(post.to(self.dtype))
-        self.logits = [self.target.lm_head(o).float() for o in outs]  # head i: [1, V]
+        self.logits = [self.project(o).float() for o in outs]  # head i: [1, V or the draft vocabulary]
 
     @torch.inference_mode()
     def propose(self, context, budget) -> DraftTree:
@@ -145,7 +175,8 @@ class MedusaDrafter:
             return builder.build(0)
         level = [0]
         for depth, logits in enumerate(self.logits):
-            children = self.grower.expand(builder, level, logits.expand(len(level), -1), budget)
+            children = self.grower.expand(builder, level, logits.expand(len(level), -1), budget,
+                                          self.project.token_ids)
             if not children:
                 break
             level = children

@@ -16,12 +16,12 @@ CONVERSATIONS=${CONVERSATIONS:-1000}
 STEPS=${STEPS:-300}
 HEADS_ARGS=(--data "$WORK/sharegpt_en.jsonl" --max-conversations "$CONVERSATIONS" --max-steps "$STEPS"
             --heads 5 --batch-tokens 4096 --max-len 1024 --lr 2e-3 --eval-every 100 --seed 0 --cache-features
-            --regenerate --regen-turns 2)
+            --regenerate --regen-turns 2 --draft-vocab 2048)
 
 python scripts/tiny/train_target.py --work "$WORK"
 python scripts/tiny/export_data.py --work "$WORK"
 [ -f "$WORK/heads-clover/model.safetensors" ] ||
-  clover train "$WORK/target" --out "$WORK/heads-clover" --arch clover --layers 1 "${HEADS_ARGS[@]}"
+  clover train "$WORK/target" --out "$WORK/heads-clover" --arch clover --layers 1 --overwrite "${HEADS_ARGS[@]}"
 mkdir -p "$WORK/heads-medusa"
 cp "$WORK/heads-clover/regenerated.jsonl" "$WORK/heads-medusa/regenerated.jsonl"  # the very same replies
 [ -f "$WORK/heads-medusa/model.safetensors" ] ||
