@@ -22,7 +22,7 @@ import torch
 
 from .errors import CloverError
 
-ALL_METHODS = ("hf", "hf-lookup", "hf-assisted", "plain", "ngram", "medusa", "clover")
+ALL_METHODS = ("hf", "hf-lookup", "hf-assisted", "plain", "ngram", "medusa", "clover", "clover+ngram")
 BUILTIN_PROMPTS = Path(__file__).parent / "bench_prompts.jsonl"
 LOOKUP_TOKENS = 10
 
@@ -114,7 +114,7 @@ def choose_methods(spec: str | None, session, cfg: BenchConfig) -> list[str]:
             raise CloverError(f"unknown method {unknown[0]!r}; choose from {', '.join(ALL_METHODS)}")
         if "hf-assisted" in methods and not cfg.assistant:
             raise CloverError("hf-assisted needs --assistant MODEL")
-        if "clover" in methods and session.clover_heads is None:
+        if any(m.startswith("clover") for m in methods) and session.clover_heads is None:
             raise CloverError("the clover method needs Clover-2 heads: pass --heads")
         if "medusa" in methods and session.medusa_heads is None:
             raise CloverError("the medusa method needs Medusa heads: pass --medusa-heads")
@@ -128,7 +128,7 @@ def choose_methods(spec: str | None, session, cfg: BenchConfig) -> list[str]:
     if session.medusa_heads is not None:
         methods.append("medusa")
     if session.clover_heads is not None:
-        methods.append("clover")
+        methods += ["clover", "clover+ngram"]  # the heads alone, and the default drafter (heads + lookup)
     if cfg.temperature > 0:
         methods = [m for m in methods if not m.startswith("hf-")]
     return methods
@@ -184,15 +184,22 @@ class BenchSession:
 
     def engine(self, method: str):
         """A fresh drafter every run; the engine (and its measured cost model) is kept per method."""
-        from .drafters import NoDrafter
+        from .drafters import MergedDrafter, NoDrafter
         from .drafters.heads import CloverDrafter, MedusaDrafter
         from .drafters.ngram import NgramDrafter
         from .engine import Engine
 
         s = self.session
-        drafter = {"plain": NoDrafter, "ngram": NgramDrafter}.get(method)
-        drafter = drafter() if drafter else (CloverDrafter(self.clover_heads, s.target) if method == "clover"
-                                             else MedusaDrafter(self.medusa_heads, s.target))
+        if method == "plain":
+            drafter = NoDrafter()
+        elif method == "ngram":
+            drafter = NgramDrafter()
+        elif method == "medusa":
+            drafter = MedusaDrafter(self.medusa_heads, s.target)
+        else:
+            drafter = CloverDrafter(self.clover_heads, s.target)
+            if method == "clover+ngram":
+                drafter = MergedDrafter(drafter, NgramDrafter())
         if method not in self.engines:
             self.engines[method] = Engine(s.target, drafter, budget=self.budget, auto_budget=self.auto)
         eng = self.engines[method]

@@ -45,7 +45,8 @@ class Common:
     revision = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit) of the model.")
     heads = typer.Option(None, "--heads", help="Draft heads: a local directory or a Hub repo id.")
     draft = typer.Option("auto", "--draft", help="Drafter: auto, clover, medusa, ngram or none. auto = the "
-                                                 "model's Clover-2 heads when it has them, else ngram.")
+                                                 "model's heads merged with n-gram lookup when it has heads, "
+                                                 "else ngram.")
     tree = typer.Option("dynamic", "--tree", help="Draft tree: dynamic (by probability) or static (fixed shape).")
     tree_budget = typer.Option("auto", "--tree-budget", help="Most draft nodes verified per step, or auto: "
                                                              "sized each step from the measured cost on this device.")

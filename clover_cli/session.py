@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .drafters import NoDrafter
+from .drafters import MergedDrafter, NoDrafter
 from .engine import Engine, Sampling, StepEvent, StopCheck
 from .errors import CloverError
 from .hub import resolve_heads, resolve_model
@@ -105,7 +105,10 @@ class Session:
             raise CloverError(f"--draft {opts.draft} needs {want} heads, but {self.heads_path} holds {arch} heads")
         grow = {"static": True} if opts.tree == "static" else {}
         cls = CloverDrafter if arch == "clover2" else MedusaDrafter
-        return cls(heads, self.target, **grow)
+        drafter = cls(heads, self.target, **grow)
+        if opts.draft == "auto":  # the default: the heads, and n-gram lookup for what already occurred
+            return MergedDrafter(drafter, NgramDrafter())
+        return drafter
 
     def switch_draft(self, name: str):
         """Use another drafter from now on (the next reply re-reads the conversation into it)."""

@@ -107,3 +107,33 @@ class TreeBuilder:
 
     def build(self, budget: int) -> DraftTree:
         return DraftTree(self.tokens, self.parents, self.scores).prune(budget)
+
+
+def merge_trees(a: DraftTree, b: DraftTree) -> DraftTree:
+    """The union of two trees with the same root: shared paths once, each node scored by the better estimate.
+
+    Scores stay non-increasing along every path (a node never outscores its parent), so prune() still applies.
+    """
+    assert a.tokens[0] == b.tokens[0], "trees to merge must share their root"
+    tokens, parents, scores = [a.tokens[0]], [-1], [1.0]
+    kids: list[dict[int, int]] = [{}]
+
+    def add(tree: DraftTree):
+        where = {0: 0}  # node of `tree` -> node of the union
+        for i in range(1, len(tree)):
+            parent = where[tree.parents[i]]
+            tok = tree.tokens[i]
+            node = kids[parent].get(tok)
+            if node is None:
+                node = len(tokens)
+                kids[parent][tok] = node
+                kids.append({})
+                tokens.append(tok)
+                parents.append(parent)
+                scores.append(0.0)
+            scores[node] = min(scores[parent], max(scores[node], tree.scores[i]))
+            where[i] = node
+
+    add(a)
+    add(b)
+    return DraftTree(tokens, parents, scores)

@@ -44,7 +44,7 @@ def test_bench_json_all_methods_identical(model_with_heads, prompts_file, run_cl
     assert code == 0, err
     report = json.loads(out)
     rows = {r["method"]: r for r in report["methods"]}
-    assert list(rows) == ["hf", "hf-lookup", "plain", "ngram", "medusa", "clover"]
+    assert list(rows) == ["hf", "hf-lookup", "plain", "ngram", "medusa", "clover", "clover+ngram"]
     for name, r in rows.items():
         assert r["identical"] is True and r["mismatches"] == [], name
         assert r["tokens_per_s"] > 0 and r["new_tokens"] == 3 * 24

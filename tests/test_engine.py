@@ -215,6 +215,41 @@ def test_prune_keeps_best_nodes_with_their_ancestors():
             assert mask[i, i] and (p < 0 or (mask[i] >= mask[p]).all())
 
 
+def test_merged_trees_are_valid_unions():
+    from clover_cli.tree import merge_trees
+
+    rng = random.Random(1)
+    for _ in range(200):
+        trees = []
+        for _ in range(2):
+            b = TreeBuilder(7)
+            for _ in range(rng.randint(0, 25)):
+                parent = rng.randrange(len(b.tokens))
+                tok = rng.randrange(6)  # a small alphabet: the two trees share many paths
+                if tok not in [b.tokens[c] for c in range(1, len(b.tokens)) if b.parents[c] == parent]:
+                    b.add(parent, tok, b.scores[parent] * rng.random())
+            trees.append(DraftTree(b.tokens, b.parents, b.scores))
+        merged = merge_trees(*trees)
+        merged.validate()
+
+        def paths(t):
+            out = {}
+            for i in range(1, len(t)):
+                path, j = [], i
+                while j > 0:
+                    path.append(t.tokens[j])
+                    j = t.parents[j]
+                out[tuple(reversed(path))] = t.scores[i]
+            return out
+
+        union = paths(merged)
+        a, b = paths(trees[0]), paths(trees[1])
+        assert set(union) == set(a) | set(b)
+        for p, sc in union.items():
+            assert sc >= min(max(a.get(p, 0.0), b.get(p, 0.0)), union.get(p[:-1], 1.0)) - 1e-12
+            assert sc <= union.get(p[:-1], 1.0) + 1e-12
+
+
 # ------------------------------------------------------------------------------------------------ n-gram
 
 def test_ngram_proposes_what_followed_before_and_learns_trigrams():

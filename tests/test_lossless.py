@@ -13,7 +13,7 @@ import zlib
 import pytest
 import torch
 
-from clover_cli.drafters import NoDrafter
+from clover_cli.drafters import MergedDrafter, NoDrafter
 from clover_cli.drafters.heads import CloverDrafter, MedusaDrafter
 from clover_cli.drafters.ngram import NgramDrafter
 from clover_cli.engine import Engine, StopCheck
@@ -60,6 +60,8 @@ def drafter_for(kind: str, model, target, rng: random.Random, reference, prompt_
     if kind == "oracle":
         return OracleDrafter(reference, prompt_len, model.config.vocab_size, rng.choice([0.5, 0.8, 0.95]),
                              rng.randrange(10**6))
+    if kind == "merged":  # the default drafter: heads merged with n-gram lookup
+        return MergedDrafter(drafter_for("clover", model, target, rng, reference, prompt_len), NgramDrafter())
     arch = {"clover": "clover2", "medusa": "medusa"}[kind]
     heads = random_heads(model, arch, rng.randrange(10**6), rng.choice([1, 3, 5]), rng.choice([1, 2]))
     cls = CloverDrafter if kind == "clover" else MedusaDrafter
@@ -67,8 +69,8 @@ def drafter_for(kind: str, model, target, rng: random.Random, reference, prompt_
     return cls(heads, target, **grow)
 
 
-CASES = [(fam, kind, seed) for fam in FAMILIES for kind in ("clover", "medusa", "ngram", "oracle", "none")
-         for seed in range(12)]
+CASES = [(fam, kind, seed) for fam in FAMILIES
+         for kind in ("clover", "medusa", "ngram", "oracle", "none", "merged") for seed in range(10)]
 
 
 @pytest.mark.parametrize("family,kind,seed", CASES)

@@ -44,3 +44,28 @@ class NoDrafter:
 
     def propose(self, context, budget) -> DraftTree:
         return DraftTree.root_only(context[-1])
+
+
+class MergedDrafter:
+    """Two drafters proposing into one tree: Clover-2 heads with n-gram lookup (the default when heads exist).
+
+    The heads predict what comes next from the target's hidden state; lookup copies long stretches that already
+    occurred in the conversation. Each node keeps the better of the two scores.
+    """
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+        self.name = f"{first.name}+{second.name}"
+
+    def reset(self, length: int) -> None:
+        self.first.reset(length)
+        self.second.reset(length)
+
+    def observe(self, hidden, next_tokens) -> None:
+        self.first.observe(hidden, next_tokens)
+        self.second.observe(hidden, next_tokens)
+
+    def propose(self, context, budget) -> DraftTree:
+        from ..tree import merge_trees
+
+        return merge_trees(self.first.propose(context, budget), self.second.propose(context, budget)).prune(budget)
