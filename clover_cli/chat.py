@@ -751,9 +751,7 @@ def _banner(session, out: Out, load_s: float, chat: Chat, history_path, interact
     out.note(f"context {session.max_context} tokens · replies up to {chat.max_new_tokens} tokens · temperature "
              f"{chat.temperature:g}" + "".join(f" · {e}" for e in extra))
     if out.colour and session.draft_name != "none":
-        d = session.drafter
-        heads = getattr(getattr(getattr(d, "heads", None), "cfg", None), "num_heads", None)
-        depth = getattr(d, "max_depth", None) or heads or 5  # n-gram depth, or one draft depth per head
+        depth = getattr(session.drafter, "max_depth", 5)  # one draft depth per head, or the n-gram depth
         out.console.file.write(legend(min(int(depth), 8)) + "\n")
     if interactive:
         out.note("Enter sends · Esc Enter adds a line · Ctrl-C stops a reply · /help · Ctrl-D or /exit leaves")

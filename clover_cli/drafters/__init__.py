@@ -56,6 +56,7 @@ class MergedDrafter:
     def __init__(self, first, second):
         self.first, self.second = first, second
         self.name = f"{first.name}+{second.name}"
+        self.max_depth = max(getattr(first, "max_depth", 1), getattr(second, "max_depth", 1))
 
     def reset(self, length: int) -> None:
         self.first.reset(length)

@@ -105,6 +105,7 @@ class CloverDrafter:
         self.project = DraftProjection(target.lm_head, getattr(heads, "draft_vocab", None))
         self.cache = TreeKVCache(heads.cfg.num_layers, 256, target.max_context)
         self.state = None
+        self.max_depth = heads.cfg.num_heads
 
     def reset(self, length: int) -> None:
         self.cache.truncate(length)
@@ -156,6 +157,7 @@ class MedusaDrafter:
         self.project = DraftProjection(target.lm_head, getattr(heads, "draft_vocab", None))
         self.norm = getattr(target.base, "norm", None)
         self.logits = None
+        self.max_depth = heads.cfg.num_heads
 
     def reset(self, length: int) -> None:
         self.logits = None
