@@ -9,6 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+# Without CUDA the Triton kernels run through Triton's interpreter. Triton reads this when a kernel is decorated,
+# and transformers/torch may import triton during collection, so it must be set before any test module loads.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 torch.set_num_threads(1)  # tiny models gain nothing from threads, and a busy machine makes them slow
