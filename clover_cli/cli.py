@@ -20,6 +20,7 @@ app = typer.Typer(
     help="Fast local chat with large language models, powered by Clover-2 speculative decoding.",
     no_args_is_help=True,
     add_completion=False,
+    rich_markup_mode="markdown",  # docstring paragraphs reflow; [brackets] stay literal
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
@@ -47,7 +48,9 @@ class Common:
     draft = typer.Option("auto", "--draft", help="Drafter: auto, clover, medusa, ngram or none. auto = the "
                                                  "model's heads merged with n-gram lookup when it has heads, "
                                                  "else ngram.")
-    tree = typer.Option("dynamic", "--tree", help="Draft tree: dynamic (by probability) or static (fixed shape).")
+    tree = typer.Option("dynamic", "--tree", help="Draft tree of the heads: dynamic (grown by probability) "
+                        "or static (a fixed shape of 24 nodes, cut to --tree-budget when given). With --draft auto the "
+                        "n-gram matches are merged in either way.")
     tree_budget = typer.Option("auto", "--tree-budget", help="Most draft nodes verified per step, or auto: "
                                                              "sized each step from the measured cost on this device.")
     load_in_8bit = typer.Option(False, "--load-in-8bit", help="Load the target in 8 bits (bitsandbytes).")
@@ -64,7 +67,9 @@ class Common:
     no_color = typer.Option(False, "--no-color", help="Plain text, no colours.")
 
 
-def check_sampling(max_new_tokens: int, temperature: float, top_p: float):
+def check_sampling(max_new_tokens: int, temperature: float, top_p: float, seed: int | None = None):
+    if seed is not None and not 0 <= seed < 2**63:
+        raise CloverError(f"--seed must be between 0 and 2**63-1, not {seed}")
     if not 1 <= max_new_tokens <= 1_000_000:
         raise CloverError(f"--max-new-tokens must be between 1 and 1000000, not {max_new_tokens}")
     if not (math.isfinite(temperature) and 0.0 <= temperature <= 10.0):
@@ -111,21 +116,23 @@ def _options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, dev
 @app.command()
 def models():
     """List model aliases with their chat template, Clover-2 heads and whether they are cached."""
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
     from .hub import ALIASES, BUNDLED, is_cached
 
-    table = Table(title="clover models")
-    for col in ("alias", "repository", "template", "Clover-2 heads", "local"):
-        table.add_column(col)
+    table = Table(title="clover models", box=box.SIMPLE_HEAD, pad_edge=False, caption="heads: Clover-2 draft heads; 'none': none are published; make them with "
+                  "`clover train`. template 'own': the tokenizer's own chat template.")
+    for col in ("alias", "repository", "template", "heads", "local"):
+        table.add_column(col, no_wrap=col != "repository", overflow="fold")  # a long repo id folds, never cut
     for spec in ALIASES.values():
         if spec.repo is None:
             repo, local = "(bundled in clover)", "yes" if (BUNDLED / "config.json").is_file() else "missing"
         else:
             repo, local = spec.repo, "cached" if is_cached(spec.repo) else "-"
-        heads = {"bundled": "bundled", None: "none published (train: clover train)"}.get(spec.heads, spec.heads)
-        table.add_row(spec.alias, repo, spec.template, heads, local)
+        heads = {"bundled": "bundled", None: "none"}.get(spec.heads, spec.heads)
+        table.add_row(spec.alias, repo, spec.template or "own", heads, local)
     Console().print(table)
 
 
@@ -163,11 +170,12 @@ def generate(
 ):
     """Generate one reply to a prompt file, streaming it (or --json for scripts)."""
     from .engine import Sampling
-    from .render import Detokenizer, paint, use_colour
+    from .chat import Out, ReplyPrinter
+    from .render import Detokenizer, use_colour
     from .session import RunStats, Session, strip_stop
     from .stats import StatsWriter
 
-    check_sampling(max_new_tokens, temperature, top_p)
+    check_sampling(max_new_tokens, temperature, top_p, seed)
     text = read_prompt(prompt)
     session = Session(_options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, device, dtype,
                                trust_remote_code, allow_pickle), quiet=json_out)
@@ -183,21 +191,23 @@ def generate(
     stats = RunStats()
     sid = writer.new_session("generate", session) if writer else None
     t0 = time.perf_counter()
+    # Streamed text holds back what could be the start of a stop string, so "USER:" never reaches the terminal.
+    printer = None if json_out else ReplyPrinter(Out(colour), session.stop_strings)
     for ev in session.generate(ids, max_new_tokens, Sampling(temperature, top_p, seed)):
         stats.add(ev)
         if writer:
             writer.step(sid, ev)
-        if not json_out:
-            for tok, depth in zip(ev.tokens, ev.depths):
-                piece = detok.push(tok)
-                if piece:
-                    sys.stdout.write(paint(piece, depth, colour))
-            sys.stdout.flush()
-        else:
-            for tok in ev.tokens:
-                detok.push(tok)
+        for tok, depth in zip(ev.tokens, ev.depths):
+            piece = detok.push(tok)
+            if printer:
+                printer.add(piece, depth)
+        if printer:
+            printer.flush()
     elapsed = time.perf_counter() - t0
     reply = strip_stop(detok.text(), session.stop_strings)
+    if printer:
+        printer.finish(reply)
+        printer.end_line()
     result = {
         "text": reply,
         "new_tokens": stats.new_tokens,
@@ -219,7 +229,6 @@ def generate(
     if json_out:
         typer.echo(json.dumps(result, ensure_ascii=False))
     else:
-        sys.stdout.write("\n")
         typer.echo(f"{stats.new_tokens} tokens · τ {stats.tau:.2f} · {stats.tokens_per_s:.1f} tok/s · "
                    f"{session.draft_name}", err=True)
 
@@ -246,7 +255,7 @@ def chat(
     """
     from .chat import run_chat
 
-    check_sampling(max_new_tokens, temperature, top_p)
+    check_sampling(max_new_tokens, temperature, top_p, seed)
     run_chat(_options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, device, dtype,
                       trust_remote_code, allow_pickle),
              system=system, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
@@ -330,8 +339,9 @@ def bench(
     prompts: Optional[str] = typer.Option(None, "--prompts", help="Directory of .txt files or a JSONL file with "
                                                                   "a 'prompt' field. Default: built-in set."),
     methods: Optional[str] = typer.Option(None, "--methods", help="Comma-separated: hf,hf-lookup,hf-assisted,"
-                                                                  "plain,ngram,medusa,clover (default: all "
-                                                                  "that can run)."),
+                                                                  "plain,ngram,medusa,clover,clover+ngram "
+                                                                  "(default: all that can run; clover+ngram is "
+                                                                  "what --draft auto uses)."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="Tokens per prompt."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy (outputs are compared)."),
     repeats: int = typer.Option(1, "--repeats", help="Timed runs per prompt and method."),

@@ -40,7 +40,7 @@ class StepEvent:
     depths: list[int]  # per token: the draft depth it was accepted at (1, 2, ...), 0 = chosen by the target
     proposed: int = 0  # drafted nodes the target verified this step
     tree_depth: int = 0  # depth of the deepest drafted node
-    accepted: int = 0  # drafted tokens the target accepted (before any stop trimmed them)
+    accepted: int = 0  # drafted tokens the target accepted that this step emits (a stop may cut the rest)
     draft_s: float = 0.0
     verify_s: float = 0.0
     elapsed_s: float = 0.0
@@ -78,7 +78,7 @@ def accept(tree: DraftTree, logits: torch.Tensor, s: Sampling, rng: torch.Genera
             path.append(nxt)
             node = nxt
     while True:
-        p = warp(logits[node], s)
+        p = warp(logits[node].cpu(), s)  # on the CPU, where the generator lives (the same draws on any device)
         for c in kids[node]:
             tok = tree.tokens[c]
             if torch.rand((), generator=rng).item() * p.sum().item() < p[tok].item():
@@ -276,6 +276,6 @@ class Engine:
                 if finish:
                     break
             yield StepEvent(out, out_depths, proposed=len(tree) - 1, tree_depth=max(tree.depths()),
-                            accepted=len(accepted), draft_s=t1 - t0, verify_s=t2 - t1, elapsed_s=t2 - t0,
+                            accepted=sum(d > 0 for d in out_depths), draft_s=t1 - t0, verify_s=t2 - t1, elapsed_s=t2 - t0,
                             finish=finish)
             root = bonus

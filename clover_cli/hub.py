@@ -24,7 +24,7 @@ PICKLE_PATTERNS = ["*.bin", "*.pt", "*.pth"]
 class ModelSpec:
     alias: str
     repo: str | None  # None: the model bundled in this package
-    template: str
+    template: str | None  # built-in template for tokenizers without one; None: the tokenizer's own
     heads: str | None  # a heads repository, "bundled", or None when none are published
     about: str = ""
 
@@ -38,8 +38,8 @@ ALIASES = {
         ModelSpec("llama3-8b", "meta-llama/Meta-Llama-3-8B-Instruct", "llama3", None, "Llama 3 8B Instruct (gated)"),
         ModelSpec("qwen2.5-0.5b", "Qwen/Qwen2.5-0.5B-Instruct", "chatml", None, "Qwen2.5 0.5B Instruct"),
         ModelSpec("qwen2.5-7b", "Qwen/Qwen2.5-7B-Instruct", "chatml", None, "Qwen2.5 7B Instruct"),
-        ModelSpec("mistral-7b", "mistralai/Mistral-7B-Instruct-v0.3", "llama3", None, "Mistral 7B Instruct v0.3"),
-        ModelSpec("tinyllama", "TinyLlama/TinyLlama-1.1B-Chat-v1.0", "chatml", None, "TinyLlama 1.1B Chat"),
+        ModelSpec("mistral-7b", "mistralai/Mistral-7B-Instruct-v0.3", None, None, "Mistral 7B Instruct v0.3"),
+        ModelSpec("tinyllama", "TinyLlama/TinyLlama-1.1B-Chat-v1.0", None, None, "TinyLlama 1.1B Chat"),
     ]
 }
 
@@ -166,6 +166,8 @@ def resolve_model(name: str | None, revision: str | None = None, allow_pickle: b
         if spec.repo is None:
             if not (BUNDLED / "config.json").is_file():
                 raise CloverError("the bundled model is missing from this installation (reinstall clover)")
+            if revision:
+                raise CloverError(f"--revision does not apply to the bundled model {name!r} (it has no Hub history)")
             return ResolvedModel(name, BUNDLED, spec)
         path = download(spec.repo, revision, allow_pickle, quiet=quiet)
         check_weights(path, name, allow_pickle)

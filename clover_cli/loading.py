@@ -34,7 +34,8 @@ def pick_device(device: str = "auto") -> torch.device:
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+            # native bf16 from Ampere (compute capability 8) on; older GPUs would only emulate it, slowly
+            return torch.bfloat16 if torch.cuda.get_device_capability(device)[0] >= 8 else torch.float16
         return torch.float32
     if dtype not in DTYPES:
         raise CloverError(f"unknown dtype {dtype!r} (use auto, float32, float16 or bfloat16)")

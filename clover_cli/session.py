@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -56,8 +58,13 @@ class Session:
         if opts.tree == "static":
             from .drafters.heads import STATIC_TREE
 
-            budget, auto = len(STATIC_TREE), False
+            if opts.draft == "ngram":
+                raise CloverError("--tree static is the heads' fixed tree shape; the ngram drafter has none "
+                                  "(use --tree dynamic)")
+            # the fixed shape, cut to --tree-budget when one is given (auto sizing would reshape it)
+            budget, auto = (len(STATIC_TREE) if auto else min(budget, len(STATIC_TREE))), False
         self.opts = opts
+        self.quiet = quiet
         self.resolved = resolve_model(opts.model, opts.revision, opts.allow_pickle, quiet=quiet)
         self.heads_path = None
         if opts.draft in ("auto", "clover", "medusa"):
@@ -99,6 +106,10 @@ class Session:
         from .heads import load_heads
 
         heads = load_heads(self.heads_path, self.model)
+        made_for = heads_target_mismatch(heads.cfg.target.get("name_or_path"), self.resolved.name)
+        if made_for and not self.quiet:
+            print(f"clover: warning: heads {self.heads_path} were trained for {made_for}, not {self.resolved.name}: "
+                  f"the output stays exact, but fewer drafted tokens may be accepted", file=sys.stderr)
         arch = heads.cfg.architecture
         want = {"clover": "clover2", "medusa": "medusa"}.get(opts.draft, arch)
         if arch != want:
@@ -167,6 +178,18 @@ class Session:
         except torch.cuda.OutOfMemoryError:
             raise CloverError("out of GPU memory while generating; try a smaller --tree-budget, --load-in-8bit "
                               "or a shorter conversation")
+
+
+def heads_target_mismatch(made_for: str | None, model: str) -> str | None:
+    """The Hub repo the heads were trained for, when it and the model are both Hub repo ids and differ (local
+    paths say nothing: the same model lives under many)."""
+
+    def repo_id(name) -> bool:
+        return bool(name) and name.count("/") == 1 and not name.startswith((".", "/", "~")) and not Path(name).exists()
+
+    if repo_id(made_for) and repo_id(model) and made_for.lower() != model.lower():
+        return made_for
+    return None
 
 
 def strip_stop(text: str, stop_strings) -> str:

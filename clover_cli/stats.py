@@ -542,7 +542,7 @@ def _ago(t, now) -> str:
     return f"{d / 86400:.1f}d ago"
 
 
-def render(snap: dict, waiting: str | None = None, max_sessions: int = 12):
+def render(snap: dict, waiting: str | None = None, max_sessions: int = 12, width: int = 160):
     """A rich renderable of a snapshot: overall figures with bars, then one row per session."""
     from rich.console import Group
     from rich.panel import Panel
@@ -598,18 +598,32 @@ def render(snap: dict, waiting: str | None = None, max_sessions: int = 12):
     sessions = snap["by_session"][-max_sessions:]
     if sessions:
         table = Table(title=None, show_edge=False, pad_edge=False)
-        for col, just in (("session", "left"), ("command", "left"), ("model", "left"), ("draft", "left"),
-                          ("replies", "right"), ("tokens", "right"), ("accept", "right"), ("τ", "right"),
-                          ("tok/s", "right"), ("speedup", "right"), ("hit by depth", "left"),
-                          ("accepted lengths", "left"), ("last", "right")):
-            table.add_column(col, justify=just, no_wrap=True, overflow="ellipsis",
-                             max_width=28 if col == "model" else None)
-        for s in sessions:
-            table.add_row(s["session"] or "?", s["command"] or "?", s["model"] or "?", "/".join(s["drafts"]) or "?",
-                          str(s["replies"]), str(s["tokens"]), _pct(s["acceptance_rate"]), _num(s["tau"]),
-                          _num(s["tokens_per_s"], "{:.1f}"), _num(s["speedup"], "{:.2f}×"),
-                          _spark(s["hit_rate_by_depth"]), _spark([float(c) for c in s["accepted_hist"]]),
-                          _ago(s["last"], now))
+        columns = [  # (title, justify, cell); the later ones give way first on a narrow terminal
+            ("session", "left", lambda s: s["session"] or "?"),
+            ("draft", "left", lambda s: "/".join(s["drafts"]) or "?"),
+            ("accept", "right", lambda s: _pct(s["acceptance_rate"])),
+            ("τ", "right", lambda s: _num(s["tau"])),
+            ("tok/s", "right", lambda s: _num(s["tokens_per_s"], "{:.1f}")),
+            ("speedup", "right", lambda s: _num(s["speedup"], "{:.2f}×")),
+            ("tokens", "right", lambda s: str(s["tokens"])),
+            ("replies", "right", lambda s: str(s["replies"])),
+            ("last", "right", lambda s: _ago(s["last"], now)),
+            ("command", "left", lambda s: s["command"] or "?"),
+            ("hit by depth", "left", lambda s: _spark(s["hit_rate_by_depth"])),
+            ("accepted lengths", "left", lambda s: _spark([float(c) for c in s["accepted_hist"]])),
+            ("model", "left", lambda s: s["model"] or "?"),
+        ]
+        rows = [[cell(s) for _, _, cell in columns] for s in sessions]
+        keep, used = 0, 0
+        for i, (title, _, _) in enumerate(columns):  # as many whole columns as fit, in order of importance
+            need = max([len(title)] + [len(r[i]) for r in rows]) + 3
+            if keep >= 2 and used + need > width:
+                break
+            keep, used = keep + 1, used + need
+        for title, just, _ in columns[:keep]:
+            table.add_column(title, justify=just, no_wrap=True, overflow="ellipsis")
+        for r in rows:
+            table.add_row(*r[:keep])
         parts.append(table)
         hidden = len(snap["by_session"]) - len(sessions)
         if hidden > 0:
@@ -643,7 +657,8 @@ def run_stats(stats_file, once, json_out, session, interval):
         if json_out:
             sys.stdout.write(json.dumps(snap, ensure_ascii=False) + "\n")
         else:
-            Console(highlight=False).print(render(snap))
+            console = Console(highlight=False)
+            console.print(render(snap, width=console.width))
         return
 
     from rich.live import Live
@@ -663,7 +678,7 @@ def run_stats(stats_file, once, json_out, session, interval):
             waiting = f"waiting for session {session} (Ctrl-C to leave)"
         else:
             waiting = "following the stream · Ctrl-C to leave"
-        return render(snap, waiting)
+        return render(snap, waiting, width=console.width)
 
     try:
         with Live(view(), console=console, auto_refresh=False, transient=False) as screen:

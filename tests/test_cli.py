@@ -143,6 +143,26 @@ def test_generate_8bit_on_cpu(run_cli, llama_dir, prompt_path):
 # --- bad prompt files -----------------------------------------------------------------------------------------
 
 
+def test_streamed_text_stops_where_the_json_text_does(run_cli, llama_dir, prompt_path, monkeypatch):
+    """Streaming holds back a stop string (e.g. "USER:") instead of printing it: pick a piece from the middle of
+    the greedy reply as the stop string, and the streamed text must end exactly where --json's text ends."""
+    from clover_cli import templates
+
+    code, out, err = gen(run_cli, llama_dir, prompt_path, "--draft", "none", "--json", "-n", "24")
+    full = json.loads(out)["text"]
+    assert code == 0 and len(full.strip()) > 8, full
+    start = len(full) // 2
+    stop = full[start:start + 3]
+    monkeypatch.setitem(templates.STOP_STRINGS, "tokenizer", [stop])
+    code, out, err = gen(run_cli, llama_dir, prompt_path, "--draft", "none", "--json", "-n", "24")
+    cut = json.loads(out)["text"]
+    assert code == 0 and cut == full[:full.index(stop)]
+    code, out, err = gen(run_cli, llama_dir, prompt_path, "--draft", "none", "--no-color", "-n", "24")
+    assert code == 0, err
+    assert stop not in out
+    assert out.rstrip("\n") == cut.lstrip(), (out, cut)
+
+
 @pytest.mark.parametrize("content, needle", [
     (None, "not found"),
     (b"", "empty"),
@@ -227,6 +247,7 @@ def test_bad_drafter_choices(run_cli, llama_dir, prompt_path, isolated):
     ("--temperature", "-1"), ("--temperature", "1e9"), ("--temperature", "nan"), ("--temperature", "inf"),
     ("--top-p", "0"), ("--top-p", "1.5"), ("--top-p", "-0.5"), ("--top-p", "nan"),
     ("--max-new-tokens", "0"), ("--max-new-tokens", "-5"), ("--max-new-tokens", str(10**9)),
+    ("--seed", "-1"), ("--seed", str(2**70)),
 ])
 def test_bad_sampling(run_cli, llama_dir, prompt_path, isolated, option, value):
     assert_one_line_error(gen(run_cli, llama_dir, prompt_path, option, value, "--json"), option, tmp=isolated)
@@ -338,3 +359,17 @@ def test_interrupt_is_one_line_exit_130(run_cli, monkeypatch):
     code, out, err = run_cli("download", "org/model")
     assert code == 130 and out == ""
     assert err.strip() == "clover: interrupted" and "Traceback" not in err
+
+
+@pytest.mark.parametrize("made_for, model, warn", [
+    ("lmsys/vicuna-7b-v1.5", "lmsys/vicuna-7b-v1.5", False),
+    ("lmsys/vicuna-7b-v1.5", "LMSYS/Vicuna-7B-v1.5", False),
+    ("lmsys/vicuna-7b-v1.5", "lmsys/vicuna-13b-v1.5", True),
+    ("runs/tiny/target", "lmsys/vicuna-7b-v1.5", False),  # a local path says nothing about the model
+    ("/abs/target", "org/model", False),
+    (None, "org/model", False),
+])
+def test_heads_made_for_another_hub_model_warns(made_for, model, warn):
+    from clover_cli.session import heads_target_mismatch
+
+    assert (heads_target_mismatch(made_for, model) is not None) == warn

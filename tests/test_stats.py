@@ -106,6 +106,22 @@ def test_dashboard_text(tmp_path, run_cli, monkeypatch):
     assert "█" in out
 
 
+def test_session_table_fits_a_narrow_terminal(tmp_path, run_cli, monkeypatch):
+    """At 80 columns the per-session table keeps its most important figures whole and drops the rest."""
+    monkeypatch.setenv("COLUMNS", "80")
+    f = tmp_path / "stats.jsonl"
+    recorded_stream(f)
+    code, out, err = run_cli("stats", "--stats-file", str(f), "--once")
+    assert code == 0, err
+    assert max(len(line) for line in out.splitlines()) <= 80
+    header = next(line for line in out.splitlines() if "session" in line and "draft" in line)
+    for col in ("accept", "τ", "tok/s"):
+        assert col in header, header
+    assert "…" not in header
+    row = next(line for line in out.splitlines() if line.lstrip().startswith("s1"))
+    assert "41.7%" in row and "1.71" in row
+
+
 def test_bad_invocations(tmp_path, run_cli):
     code, _, err = run_cli("stats", "--stats-file", str(tmp_path / "none.jsonl"), "--once")
     assert code == 2 and err.startswith("clover: error: no stats file") and err.count("\n") == 1
