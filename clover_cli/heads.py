@@ -193,6 +193,10 @@ class Clover2Heads(nn.Module):
             outs.append(out)
         return outs
 
+    def forward(self, hidden, input_ids, embed, position_embeddings, position_ids):
+        """The training forward (forward_train), so that a DistributedDataParallel wrapper syncs its gradients."""
+        return self.forward_train(hidden, input_ids, embed, position_embeddings, position_ids)
+
 
 class MedusaHeads(nn.Module):
     def __init__(self, cfg: HeadsConfig, target_config=None, layer_class=None):
@@ -213,6 +217,10 @@ class MedusaHeads(nn.Module):
 
     def forward_train(self, post_hidden):
         return self.outputs(post_hidden)
+
+    def forward(self, post_hidden):
+        """The training forward (forward_train), so that a DistributedDataParallel wrapper syncs its gradients."""
+        return self.forward_train(post_hidden)
 
 
 ARCHITECTURES = {"clover2": Clover2Heads, "medusa": MedusaHeads}

@@ -8,8 +8,13 @@
     loss      head i at position t predicts token t+2+i:
                   soft cross-entropy against softmax(lm_head(h_{t+1+i}))  +  reg_weight * SmoothL1(o_i, h_{t+1+i})
               weighted 0.7^i, over positions whose predicted token is an assistant token.
-    optimiser AdamW (0.9, 0.95), linear warmup then cosine decay, grad-norm clip 0.5, bf16 autocast on GPU;
-              `accelerate launch clover train ...` spreads batches over GPUs.
+    optimiser AdamW (0.9, 0.95), linear warmup then cosine decay, grad-norm clip 0.5, bf16 autocast on GPU.
+    scale     data-parallel through accelerate: under `accelerate launch clover train ...` every process holds the
+              target and the heads (wrapped in DistributedDataParallel, which averages the gradients), and process
+              r of n trains on batches r, r+n, r+2n, ... of each epoch's shuffled batch list, so an epoch takes 1/n
+              of the steps. Regeneration and the feature cache are sharded over the processes (each writes its
+              own files; the main process merges); evaluation, checkpoints and the heads are written by the main
+              process only.
     output    a heads directory (config.json, model.safetensors, README.md model card) loadable with --heads DIR,
               plus checkpoint/ for --resume. Ctrl-C leaves the last complete checkpoint intact.
 """
@@ -23,7 +28,9 @@ import random
 import shutil
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -100,29 +107,96 @@ def validate(cfg: TrainConfig):
         raise CloverError(f"--max-conversations must be at least 1, not {cfg.max_conversations}")
 
 
-def prepare_out(cfg: TrainConfig) -> bool:
-    """Check --out; returns True when resuming from a checkpoint there."""
+def check_out(cfg: TrainConfig) -> bool:
+    """Check --out, writing nothing; returns True when resuming from a checkpoint there."""
     from .heads import is_heads_dir
 
     out = Path(cfg.out)
     if out.exists() and not out.is_dir():
         raise CloverError(f"--out {out} is a file, not a directory")
-    ours = out.is_dir() and ((out / MARKER).is_file() or is_heads_dir(out))
-    if out.is_dir() and any(out.iterdir()):
+    try:
+        populated = out.is_dir() and any(out.iterdir())
+    except OSError as e:
+        raise CloverError(f"cannot read --out {out}: {e.strerror or e}")
+    if populated:
+        ours = (out / MARKER).is_file() or is_heads_dir(out)
         if not ours and not cfg.overwrite:
             raise CloverError(f"--out {out} exists and is not a heads directory (pass --overwrite to write into it)")
         if ours and not (cfg.resume or cfg.overwrite):
+            if _checkpoint_dir(out) is None and not is_heads_dir(out):
+                kept = " (its regenerated replies are reused)" if any(out.glob("regenerated*.jsonl")) else ""
+                raise CloverError(f"--out {out} holds an unfinished run with no checkpoint: pass --overwrite to "
+                                  f"start again{kept}")
             raise CloverError(f"--out {out} already holds heads: pass --resume to continue or --overwrite")
     if cfg.resume:
         if _checkpoint_dir(out) is None:
             raise CloverError(f"--resume: no checkpoint in {out}")
         return True
-    if ours and cfg.overwrite:
+    if not out.exists():
+        parent = out.absolute().parent
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
+        if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+            raise CloverError(f"cannot create --out {out}: {parent} is not a writable directory")
+    return False
+
+
+# What the regenerated replies (--out/regenerated.jsonl) depend on: they are reused only when these match.
+REGEN_KEYS = ("model", "revision", "data", "max_conversations", "regen_turns", "regen_max_tokens", "max_len")
+
+
+def _marker(cfg: TrainConfig) -> dict:
+    return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
+
+
+def make_out(cfg: TrainConfig, resuming: bool) -> str | None:
+    """Create --out and its marker (main process, after the model and the data are known to be good).
+
+    Returns "created" or "empty" when this run made the directory or found it empty (a run that then fails before
+    its first checkpoint removes what it wrote there, see discard_unfinished), else None.
+    """
+    from .heads import is_heads_dir
+
+    out = Path(cfg.out)
+    made = "created" if not out.exists() else ("empty" if not any(out.iterdir()) else None)
+    ours = (out / MARKER).is_file() or is_heads_dir(out)
+    if ours and cfg.overwrite and not resuming:
         for name in ("checkpoint", "checkpoint-old", "checkpoint-new", "features", "model.safetensors"):
             p = out / name
             shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
-    return False
+    regen = [out / "regenerated.jsonl", *out.glob("regenerated.*-of-*.jsonl")] if out.is_dir() else []
+    if any(p.is_file() for p in regen):
+        try:
+            before = json.loads((out / MARKER).read_text())
+        except (OSError, ValueError):
+            before = {}
+        now = _marker(cfg)
+        if any(before.get(k) != now[k] for k in REGEN_KEYS):  # made for another model or data: not reusable
+            for p in regen:
+                p.unlink(missing_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / MARKER).write_text(json.dumps(_marker(cfg), indent=2) + "\n")
+    except OSError as e:
+        if made == "created":
+            shutil.rmtree(out, ignore_errors=True)
+        raise CloverError(f"cannot write --out {out}: {e.strerror or e}")
+    return made
+
+
+def discard_unfinished(out: Path, made: str | None):
+    """After a failure: remove what a run wrote into an --out it created (or found empty) if it never reached a
+    checkpoint, so that the same command can simply be run again. Regenerated replies are kept (they are costly;
+    --overwrite reuses them)."""
+    if made is None or not out.is_dir() or _checkpoint_dir(out) is not None or (out / "model.safetensors").exists():
+        return
+    if any(out.glob("regenerated*.jsonl")):
+        return
+    if made == "created":
+        shutil.rmtree(out, ignore_errors=True)
+        return
+    for p in out.iterdir():
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
 
 
 def _checkpoint_dir(out: Path) -> Path | None:
@@ -166,23 +240,49 @@ def encode(conversations, tokenizer, template: str, max_len: int):
     return ids, masks
 
 
+def _read_jsonl(path: Path, repair: bool = True) -> list:
+    """The complete rows of a JSONL file we append to; a row cut short by a crash is dropped (from the file too,
+    with repair)."""
+    if not path.is_file():
+        return []
+    rows, good = [], 0
+    text = path.read_text(encoding="utf-8")
+    for line in text.split("\n"):
+        if not line.strip():
+            good += len(line) + 1
+            continue
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            break
+        good += len(line) + 1
+    if repair and good < len(text):
+        path.write_text(text[:good].rstrip("\n") + "\n" if rows else "")
+    return rows
+
+
 def regenerate(cfg: TrainConfig, model, tokenizer, template: str, stop_strings, conversations, device, log,
-               target_box: dict):
+               target_box: dict, rank: int = 0, world: int = 1, barrier=lambda: None):
     """Self-distillation: replace each assistant turn with the target's own greedy reply.
 
     Turn by turn, so later turns see the target's earlier replies; at most cfg.regen_turns turns, each at most
     cfg.regen_max_tokens tokens. On a CPU each reply comes from clover's own engine with the n-gram drafter (greedy
     is lossless, and one sequence at a time beats padded batches there); on a GPU from batched transformers
-    generate over prompts sorted by length. Finished conversations are appended to --out/regenerated.jsonl, so an
-    interrupted run resumes where it stopped.
+    generate over prompts sorted by length, at most 32 and at most 4 * --batch-tokens / --max-len at a time.
+    Finished conversations are appended to --out/regenerated.jsonl, so an interrupted run resumes where it stopped.
+    With several processes (rank of world), process r regenerates conversations r, r+world, ... of those still to
+    do into its own regenerated.<start>.<r>-of-<world>.jsonl; the main process then merges them in order into
+    regenerated.jsonl, and every process reads that.
     """
     from .session import strip_stop
     from .templates import render
 
     cache = Path(cfg.out) / "regenerated.jsonl"
-    done = []
-    if cache.is_file():
-        done = [json.loads(line) for line in cache.read_text().split("\n") if line.strip()]
+    if world > 1:  # every process must see the same rows: the main one repairs the file first
+        if rank == 0:
+            _read_jsonl(cache)
+        barrier()
+    done = _read_jsonl(cache, repair=world == 1)
     convs = [m[: 2 * cfg.regen_turns + (m[0]["role"] == "system")] for m in conversations]
     if len(done) >= len(convs):
         return done[: len(convs)]
@@ -212,8 +312,9 @@ def regenerate(cfg: TrainConfig, model, tokenizer, template: str, stop_strings, 
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (min(eos) if eos else 0)
         order = sorted(range(len(prompts)), key=lambda k: len(prompts[k]))
         outs = [None] * len(prompts)
-        for b in range(0, len(order), 32):
-            rows = order[b:b + 32]
+        per_batch = max(1, min(32, 4 * cfg.batch_tokens // cfg.max_len))
+        for b in range(0, len(order), per_batch):
+            rows = order[b:b + per_batch]
             width = max(len(prompts[k]) for k in rows)
             x = torch.full((len(rows), width), pad, dtype=torch.long)
             att = torch.zeros_like(x)
@@ -237,8 +338,11 @@ def regenerate(cfg: TrainConfig, model, tokenizer, template: str, stop_strings, 
     generate = replies_engine if device.type == "cpu" else replies_batched
     chunk_size = 8 if device.type == "cpu" else 256
     t0 = time.time()
-    todo = convs[len(done):]
-    for c0 in range(0, len(todo), chunk_size):
+    start = len(done)
+    todo = convs[start:][rank::world]
+    part = cache if world == 1 else cache.with_name(f"regenerated.{start}.{rank}-of-{world}.jsonl")
+    mine = [] if world == 1 else _read_jsonl(part)
+    for c0 in range(len(mine), len(todo), chunk_size):
         chunk = [list(c) for c in todo[c0:c0 + chunk_size]]
         for turn in range(cfg.regen_turns):
             where = [(k, _assistant_index(c, turn)) for k, c in enumerate(chunk)]
@@ -249,12 +353,25 @@ def regenerate(cfg: TrainConfig, model, tokenizer, template: str, stop_strings, 
             for (k, a), ids in zip(where, outs):
                 reply = strip_stop(tokenizer.decode(ids, skip_special_tokens=True), stop_strings).strip()
                 chunk[k][a] = {"role": "assistant", "content": reply}
-        with cache.open("a") as f:
+        with part.open("a", encoding="utf-8") as f:
             for c in chunk:
                 f.write(json.dumps(c, ensure_ascii=False) + "\n")
-        done.extend(chunk)
-        log(f"regenerated {len(done)}/{len(convs)} conversations ({time.time() - t0:.0f}s)")
-    return done
+        mine.extend(chunk)
+        share = "" if world == 1 else f" (this process: {len(mine)}/{len(todo)})"
+        log(f"regenerated {start + min(len(convs) - start, len(mine) * world)}/{len(convs)} conversations"
+            f"{share} ({time.time() - t0:.0f}s)")
+    if world == 1:
+        return done + mine
+    barrier()
+    if rank == 0:
+        parts = [_read_jsonl(cache.with_name(f"regenerated.{start}.{r}-of-{world}.jsonl")) for r in range(world)]
+        with cache.open("a", encoding="utf-8") as f:
+            for k in range(len(convs) - start):
+                f.write(json.dumps(parts[k % world][k // world], ensure_ascii=False) + "\n")
+        for r in range(world):
+            cache.with_name(f"regenerated.{start}.{r}-of-{world}.jsonl").unlink(missing_ok=True)
+    barrier()
+    return _read_jsonl(cache)[:len(convs)]
 
 
 def _assistant_index(messages, turn: int):
@@ -318,24 +435,36 @@ class FeatureCache:
     def _shard_path(self, s: int) -> Path:
         return self.root / f"shard_{s:05d}.safetensors"
 
+    def _compute(self, s: int):
+        from safetensors.torch import save_file
+
+        path = self._shard_path(s)
+        if path.is_file():
+            return
+        tensors = {}
+        for i in range(s * self.shard_size, min(len(self.ids), (s + 1) * self.shard_size)):
+            x = torch.tensor([self.ids[i]], device=self.device)
+            with torch.no_grad(), _autocast(self.device):
+                pre, post = _hidden(self.model, x)
+            tensors[f"{i}.pre"] = pre[0].to(self.dtype).cpu()
+            tensors[f"{i}.post"] = post[0].to(self.dtype).cpu()
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp")
+        save_file(tensors, str(tmp))
+        tmp.replace(path)
+
+    def precompute(self, rank: int, world: int, barrier):
+        """Several processes: each computes every world-th missing shard, then all wait for the others."""
+        for s in range(rank, math.ceil(len(self.ids) / self.shard_size), world):
+            self._compute(s)
+        barrier()
+
     def _ensure(self, s: int):
-        from safetensors.torch import load_file, save_file
+        from safetensors.torch import load_file
 
         if s in self.loaded:
             return
-        path = self._shard_path(s)
-        if not path.is_file():
-            tensors = {}
-            for i in range(s * self.shard_size, min(len(self.ids), (s + 1) * self.shard_size)):
-                x = torch.tensor([self.ids[i]], device=self.device)
-                with torch.no_grad(), _autocast(self.device):
-                    pre, post = _hidden(self.model, x)
-                tensors[f"{i}.pre"] = pre[0].to(self.dtype).cpu()
-                tensors[f"{i}.post"] = post[0].to(self.dtype).cpu()
-            tmp = path.with_suffix(".tmp")
-            save_file(tensors, str(tmp))
-            tmp.replace(path)
-        self.loaded = {s: load_file(str(path))}
+        self._compute(s)
+        self.loaded = {s: load_file(str(self._shard_path(s)))}
 
     def get(self, rows):
         T = max(len(self.ids[i]) for i in rows)
@@ -373,9 +502,9 @@ def heads_loss(heads, arch: str, model, x, mask, pre, post, cfg: TrainConfig):
     if arch == "clover":
         pos = torch.arange(T, device=x.device)[None].expand(B, T)
         rope = model.base_model.rotary_emb(pre, pos)
-        outs = heads.forward_train(pre, x, model.get_input_embeddings(), rope, pos)
+        outs = heads(pre, x, model.get_input_embeddings(), rope, pos)  # forward: a DDP wrapper syncs gradients
     else:
-        outs = heads.forward_train(post)
+        outs = heads(post)
     # The target's distribution at every position whose next token is an assistant token, computed once and
     # shared by all heads (head i reads it i positions further on). The soft cross-entropy of a head output o is
     #     -sum_v p(v) log q(v) = logsumexp(W o) - sum_v p(v) (W o)_v = logsumexp(W o) - (p W) . o
@@ -398,6 +527,9 @@ def heads_loss(heads, arch: str, model, x, mask, pre, post, cfg: TrainConfig):
         n = T - 2 - i
         m = mask[:, 2 + i:2 + i + n] > 0 if n > 0 else None  # the token predicted at t is t+2+i
         if m is None or not m.any():
+            # no position for this head in the batch: a zero term keeps its parameters in the graph, as
+            # DistributedDataParallel needs every parameter to get a gradient on every process
+            total = total + 0.0 * out.float().sum()
             per_head.append((0.0, 0.0, 0))
             continue
         student = out[:, :n][m]
@@ -429,8 +561,9 @@ def evaluate(heads, cfg, model, tokenizer, template, held_ids, held_masks, held_
 
     heads.eval()
     agree = [[0.0, 0] for _ in range(cfg.num_heads)]
-    for k in range(0, min(len(held_ids), 64), 8):
-        rows = list(range(k, min(k + 8, len(held_ids), 64)))
+    per_batch = max(1, min(8, cfg.batch_tokens // cfg.max_len))
+    for k in range(0, min(len(held_ids), 64), per_batch):
+        rows = list(range(k, min(k + per_batch, len(held_ids), 64)))
         x, m = collate(held_ids, held_masks, rows, device)
         with _autocast(device):
             pre, post = _hidden(model, x)
@@ -467,51 +600,132 @@ def evaluate(heads, cfg, model, tokenizer, template, held_ids, held_masks, held_
 
 # ----------------------------------------------------------------------------------------------------- main
 
+def _train_device(cfg: TrainConfig):
+    """(run on the CPU?, the exact device when --device names one GPU) from --device, before accelerate starts.
+
+    `--device cuda:N` makes GPU N the current one for this single process; under `accelerate launch` each process
+    is given its own GPU, so naming one there is refused.
+    """
+    from .loading import pick_device
+
+    dev = pick_device(cfg.device)  # unknown names, and GPUs that are not there, fail here in one line
+    if dev.type == "cuda" and dev.index is not None:
+        launched = os.environ.get("LOCAL_RANK") is not None or int(os.environ.get("WORLD_SIZE") or 1) > 1
+        if launched:
+            raise CloverError(f"--device {cfg.device}: under accelerate launch each process gets its own GPU; "
+                              f"choose them with CUDA_VISIBLE_DEVICES or accelerate's --gpu_ids instead")
+        torch.cuda.set_device(dev.index)
+        return False, dev
+    return dev.type == "cpu", None
+
+
+def _is_out_of_memory(e: BaseException) -> bool:
+    if isinstance(e, (MemoryError, torch.cuda.OutOfMemoryError)):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text)
+
+
+@contextmanager
+def _memory_advice(device, doing: str, hint: str):
+    """Out of (GPU or CPU) memory while `doing`: one line suggesting `hint`."""
+    try:
+        yield
+    except (MemoryError, RuntimeError) as e:
+        if not _is_out_of_memory(e):
+            raise
+        where = "GPU memory" if device.type == "cuda" else "memory"
+        raise CloverError(f"out of {where} {doing}; try {hint}") from None
+
+
 def run_training(cfg: TrainConfig):
     validate(cfg)
-    resuming = prepare_out(cfg)
-    from .heads import HeadsConfig, build_heads, save_heads
+    want_cpu, exact_device = _train_device(cfg)
+    resuming = check_out(cfg)
     from .hub import resolve_model
     from .loading import load
     from .templates import STOP_STRINGS, chat_template
 
     try:
         from accelerate import Accelerator
+        from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
     except ImportError:
         raise CloverError("clover train needs accelerate: pip install accelerate")
 
-    out = Path(cfg.out)
-    (out / MARKER).write_text(json.dumps({k: str(v) if isinstance(v, Path) else v
-                                          for k, v in asdict(cfg).items()}, indent=2) + "\n")
-    want_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
-    accelerator = Accelerator(cpu=want_cpu, mixed_precision="no")
-    device = accelerator.device
+    # Clover-2 with one head never uses its recurrent block; DDP must then be told that some parameters idle.
+    # The long timeout covers processes waiting for each other's share of regeneration and for the evaluation.
+    accelerator = Accelerator(cpu=want_cpu, mixed_precision="no", kwargs_handlers=[
+        DistributedDataParallelKwargs(find_unused_parameters=cfg.arch == "clover" and cfg.num_heads == 1),
+        InitProcessGroupKwargs(timeout=timedelta(hours=2))])
+    main, world = accelerator.is_main_process, accelerator.num_processes
+    barrier = accelerator.wait_for_everyone
+    device = exact_device if exact_device is not None and world == 1 else accelerator.device
     log = _logger(accelerator)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
 
-    resolved = resolve_model(cfg.model, cfg.revision, quiet=not accelerator.is_main_process)
+    # The model and the data are checked before anything is written into --out.
+    with accelerator.main_process_first():  # one download; the other processes then find it cached
+        resolved = resolve_model(cfg.model, cfg.revision, quiet=not main)
     loaded = load(resolved.path, device=str(device), dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
     model, tokenizer = loaded.model, loaded.tokenizer
     model.requires_grad_(False)
     spec = resolved.spec
     template_name, template = chat_template(tokenizer, spec.template if spec else None)
     stop_strings = STOP_STRINGS.get(template_name) or STOP_STRINGS.get(spec.template if spec else "", [])
-
-    target_box: dict = {}  # one Target wrapper (our cache + attention) for regeneration and evaluation
     train_msgs, held_msgs = load_data(cfg, tokenizer, template)
+    if not cfg.regenerate:
+        ids, masks = encode(train_msgs, tokenizer, template, cfg.max_len)
+        if not ids:
+            raise CloverError(f"{cfg.data}: no assistant tokens to train on")
+
+    out = Path(cfg.out)
+    barrier()  # every process has checked --out before the main one writes there
+    made = make_out(cfg, resuming) if main else None
+    barrier()
+    try:
+        _train(cfg, accelerator, device, log, resuming, resolved, model, tokenizer, template, stop_strings,
+               train_msgs, held_msgs, None if cfg.regenerate else (ids, masks))
+    except BaseException:
+        if main:
+            discard_unfinished(out, made)
+        raise
+
+
+def _train(cfg, accelerator, device, log, resuming, resolved, model, tokenizer, template, stop_strings,
+           train_msgs, held_msgs, encoded):
+    from .heads import HeadsConfig, build_heads, save_heads
+
+    main, rank, world = accelerator.is_main_process, accelerator.process_index, accelerator.num_processes
+    barrier = accelerator.wait_for_everyone
+    out = Path(cfg.out)
+    target_box: dict = {}  # one Target wrapper (our cache + attention) for regeneration and evaluation
     if cfg.regenerate:
-        train_msgs = regenerate(cfg, model, tokenizer, template, stop_strings, train_msgs, device, log, target_box)
-    ids, masks = encode(train_msgs, tokenizer, template, cfg.max_len)
+        hint = f"a smaller --regen-max-tokens (now {cfg.regen_max_tokens})"
+        hint += f", --batch-tokens (now {cfg.batch_tokens})" if device.type == "cuda" else ""
+        with _memory_advice(device, "regenerating replies", hint + " or --max-len"):
+            train_msgs = regenerate(cfg, model, tokenizer, template, stop_strings, train_msgs, device, log,
+                                    target_box, rank, world, barrier)
+        ids, masks = encode(train_msgs, tokenizer, template, cfg.max_len)
+    else:
+        ids, masks = encoded
     held_ids, held_masks = encode(held_msgs, tokenizer, template, cfg.max_len)
     if not ids:
         raise CloverError(f"{cfg.data}: no assistant tokens to train on")
     n_tokens = sum(len(i) for i in ids)
-    log(f"{len(ids)} training conversations ({n_tokens} tokens), {len(held_ids)} held out")
+    log(f"{len(ids)} training conversations ({n_tokens} tokens), {len(held_ids)} held out"
+        + (f"; {world} processes, each on its own 1/{world} of every epoch's batches" if world > 1 else ""))
 
-    per_epoch = len(make_batches([len(i) for i in ids], cfg.batch_tokens, random.Random(0)))
+    lengths = [len(i) for i in ids]
+
+    def my_batches(epoch: int) -> list[list[int]]:
+        """This process's batches of an epoch: r, r+n, ... of the shuffled list (the same on every process)."""
+        every = make_batches(lengths, cfg.batch_tokens, random.Random(cfg.seed + epoch))
+        return every[rank::world] or [every[rank % len(every)]]
+
+    per_epoch = len(make_batches(lengths, cfg.batch_tokens, random.Random(0)))
     total_steps = cfg.max_steps or max(1, int(math.ceil(per_epoch * cfg.epochs)))
-    total_steps = max(1, total_steps // accelerator.num_processes) if cfg.max_steps is None else total_steps
+    total_steps = max(1, total_steps // world) if cfg.max_steps is None else total_steps
 
     hcfg = HeadsConfig.for_target(model.config, architecture="clover2" if cfg.arch == "clover" else "medusa",
                                   num_heads=cfg.num_heads, num_layers=cfg.num_layers, name=resolved.name,
@@ -532,26 +746,29 @@ def run_training(cfg: TrainConfig):
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
-    heads, opt = accelerator.prepare(heads, opt)
+    heads, opt = accelerator.prepare(heads, opt)  # several processes: heads is now a DDP wrapper
     step, history = 0, []
     if resuming:
         step, history = _load_checkpoint(_checkpoint_dir(out), accelerator.unwrap_model(heads), opt, sched)
         log(f"resumed from step {step}")
-    features = FeatureCache(out / "features", model, ids, device, torch.bfloat16 if device.type == "cuda"
-                            else torch.float32) if cfg.cache_features else None
+    features = None
+    if cfg.cache_features:
+        features = FeatureCache(out / "features", model, ids, device, torch.bfloat16 if device.type == "cuda"
+                                else torch.float32)
+        if world > 1:  # shard by shard over the processes up front, rather than racing for shards later
+            with _memory_advice(device, "computing the feature cache", "a smaller --max-len"):
+                features.precompute(rank, world, barrier)
 
     t_start, tokens_seen, last = time.time(), 0, {}
-    epoch = step // max(1, per_epoch)
-    batches = make_batches([len(i) for i in ids], cfg.batch_tokens, random.Random(cfg.seed + epoch))
-    batches = batches[accelerator.process_index::accelerator.num_processes]
-    cursor = step % max(1, len(batches))
-    progress = _Progress(total_steps, step, accelerator.is_main_process)
+    epoch = step // len(my_batches(0))  # the batch count is the same every epoch: only the order changes
+    batches = my_batches(epoch)
+    cursor = step % len(batches)
+    progress = _Progress(total_steps, step, main)
     try:
         while step < total_steps:
             if cursor >= len(batches):
                 epoch += 1
-                batches = make_batches([len(i) for i in ids], cfg.batch_tokens, random.Random(cfg.seed + epoch))
-                batches = batches[accelerator.process_index::accelerator.num_processes]
+                batches = my_batches(epoch)
                 cursor = 0
             rows = batches[cursor]
             cursor += 1
@@ -574,9 +791,11 @@ def run_training(cfg: TrainConfig):
                     "tok_s": tokens_seen / max(1e-9, time.time() - t_start), "lr": sched.get_last_lr()[0]}
             progress.update(step, last)
             if step % cfg.eval_every == 0 or step == total_steps:
-                if accelerator.is_main_process:
-                    ev = evaluate(accelerator.unwrap_model(heads), cfg, model, tokenizer, template, held_ids,
-                                  held_masks, held_msgs, device, target_box)
+                if main:
+                    with _memory_advice(device, f"evaluating at step {step}",
+                                        f"a smaller --batch-tokens (now {cfg.batch_tokens}) or --max-len"):
+                        ev = evaluate(accelerator.unwrap_model(heads), cfg, model, tokenizer, template, held_ids,
+                                      held_masks, held_msgs, device, target_box)
                     rec = {"step": step, "train_loss": round(last["loss"], 4),
                            "heldout_accuracy": [round(a, 4) for a in ev["accuracy"]],
                            "heldout_tau": round(ev["tau"], 3),
@@ -586,10 +805,14 @@ def run_training(cfg: TrainConfig):
                     progress.note(f"eval step {step}: held-out top-1 {rec['heldout_accuracy']} "
                                   f"τ {rec['heldout_tau']}")
                     _save_checkpoint(out, accelerator.unwrap_model(heads), opt, sched, step, history)
-                accelerator.wait_for_everyone()
-    except torch.cuda.OutOfMemoryError:
-        raise CloverError(f"out of GPU memory at step {step}; try a smaller --batch-tokens (now "
-                          f"{cfg.batch_tokens}) or --max-len")
+                barrier()
+    except (MemoryError, RuntimeError) as e:
+        if not _is_out_of_memory(e):
+            raise
+        progress.close()
+        where = "GPU memory" if device.type == "cuda" else "memory"
+        raise CloverError(f"out of {where} at step {step + 1}; try a smaller --batch-tokens (now "
+                          f"{cfg.batch_tokens}) or --max-len") from None
     except KeyboardInterrupt:
         progress.close()
         done = _checkpoint_dir(out)
@@ -598,7 +821,7 @@ def run_training(cfg: TrainConfig):
         raise SystemExit(130)
     progress.close()
 
-    if accelerator.is_main_process:
+    if main:
         final = history[-1] if history else {}
         unwrapped = accelerator.unwrap_model(heads)
         unwrapped.cfg.training = {"data": cfg.data, "steps": step, "regenerate": cfg.regenerate,
@@ -608,6 +831,8 @@ def run_training(cfg: TrainConfig):
                                   "heldout_tau": final.get("heldout_tau"),
                                   "accept_by_depth": final.get("accept_by_depth"),
                                   "elapsed_s": round(time.time() - t_start, 1)}
+        if world > 1:
+            unwrapped.cfg.training["processes"] = world
         save_heads(unwrapped, out, model_card(unwrapped.cfg, resolved.name, history))
         log(f"heads written to {out} (held-out τ {final.get('heldout_tau')}, top-1 "
             f"{final.get('heldout_accuracy')})")
@@ -621,7 +846,10 @@ def model_card(hcfg, target_name: str, history: list[dict]) -> str:
     arch = "Clover-2" if hcfg.architecture == "clover2" else "Medusa-1"
     rows = "\n".join(f"| {h['step']} | {h['train_loss']} | {h['heldout_accuracy']} | {h['heldout_tau']} |"
                      for h in history)
-    return f"""# {arch} draft heads for {target_name}
+    base = target_name if target_name.count("/") == 1 and not Path(target_name).exists() else None
+    meta = "---\nlibrary_name: clover\ntags:\n- speculative-decoding\n- " + arch.lower() + "\n"
+    meta += (f"base_model: {base}\n" if base else "") + "---\n\n"  # the Hub warns about a card without metadata
+    return meta + f"""# {arch} draft heads for {target_name}
 
 Made with `clover train` (clover). Load with `clover chat {target_name} --heads <this directory>`.
 
@@ -653,7 +881,7 @@ def push(out: Path, repo: str):
         api.create_repo(repo, exist_ok=True)
         api.upload_folder(repo_id=repo, folder_path=str(out),
                           allow_patterns=["config.json", "model.safetensors", "README.md"])
-    except (HTTPError, OSError) as e:
+    except (HTTPError, OSError, ValueError) as e:  # ValueError: huggingface_hub on a malformed server answer
         why = (str(e).splitlines() or [type(e).__name__])[0]
         raise CloverError(f"could not push to {repo}: {why} (the heads are saved in {out})")
 

@@ -164,18 +164,78 @@ def test_bad_out_and_options(fresh_model, data_file, tmp_path, run_cli):
         assert code == 2 and needle in err and err.count("\n") == 1, (args, err)
 
 
-def test_out_of_memory_suggests_smaller_batches(fresh_model, data_file, tmp_path, run_cli, monkeypatch):
+@pytest.mark.parametrize("error", [
+    torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+    MemoryError(),
+    RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory"),
+])
+@pytest.mark.parametrize("where,needle", [("heads_loss", "--batch-tokens"), ("evaluate", "--batch-tokens"),
+                                          ("regenerate", "--regen-max-tokens")])
+def test_out_of_memory_suggests_smaller_batches(fresh_model, data_file, tmp_path, run_cli, monkeypatch, error,
+                                                where, needle):
     from clover_cli import train as train_mod
 
     def oom(*a, **k):
-        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        raise error
 
-    monkeypatch.setattr(train_mod, "heads_loss", oom)
-    code, _, err = run_cli("train", str(fresh_model), "--data", str(data_file), "--out", str(tmp_path / "o"),
-                           "--max-steps", "2", "--batch-tokens", "2048", "--max-len", "384")
+    monkeypatch.setattr(train_mod, where, oom)
+    out = tmp_path / "o"
+    code, _, err = run_cli("train", str(fresh_model), "--data", str(data_file), "--out", str(out),
+                           "--max-steps", "2", "--batch-tokens", "2048", "--max-len", "384",
+                           *(["--regenerate"] if where == "regenerate" else []))
     assert code == 2
     errors = [line for line in err.splitlines() if line.startswith("clover: error:")]
-    assert len(errors) == 1 and "--batch-tokens" in errors[0] and "Traceback" not in err
+    assert len(errors) == 1 and needle in errors[0] and "out of" in errors[0] and "Traceback" not in err
+    # The run never reached a checkpoint: the --out it created is gone, so the same command can run again.
+    assert not out.exists()
+
+
+def test_failed_runs_leave_out_reusable(fresh_model, data_file, tmp_path, run_cli):
+    out = tmp_path / "h"
+    common = ["--out", str(out), "--heads", "2", "--layers", "1", "--max-steps", "1", "--batch-tokens", "2048",
+              "--max-len", "384", "--eval-every", "5"]
+    code, _, err = run_cli("train", str(tmp_path / "nosuchmodel"), "--data", str(data_file), *common)
+    assert code == 2 and "unknown model" in err and not out.exists()
+    code, _, err = run_cli("train", str(fresh_model), "--data", str(tmp_path / "missing.json"), *common)
+    assert code == 2 and "data file not found" in err and not out.exists()
+    out.mkdir()  # an empty directory of the user's own stays, and stays empty
+    code, _, err = run_cli("train", str(fresh_model), "--data", str(tmp_path / "missing.json"), *common)
+    assert code == 2 and out.is_dir() and not any(out.iterdir())
+    code, _, err = run_cli("train", str(fresh_model), "--data", str(data_file), *common)
+    assert code == 0, err
+    assert json.loads((out / "config.json").read_text())["training"]["steps"] == 1
+
+
+def test_out_that_cannot_be_created(fresh_model, data_file, tmp_path, run_cli):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    for out in ("/proc/nope/h", str(blocker / "h")):
+        code, stdout, err = run_cli("train", str(fresh_model), "--data", str(data_file), "--out", out,
+                                    "--max-steps", "1")
+        assert code == 2 and stdout == "" and err.startswith("clover: error:") and err.count("\n") == 1, err
+        assert "--out" in err and "Traceback" not in err
+
+
+def test_device_cuda_n(fresh_model, data_file, tmp_path, run_cli, monkeypatch):
+    """--device cuda:N makes GPU N current for a single process; under accelerate launch it is refused."""
+    args = ["train", str(fresh_model), "--data", str(data_file), "--out", str(tmp_path / "o"), "--device", "cuda:1"]
+    if not torch.cuda.is_available():
+        code, _, err = run_cli(*args)
+        assert code == 2 and "CUDA is not available" in err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    chosen = []
+
+    def set_device(index):
+        chosen.append(index)
+        raise KeyboardInterrupt  # stop before anything uses the (pretend) GPU
+
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    code, _, err = run_cli(*args)
+    assert chosen == [1] and code == 130 and not (tmp_path / "o").exists()
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    code, _, err = run_cli(*args)
+    assert code == 2 and "accelerate launch" in err and err.count("\n") == 1 and chosen == [1]
 
 
 def test_loss_matches_the_direct_soft_cross_entropy(llama_dir):
@@ -209,3 +269,85 @@ def test_loss_matches_the_direct_soft_cross_entropy(llama_dir):
         assert abs(per_head[i][0] - ce.item()) < 1e-4
         expected = expected + 0.5 ** i * ce
     assert abs(total.item() - expected.item()) < 1e-4
+
+
+PROBE = """
+import atexit, json, os, sys
+import torch
+from clover_cli import train as train_mod
+from clover_cli.cli import main
+
+rank, seen, box = int(os.environ["RANK"]), [], {}
+collate = train_mod.collate
+def probe_collate(ids, masks, rows, device):
+    seen.append(list(rows))
+    return collate(ids, masks, rows, device)
+heads_loss = train_mod.heads_loss
+def probe_loss(heads, *a, **k):
+    box.setdefault("heads", heads)
+    return heads_loss(heads, *a, **k)
+def dump():
+    heads = box["heads"]
+    module = getattr(heads, "module", heads)
+    with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
+        json.dump({"rows": seen, "wrapper": type(heads).__name__,
+                   "params": {k: v.double().sum().item() for k, v in module.state_dict().items()}}, f)
+atexit.register(dump)
+train_mod.collate, train_mod.heads_loss = probe_collate, probe_loss
+main(sys.argv[2:])
+"""
+
+
+def test_two_processes_through_accelerate_launch(fresh_model, data_file, tmp_path, run_cli):
+    """`accelerate launch` with 2 CPU processes (gloo): DDP-wrapped heads whose gradients stay in sync, each process
+    on its own batches, one heads directory written by the main process, lossless with the real engine.
+
+    accelerate's --cpu flag alone starts a single process (several CPU processes need mpirun there); --multi_gpu
+    on a machine without GPUs starts them through torchrun, and clover's Accelerator(cpu=True) then uses gloo."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    pytest.importorskip("accelerate")
+    if torch.cuda.is_available():
+        pytest.skip("this test runs CPU processes")
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE)
+    out = tmp_path / "ddp"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_ip",
+           "127.0.0.1", "--main_process_port", str(port), str(probe), str(tmp_path),
+           "train", str(fresh_model), "--data", str(data_file), "--out", str(out), "--device", "cpu",
+           "--heads", "3", "--layers", "1", "--max-steps", "4", "--batch-tokens", "1024", "--max-len", "384",
+           "--eval-every", "4", "--cache-features"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "2 processes" in done.stderr and done.stderr.count("heads written to") == 1
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert all(r["wrapper"] == "DistributedDataParallel" for r in ranks)
+    # Each process trained on its own conversations (the main one then also evaluated); DDP kept the heads
+    # identical on both.
+    assert len(ranks[1]["rows"]) == 4 and len(ranks[0]["rows"]) > 4
+    assert not set(sum(ranks[0]["rows"][:4], [])) & set(sum(ranks[1]["rows"][:4], []))
+    assert ranks[0]["params"] == ranks[1]["params"]
+    # The feature cache was written once, by shards, with no stray temporary files.
+    assert sorted(p.suffix for p in (out / "features").iterdir()) == [".safetensors"]
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["training"]["steps"] == 4 and cfg["training"]["processes"] == 2
+    assert (out / "checkpoint" / "state.json").is_file()
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("Tell me about the number 12.")
+    texts = {}
+    for draft in ("none", "clover"):
+        code, stdout, err = run_cli("generate", str(fresh_model), "--prompt", str(prompt), "--draft", draft,
+                                    "--heads", str(out), "--json", "-n", "32", "--stats-file", "off",
+                                    "--tree-budget", "12")
+        assert code == 0, err
+        texts[draft] = json.loads(stdout)
+    assert texts["clover"]["text"] == texts["none"]["text"] and texts["clover"]["draft"] == "clover"
