@@ -114,6 +114,9 @@ class StopCheck:
         return None
 
 
+PROBE_NODES = 4  # drafted nodes a retry verifies after drafting has been skipped
+
+
 @dataclass
 class CostModel:
     """What a step costs on this device, to choose how many draft nodes are worth verifying.
@@ -125,6 +128,14 @@ class CostModel:
     verify_s: dict[int, float] = field(default_factory=dict)
     draft_s: float = 0.0
     calibration: float = 1.0
+    by_mode: dict = field(default_factory=dict)  # calibration per sampling mode: greedy accepts far more
+
+    def use_mode(self, mode):
+        """Switch to the calibration learned under `mode` (e.g. the temperature), keeping the current one."""
+        if getattr(self, "_mode", None) is not None:
+            self.by_mode[self._mode] = self.calibration
+        self._mode = mode
+        self.calibration = self.by_mode.get(mode, 1.0)
 
     def verify(self, n: int) -> float:
         sizes = sorted(self.verify_s)
@@ -243,18 +254,25 @@ class Engine:
         if self.auto_budget and self.cost is None and finish is None and self.drafter.name != "none":
             self.calibrate(root)
 
+        if self.cost is not None:
+            self.cost.use_mode(sampling.temperature)
         idle = 0  # steps in a row where no drafted node was worth verifying
         while finish is None:
             t0 = time.perf_counter()
+            probe = False
             if self.cost is not None and idle >= 3 and idle % 8:
                 tree = DraftTree.root_only(root)  # drafting does not pay here: plain steps, retrying now and then
                 idle += 1
             else:
+                probe = idle >= 3
                 tree = self.drafter.propose(self.context + [root], self.budget)
             t1 = time.perf_counter()
             if self.cost is not None and len(tree) > 1:
-                tree = tree.prune(self.cost.best_budget(tree.scores[1:]))
-                idle = 0 if len(tree) > 1 else idle + 1
+                # a retry verifies a few nodes even when the estimate says no: only verified drafts teach the
+                # calibration, which could otherwise stay too low for good
+                n = self.cost.best_budget(tree.scores[1:])
+                tree = tree.prune(n if n or not probe else PROBE_NODES)
+                idle = 0 if n else idle + 1
             tree = tree.prune(max(0, self.target.max_context - self.target.length - 1))  # room left in context
             tokens, depths, mask = tree.tensors(device)
             hidden, logits = self.target.forward(tokens, self.target.length + depths, mask)

@@ -16,7 +16,7 @@ import torch
 from clover_cli.drafters import MergedDrafter, NoDrafter
 from clover_cli.drafters.heads import CloverDrafter, MedusaDrafter
 from clover_cli.drafters.ngram import NgramDrafter
-from clover_cli.engine import Engine, StopCheck
+from clover_cli.engine import PROBE_NODES, Engine, StopCheck
 from clover_cli.heads import HeadsConfig, build_heads
 from clover_cli.target import Target
 from helpers import OracleDrafter, hf_greedy, run_engine
@@ -163,4 +163,29 @@ def test_drafts_that_never_pay_are_mostly_skipped():
     out, events = run_engine(engine, prompt, StopCheck(40))
     assert out == reference
     steps = len(events) - 1
-    assert Hopeless.calls < steps / 2 and all(e.proposed == 0 for e in events)
+    assert Hopeless.calls < steps / 2
+    probes = [e for e in events if e.proposed]  # retries verify a few nodes to keep learning
+    assert all(e.proposed <= PROBE_NODES for e in probes) and len(probes) <= steps / 8 + 1
+
+
+def test_a_low_calibration_recovers_and_is_kept_per_temperature():
+    """Acceptance learned while sampling (low) must not stop greedy drafting, and a calibration that fell too low
+    recovers through the retries' probes instead of skipping drafts for good."""
+    model = make_model("llama", 5)
+    target = Target(model)
+    prompt = [11, 12, 13, 14]
+    reference = hf_greedy(model, prompt, 60)
+    engine = Engine(target, OracleDrafter(reference, len(prompt), 96, 1.0, 0), budget=16, auto_budget=True)
+    out, _ = run_engine(engine, prompt, StopCheck(4))  # calibrates the cost model
+    engine.cost.use_mode(0.7)
+    engine.cost.calibration = 0.0  # as if sampling at 0.7 had accepted nothing
+    engine.cost.use_mode(0.5)
+    engine.cost.use_mode(0.0)
+    assert engine.cost.calibration > 0.5 and engine.cost.by_mode[0.7] == 0.0  # greedy keeps its own
+    engine.cost.use_mode(0.5)
+    engine.cost.by_mode[0.0] = 0.0  # now greedy itself starts hopeless
+    engine.reset()
+    out, events = run_engine(engine, prompt, StopCheck(60))
+    assert out == reference
+    assert engine.cost.calibration > 0.3
+    assert sum(e.accepted for e in events[len(events) // 2:]) > len(events) // 2, "drafting resumed"
