@@ -292,9 +292,10 @@ def load_heads(path: Path, target_model, dtype=None) -> nn.Module:
         raise CloverError(f"heads {path}: unreadable model.safetensors ({e})")
     vocab = state.pop(DRAFT_VOCAB_KEY, None)
     if vocab is not None:
-        if vocab.ndim != 1 or len(vocab) != cfg.draft_vocab_size or int(vocab.max()) >= cfg.vocab_size:
+        if (vocab.ndim != 1 or vocab.is_floating_point() or len(vocab) != cfg.draft_vocab_size
+                or int(vocab.max()) >= cfg.vocab_size or int(vocab.min()) < 0):
             raise CloverError(f"heads {path}: the draft vocabulary does not match the config")
-        heads.draft_vocab = vocab.to(device)
+        heads.draft_vocab = vocab.to(device, torch.long)
     missing, unexpected = heads.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise CloverError(f"heads {path} do not match their config ({len(missing)} missing, "

@@ -64,6 +64,10 @@ def drafter_for(kind: str, model, target, rng: random.Random, reference, prompt_
         return MergedDrafter(drafter_for("clover", model, target, rng, reference, prompt_len), NgramDrafter())
     arch = {"clover": "clover2", "medusa": "medusa"}[kind]
     heads = random_heads(model, arch, rng.randrange(10**6), rng.choice([1, 3, 5]), rng.choice([1, 2]))
+    if rng.random() < 0.4:  # a draft-vocabulary shortlist: the heads propose only these tokens
+        vocab = model.config.vocab_size
+        heads.draft_vocab = torch.randperm(vocab, generator=torch.Generator().manual_seed(rng.randrange(10**6)))
+        heads.draft_vocab = heads.draft_vocab[:rng.choice([8, vocab // 2, vocab - 1])]
     cls = CloverDrafter if kind == "clover" else MedusaDrafter
     grow = {"static": True} if rng.random() < 0.3 else {"topk": rng.choice([2, 4, 8]), "width": rng.choice([1, 4])}
     return cls(heads, target, **grow)
@@ -189,3 +193,30 @@ def test_a_low_calibration_recovers_and_is_kept_per_temperature():
     assert out == reference
     assert engine.cost.calibration > 0.3
     assert sum(e.accepted for e in events[len(events) // 2:]) > len(events) // 2, "drafting resumed"
+
+
+def test_draft_vocabulary_round_trip_and_refusals(tmp_path):
+    """A shortlist survives save/load as int64 ids, drafts only its tokens, and a corrupt one is refused."""
+    from safetensors.torch import load_file, save_file
+
+    from clover_cli.drafters.heads import DraftProjection
+    from clover_cli.errors import CloverError
+    from clover_cli.heads import load_heads, save_heads
+
+    model = make_model("llama", 6)
+    heads = random_heads(model, "clover2", 1, 2, 1)
+    heads.cfg.draft_vocab_size = 16
+    heads.draft_vocab = torch.arange(40, 56)
+    save_heads(heads, tmp_path / "h", "card\n")
+    loaded = load_heads(tmp_path / "h", model)
+    assert loaded.draft_vocab.dtype == torch.long and loaded.draft_vocab.tolist() == list(range(40, 56))
+    target = Target(model)
+    proj = DraftProjection(target.lm_head, loaded.draft_vocab)
+    x = torch.randn(3, model.config.hidden_size)
+    full = target.lm_head(x)[:, 40:56]
+    assert torch.allclose(proj(x), full, atol=1e-5)
+    state = load_file(str(tmp_path / "h" / "model.safetensors"))
+    for bad in (state["draft_vocab"].half(), torch.full((16,), 10**6), -state["draft_vocab"]):
+        save_file({**state, "draft_vocab": bad}, str(tmp_path / "h" / "model.safetensors"))
+        with pytest.raises(CloverError, match="draft vocabulary"):
+            load_heads(tmp_path / "h", model)

@@ -37,8 +37,8 @@ def main():
     heads_src = work / "heads-clover"
     (DEST / "heads").mkdir()
     state = load_file(str(heads_src / "model.safetensors"))
-    save_file({k: v.to(torch.float16).contiguous() for k, v in state.items()}, str(DEST / "heads" / "model.safetensors"),
-              metadata={"format": "pt"})
+    half = {k: (v.to(torch.float16) if v.is_floating_point() else v).contiguous() for k, v in state.items()}
+    save_file(half, str(DEST / "heads" / "model.safetensors"), metadata={"format": "pt"})  # token ids stay int64
     cfg = json.loads((heads_src / "config.json").read_text())
     cfg["target"]["name_or_path"] = "tiny"
     (DEST / "heads" / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
