@@ -61,7 +61,8 @@ def drafter_for(kind: str, model, target, rng: random.Random, reference, prompt_
         return OracleDrafter(reference, prompt_len, model.config.vocab_size, rng.choice([0.5, 0.8, 0.95]),
                              rng.randrange(10**6))
     if kind == "merged":  # the default drafter: heads merged with n-gram lookup
-        return MergedDrafter(drafter_for("clover", model, target, rng, reference, prompt_len), NgramDrafter())
+        return MergedDrafter(drafter_for("clover", model, target, rng, reference, prompt_len), NgramDrafter(),
+                             enough=rng.choice([None, 0.5, 3.0]))
     arch = {"clover": "clover2", "medusa": "medusa"}[kind]
     heads = random_heads(model, arch, rng.randrange(10**6), rng.choice([1, 3, 5]), rng.choice([1, 2]))
     if rng.random() < 0.4:  # a draft-vocabulary shortlist: the heads propose only these tokens
@@ -220,3 +221,26 @@ def test_draft_vocabulary_round_trip_and_refusals(tmp_path):
         save_file({**state, "draft_vocab": bad}, str(tmp_path / "h" / "model.safetensors"))
         with pytest.raises(CloverError, match="draft vocabulary"):
             load_heads(tmp_path / "h", model)
+
+
+def test_merged_drafter_skips_the_heads_when_lookup_is_confident():
+    from clover_cli.tree import DraftTree
+
+    class Fixed:
+        name, calls = "fixed", 0
+
+        def __init__(self, scores):
+            self.scores = scores
+
+        def propose(self, context, budget):
+            Fixed.calls += 1
+            n = len(self.scores)
+            tree = DraftTree([context[-1]] + list(range(5, 5 + n)), [-1] + list(range(n)))
+            tree.scores = [1.0] + self.scores
+            return tree
+
+    heads, lookup = Fixed([0.9, 0.8]), Fixed([0.9, 0.9, 0.9, 0.9])
+    merged = MergedDrafter(heads, lookup, enough=3.0)
+    assert len(merged.propose([1, 2], 16)) == 5 and Fixed.calls == 1  # 3.6 expected: lookup alone
+    lookup.scores = [0.5, 0.4]
+    assert len(merged.propose([1, 2], 16)) >= 3 and Fixed.calls == 3  # 0.9 expected: both drafters

@@ -53,8 +53,9 @@ class MergedDrafter:
     occurred in the conversation. Each node keeps the better of the two scores.
     """
 
-    def __init__(self, first, second):
+    def __init__(self, first, second, enough: float | None = None):
         self.first, self.second = first, second
+        self.enough = enough  # when the second tree alone expects this many accepted tokens, the first is skipped
         self.name = f"{first.name}+{second.name}"
         self.max_depth = max(getattr(first, "max_depth", 1), getattr(second, "max_depth", 1))
 
@@ -69,4 +70,7 @@ class MergedDrafter:
     def propose(self, context, budget) -> DraftTree:
         from ..tree import merge_trees
 
-        return merge_trees(self.first.propose(context, budget), self.second.propose(context, budget)).prune(budget)
+        second = self.second.propose(context, budget)
+        if self.enough is not None and sum(second.scores[1:]) >= self.enough:
+            return second
+        return merge_trees(self.first.propose(context, budget), second).prune(budget)
