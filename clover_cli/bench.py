@@ -199,7 +199,9 @@ class BenchSession:
         else:
             drafter = CloverDrafter(self.clover_heads, s.target)
             if method == "clover+ngram":
-                drafter = MergedDrafter(drafter, NgramDrafter())
+                from .session import LOOKUP_ENOUGH
+
+                drafter = MergedDrafter(drafter, NgramDrafter(), enough=LOOKUP_ENOUGH)  # exactly --draft auto
         if method not in self.engines:
             self.engines[method] = Engine(s.target, drafter, budget=self.budget, auto_budget=self.auto)
         eng = self.engines[method]
