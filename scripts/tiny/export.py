@@ -49,6 +49,23 @@ def main():
             print(f"{p.relative_to(ROOT)}  {p.stat().st_size / 1e6:.2f} MB")
 
 
+def measured(ev: dict) -> str:
+    if not ev.get("drafters"):
+        return "(not measured yet)"
+    lines = ["| drafter | τ greedy | τ greedy, replies that do not loop | τ at T=0.7 | CPU tokens/s (greedy) |",
+             "|---|---|---|---|---|"]
+    speed = ev.get("tokens_per_s", {})
+    for name in ("auto", "clover", "medusa", "ngram"):
+        g, s = ev["drafters"].get(f"{name}@T=0.0"), ev["drafters"].get(f"{name}@T=0.7")
+        if g:
+            label = "auto (default: clover+ngram)" if name == "auto" else name
+            lines.append(f"| {label} | {g['tau']} | {g.get('tau_without_loops')} | {s['tau'] if s else '-'} | "
+                         f"{speed.get(name, '-')} |")
+    lines.append(f"| none | 1.0 | 1.0 | 1.0 | {speed.get('none', '-')} |")
+    return "\n".join(lines) + (f"\n\n{ev['prompts']} held-out prompts, {ev['max_new_tokens']} new tokens; "
+                               f"{ev['greedy_loop_share']:.0%} of the greedy replies end in a loop.")
+
+
 def model_card(work: Path, heads_cfg: dict) -> str:
     recipe = json.loads((ROOT / "scripts" / "tiny" / "recipe.json").read_text())
     log = [json.loads(line) for line in (work / "train_log.jsonl").read_text().splitlines() if line.strip()]
@@ -74,7 +91,9 @@ to be a useful assistant — expect fluent-looking but often wrong or repetitive
   replies (`--regenerate`): {tr.get('steps')} steps; held-out top-1 agreement per head {tr.get('heldout_accuracy')}.
 - Weights: fp16 safetensors. Recipe: `scripts/tiny/build.sh` (config in `scripts/tiny/recipe.json`).
 
-Measured results (held-out prompts, τ, speed): see docs/BENCHMARKS.md in the repository.
+## Measured ({ev.get('date', '?')}, {ev.get('machine', '?')}; `scripts/tiny/evaluate.py`, details in docs/BENCHMARKS.md)
+
+{measured(ev)}
 
 ## Sample replies (greedy, held-out prompts)
 
