@@ -129,12 +129,13 @@ class CostModel:
     draft_s: float = 0.0
     calibration: float = 1.0
     by_mode: dict = field(default_factory=dict)  # calibration per sampling mode: greedy accepts far more
+    mode: float | None = None  # the sampling mode `calibration` belongs to
 
     def use_mode(self, mode):
         """Switch to the calibration learned under `mode` (e.g. the temperature), keeping the current one."""
-        if getattr(self, "_mode", None) is not None:
-            self.by_mode[self._mode] = self.calibration
-        self._mode = mode
+        if self.mode is not None:
+            self.by_mode[self.mode] = self.calibration
+        self.mode = mode
         self.calibration = self.by_mode.get(mode, 1.0)
 
     def verify(self, n: int) -> float:
@@ -201,6 +202,9 @@ class Engine:
                 break
         if len(cost.verify_s) == 1:
             cost.verify_s[2] = cost.verify_s[1] * 1.05
+        prev = 0.0
+        for n in sorted(cost.verify_s):  # timing noise must not make a bigger tree look cheaper than a smaller one
+            cost.verify_s[n] = prev = max(cost.verify_s[n], prev * 1.001)
         self.cost = cost
 
     def reset(self):
@@ -294,6 +298,6 @@ class Engine:
                 if finish:
                     break
             yield StepEvent(out, out_depths, proposed=len(tree) - 1, tree_depth=max(tree.depths()),
-                            accepted=sum(d > 0 for d in out_depths), draft_s=t1 - t0, verify_s=t2 - t1, elapsed_s=t2 - t0,
-                            finish=finish)
+                            accepted=sum(d > 0 for d in out_depths), draft_s=t1 - t0, verify_s=t2 - t1,
+                            elapsed_s=t2 - t0, finish=finish)
             root = bonus
