@@ -184,7 +184,7 @@ class BenchSession:
 
     def engine(self, method: str):
         """A fresh drafter every run; the engine (and its measured cost model) is kept per method."""
-        from .drafters import MergedDrafter, NoDrafter
+        from .drafters import NoDrafter
         from .drafters.heads import CloverDrafter, MedusaDrafter
         from .drafters.ngram import NgramDrafter
         from .engine import Engine
@@ -199,9 +199,9 @@ class BenchSession:
         else:
             drafter = CloverDrafter(self.clover_heads, s.target)
             if method == "clover+ngram":
-                from .session import LOOKUP_ENOUGH
+                from .session import auto_drafter
 
-                drafter = MergedDrafter(drafter, NgramDrafter(), enough=LOOKUP_ENOUGH)  # exactly --draft auto
+                drafter = auto_drafter(drafter)  # exactly what --draft auto runs
         if method not in self.engines:
             self.engines[method] = Engine(s.target, drafter, budget=self.budget, auto_budget=self.auto)
         eng = self.engines[method]

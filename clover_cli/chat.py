@@ -690,7 +690,7 @@ def _prompt_session(history, colour: bool):
 
 
 def _may_download(opts) -> bool:
-    from .hub import ALIASES as MODELS, _looks_like_repo, is_cached
+    from .hub import ALIASES as MODELS, is_cached, looks_like_repo
 
     name = opts.model or "tiny"
     spec = MODELS.get(name)
@@ -699,7 +699,7 @@ def _may_download(opts) -> bool:
     elif Path(name).expanduser().exists():
         repo = None
     else:
-        repo = name if _looks_like_repo(name) else None
+        repo = name if looks_like_repo(name) else None
     if repo and not is_cached(repo, opts.revision):
         return True
     return bool(opts.heads and not Path(opts.heads).expanduser().exists())

@@ -122,8 +122,9 @@ def models():
 
     from .hub import ALIASES, BUNDLED, is_cached
 
-    table = Table(title="clover models", box=box.SIMPLE_HEAD, pad_edge=False, caption="heads: Clover-2 draft heads; 'none': none are published; make them with "
-                  "`clover train`. template 'own': the tokenizer's own chat template.")
+    table = Table(title="clover models", box=box.SIMPLE_HEAD, pad_edge=False,
+                  caption="heads: Clover-2 draft heads; 'none': none are published; make them with `clover train`. "
+                          "template 'own': the tokenizer's own chat template.")
     for col in ("alias", "repository", "template", "heads", "local"):
         table.add_column(col, no_wrap=col != "repository", overflow="fold")  # a long repo id folds, never cut
     for spec in ALIASES.values():

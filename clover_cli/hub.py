@@ -53,7 +53,8 @@ class ResolvedModel:
     revision: str | None = None
 
 
-def _looks_like_repo(name: str) -> bool:
+def looks_like_repo(name: str) -> bool:
+    """org/name: the shape of a Hub repo id (a local path may have it too: check that first)."""
     parts = name.split("/")
     return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
 
@@ -178,7 +179,7 @@ def resolve_model(name: str | None, revision: str | None = None, allow_pickle: b
         return ResolvedModel(name, local, None)
     if local.exists():
         raise CloverError(f"{name} is a file, not a model directory")
-    if _looks_like_repo(name):
+    if looks_like_repo(name):
         path = download(name, revision, allow_pickle, quiet=quiet)
         check_weights(path, name, allow_pickle)
         return ResolvedModel(name, path, None, name, revision)
@@ -196,7 +197,7 @@ def resolve_heads(heads: str | None, model: ResolvedModel, revision: str | None 
             if not is_heads_dir(local):
                 raise CloverError(f"{heads} is not a heads directory (no config.json with an 'architecture')")
             return local
-        if local.exists() or not _looks_like_repo(heads):
+        if local.exists() or not looks_like_repo(heads):
             raise CloverError(f"heads directory not found: {heads}")
         path = download(heads, revision, what="heads", quiet=quiet)
         if not is_heads_dir(path):

@@ -11,7 +11,7 @@ import torch
 from .drafters import MergedDrafter, NoDrafter
 from .engine import Engine, Sampling, StepEvent, StopCheck
 from .errors import CloverError
-from .hub import resolve_heads, resolve_model
+from .hub import looks_like_repo, resolve_heads, resolve_model
 from .loading import load
 from .target import Target
 from .templates import STOP_STRINGS, chat_template, render
@@ -106,7 +106,7 @@ class Session:
         from .heads import load_heads
 
         heads = load_heads(self.heads_path, self.model)
-        made_for = heads_target_mismatch(heads.cfg.target.get("name_or_path"), self.resolved.name)
+        made_for = heads_target_mismatch(heads.cfg.target.get("name_or_path"), self.resolved.repo)
         if made_for and not self.quiet:
             print(f"clover: warning: heads {self.heads_path} were trained for {made_for}, not {self.resolved.name}: "
                   f"the output stays exact, but fewer drafted tokens may be accepted", file=sys.stderr)
@@ -117,10 +117,7 @@ class Session:
         grow = {"static": True} if opts.tree == "static" else {}
         cls = CloverDrafter if arch == "clover2" else MedusaDrafter
         drafter = cls(heads, self.target, **grow)
-        if opts.draft == "auto":  # the default: the heads, and n-gram lookup for what already occurred
-            # lookup alone when it already expects 3+ accepted tokens (a repeat): the heads' step is then skipped
-            return MergedDrafter(drafter, NgramDrafter(), enough=LOOKUP_ENOUGH)
-        return drafter
+        return auto_drafter(drafter) if opts.draft == "auto" else drafter
 
     def switch_draft(self, name: str):
         """Use another drafter from now on (the next reply re-reads the conversation into it)."""
@@ -184,14 +181,19 @@ class Session:
 LOOKUP_ENOUGH = 3.0  # measured on the bundled model, CPU: 1.98x vs 1.83x plain without the skip (docs/BENCHMARKS.md)
 
 
-def heads_target_mismatch(made_for: str | None, model: str) -> str | None:
-    """The Hub repo the heads were trained for, when it and the model are both Hub repo ids and differ (local
-    paths say nothing: the same model lives under many)."""
+def auto_drafter(heads_drafter) -> MergedDrafter:
+    """The default drafter when there are heads: the heads, and n-gram lookup for what already occurred; lookup
+    alone when it already expects LOOKUP_ENOUGH accepted tokens (a repeat), skipping the heads' step."""
+    from .drafters.ngram import NgramDrafter
 
-    def repo_id(name) -> bool:
-        return bool(name) and name.count("/") == 1 and not name.startswith((".", "/", "~")) and not Path(name).exists()
+    return MergedDrafter(heads_drafter, NgramDrafter(), enough=LOOKUP_ENOUGH)
 
-    if repo_id(made_for) and repo_id(model) and made_for.lower() != model.lower():
+
+def heads_target_mismatch(made_for: str | None, repo: str | None) -> str | None:
+    """The Hub repo the heads were trained for, when the model also comes from the Hub (`repo`) and it is another
+    one (a local path says nothing: the same model lives under many)."""
+    if (made_for and repo and looks_like_repo(made_for) and not Path(made_for).exists()
+            and made_for.lower() != repo.lower()):
         return made_for
     return None
 

@@ -728,8 +728,8 @@ def _train(cfg, accelerator, device, log, resuming, resolved, model, tokenizer, 
     total_steps = max(1, total_steps // world) if cfg.max_steps is None else total_steps
 
     hcfg = HeadsConfig.for_target(model.config, architecture="clover2" if cfg.arch == "clover" else "medusa",
-                                  num_heads=cfg.num_heads, num_layers=cfg.num_layers, name=resolved.name,
-                                  revision=cfg.revision)
+                                  num_heads=cfg.num_heads, num_layers=cfg.num_layers,
+                                  name=resolved.repo or resolved.name, revision=cfg.revision)
     vocab = draft_vocabulary(ids, masks, model.config.vocab_size, cfg.draft_vocab)
     hcfg.draft_vocab_size = 0 if vocab is None else len(vocab)
     heads = build_heads(hcfg, model)
@@ -833,7 +833,7 @@ def _train(cfg, accelerator, device, log, resuming, resolved, model, tokenizer, 
                                   "elapsed_s": round(time.time() - t_start, 1)}
         if world > 1:
             unwrapped.cfg.training["processes"] = world
-        save_heads(unwrapped, out, model_card(unwrapped.cfg, resolved.name, history))
+        save_heads(unwrapped, out, model_card(unwrapped.cfg, resolved.name, history, resolved.repo))
         log(f"heads written to {out} (held-out τ {final.get('heldout_tau')}, top-1 "
             f"{final.get('heldout_accuracy')})")
         if cfg.push_to_hub:
@@ -841,14 +841,13 @@ def _train(cfg, accelerator, device, log, resuming, resolved, model, tokenizer, 
             log(f"pushed to {cfg.push_to_hub}")
 
 
-def model_card(hcfg, target_name: str, history: list[dict]) -> str:
+def model_card(hcfg, target_name: str, history: list[dict], repo: str | None = None) -> str:
     t = hcfg.training
     arch = "Clover-2" if hcfg.architecture == "clover2" else "Medusa-1"
     rows = "\n".join(f"| {h['step']} | {h['train_loss']} | {h['heldout_accuracy']} | {h['heldout_tau']} |"
                      for h in history)
-    base = target_name if target_name.count("/") == 1 and not Path(target_name).exists() else None
     meta = "---\nlibrary_name: clover\ntags:\n- speculative-decoding\n- " + arch.lower() + "\n"
-    meta += (f"base_model: {base}\n" if base else "") + "---\n\n"  # the Hub warns about a card without metadata
+    meta += (f"base_model: {repo}\n" if repo else "") + "---\n\n"  # the Hub warns about a card without metadata
     return meta + f"""# {arch} draft heads for {target_name}
 
 Made with `clover train` (clover). Load with `clover chat {target_name} --heads <this directory>`.

@@ -368,6 +368,7 @@ def test_interrupt_is_one_line_exit_130(run_cli, monkeypatch):
     ("runs/tiny/target", "lmsys/vicuna-7b-v1.5", False),  # a local path says nothing about the model
     ("/abs/target", "org/model", False),
     (None, "org/model", False),
+    ("org/model", None, False),  # the model is a local directory
 ])
 def test_heads_made_for_another_hub_model_warns(made_for, model, warn):
     from clover_cli.session import heads_target_mismatch
