@@ -4,6 +4,12 @@ Prompt lookup (as in prompt-lookup / aggressive decoding): find earlier places w
 longest first) occurred in the conversation and propose what followed them. The tri-gram statistics (as in
 ADED) count, over everything this session has seen, the model's own replies included, which token followed each
 pair of tokens; their most likely chain is proposed too. Both go into one trie rooted at the current token.
+
+How far a looked-up continuation stays right is learned as it goes: after each step the drafter compares the chain
+it proposed with the tokens the target went on to produce and keeps, per depth, how often a token was right when
+every token before it was, separately for each length of the matched suffix (a one-token match predicts far less
+than a four-token one). Text that repeats (a loop, a quoted passage, code being edited) earns long chains; text
+that does not keeps them short. A node's score is its share of the matches times those survival rates.
 """
 
 from __future__ import annotations
@@ -16,11 +22,41 @@ from ..tree import DraftTree, TreeBuilder
 class NgramDrafter:
     name = "ngram"
 
-    def __init__(self, max_n: int = 4, max_depth: int = 8, matches: int = 4, decay: float = 0.8):
-        self.max_n, self.max_depth, self.matches, self.decay = max_n, max_depth, matches, decay
+    def __init__(self, max_n: int = 4, max_depth: int = 32, matches: int = 4, decay: float = 0.8,
+                 chain_depth: int = 8):
+        self.max_n, self.max_depth, self.matches, self.chain_depth = max_n, max_depth, matches, chain_depth
+        self.decay = decay  # per-depth survival before anything is learned, and the tri-gram chain's discount
         self.tokens: list[int] = []
         self.index: dict[tuple, list[int]] = defaultdict(list)
         self.trigrams: dict[tuple, Counter] = defaultdict(Counter)  # session-wide, survives resets
+        # survival[k][d]: [right, tried] (decayed counts) for the token at depth d+1 looked up after a k-token match,
+        # when all before it were right; starts as PRIOR_WEIGHT observations at `decay`
+        self.survival = {k: [[decay * self.PRIOR_WEIGHT, float(self.PRIOR_WEIGHT)] for _ in range(max_depth)]
+                         for k in range(1, max_n + 1)}
+        # (context length, matched suffix length, best looked-up chain) of the last proposal
+        self.last: tuple[int, int, list[int]] | None = None
+
+    PRIOR_WEIGHT = 2
+    FORGET = 0.97  # each new observation at a depth weighs the older ones down by this
+
+    def _learn(self, context: list[int]) -> None:
+        """Score the last proposal's chain against what the target produced after it (known up to here)."""
+        if self.last is None:
+            return
+        start, k, chain = self.last
+        self.last = None
+        if start > len(context) or len(self.tokens) < start or self.tokens[:start] != context[:start]:
+            return  # another conversation: nothing to compare
+        actual = context[start:]
+        for d, (tok, real) in enumerate(zip(chain, actual)):
+            stat = self.survival[k][d]
+            stat[0] = stat[0] * self.FORGET + (tok == real)
+            stat[1] = stat[1] * self.FORGET + 1.0
+            if tok != real:
+                break
+
+    def survival_rates(self, k: int) -> list[float]:
+        return [right / tried for right, tried in self.survival[k]]
 
     def reset(self, length: int) -> None:
         pass  # propose() re-synchronises with the context it is given
@@ -43,19 +79,29 @@ class NgramDrafter:
             if learn and i >= 2:
                 self.trigrams[(context[i - 2], context[i - 1])][context[i]] += 1
 
-    def _lookup(self, context: list[int]) -> list[list[int]]:
+    def _lookup(self, context: list[int]) -> tuple[int, list[list[int]]]:
+        """(k, continuations) for the longest suffix of k tokens that occurred before (0, [] when none did)."""
         last = len(context) - 1
         for k in range(min(self.max_n, len(context)), 0, -1):
             ends = [p for p in self.index.get(tuple(context[-k:]), ()) if p < last]
             if ends:
                 picked = ends[::-1][: self.matches]
-                return [context[p + 1:p + 1 + self.max_depth] for p in picked]
-        return []
+                return k, [self._continuation(context, p) for p in picked]
+        return 0, []
+
+    def _continuation(self, context: list[int], p: int) -> list[int]:
+        """What followed position p, up to max_depth tokens. When it runs into the end of the context (the match
+        is the text repeating itself with period last - p), the repeat is carried on."""
+        out = context[p + 1:p + 1 + self.max_depth]
+        period = len(context) - 1 - p
+        while len(out) < self.max_depth:
+            out.append(out[len(out) - period])
+        return out
 
     def _trigram_chain(self, context: list[int]) -> tuple[list[int], list[float]]:
         chain, probs = [], []
         a, b = (context[-2], context[-1]) if len(context) >= 2 else (None, context[-1])
-        for _ in range(self.max_depth):
+        for _ in range(self.chain_depth):
             counts = self.trigrams.get((a, b))
             if not counts:
                 break
@@ -70,7 +116,9 @@ class NgramDrafter:
 
     def propose(self, context, budget) -> DraftTree:
         """A trie of the looked-up continuations and the tri-gram chain. A node's score is the share of earlier
-        matches that continued through it (or the chain's tri-gram probability), times decay per depth."""
+        matches that continued through it times the learned chance of getting that deep (or the chain's tri-gram
+        probability, discounted by decay per depth)."""
+        self._learn(context)
         self._sync(context)
         kids: list[dict[int, int]] = [{}]
         tokens, parents, depth, score = [context[-1]], [-1], [0], [1.0]
@@ -85,7 +133,7 @@ class NgramDrafter:
                 score.append(0.0)
             return kids[node][tok]
 
-        found = self._lookup(context)
+        k, found = self._lookup(context)
         mass = [0.0]
         for seq in found:
             node = 0
@@ -94,8 +142,13 @@ class NgramDrafter:
                 mass.extend([0.0] * (len(tokens) - len(mass)))
                 mass[node] += 1.0 / len(found)
         mass.extend([0.0] * (len(tokens) - len(mass)))
-        for i in range(1, len(tokens)):
-            score[i] = mass[i] * self.decay ** depth[i]
+        if found:
+            reach = [1.0]  # the chance a looked-up token at each depth is right, with all before it
+            for rate in self.survival_rates(k):
+                reach.append(reach[-1] * rate)
+            for i in range(1, len(tokens)):
+                score[i] = mass[i] * reach[depth[i]]
+            self.last = (len(context), k, found[0])  # the chain to learn from: the most recent match's
         chain, probs = self._trigram_chain(context)
         node, p_path = 0, 1.0
         for tok, p in zip(chain, probs):
