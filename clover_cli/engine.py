@@ -130,6 +130,7 @@ class CostModel:
     calibration: float = 1.0
     by_mode: dict = field(default_factory=dict)  # calibration per sampling mode: greedy accepts far more
     mode: float | None = None  # the sampling mode `calibration` belongs to
+    rate: float = 0.0  # recent tokens per second of whole steps
 
     def use_mode(self, mode):
         """Switch to the calibration learned under `mode` (e.g. the temperature), keeping the current one."""
@@ -158,6 +159,17 @@ class CostModel:
             if rate > best_rate:
                 best_n, best_rate = n, rate
         return best_n
+
+    def min_score(self) -> float:
+        """The score below which a drafted node cannot pay for its share of the verify at the recent speed: a
+        drafter need not grow such nodes (0 until a step has been timed)."""
+        per_node = (self.verify(17) - self.verify(1)) / 16
+        return self.rate * per_node / max(self.calibration, 1e-3)
+
+    def observe_step(self, tokens: int, seconds: float):
+        if seconds > 0:
+            r = tokens / seconds
+            self.rate = r if self.rate == 0.0 else 0.9 * self.rate + 0.1 * r
 
     def observe(self, expected: float, accepted: int, draft_s: float):
         if expected > 0:
@@ -269,6 +281,8 @@ class Engine:
                 idle += 1
             else:
                 probe = idle >= 3
+                if self.cost is not None and hasattr(self.drafter, "min_score"):
+                    self.drafter.min_score = self.cost.min_score()
                 tree = self.drafter.propose(self.context + [root], self.budget)
             t1 = time.perf_counter()
             if self.cost is not None and len(tree) > 1:
@@ -281,14 +295,19 @@ class Engine:
             tokens, depths, mask = tree.tensors(device)
             hidden, logits = self.target.forward(tokens, self.target.length + depths, mask)
             path, bonus = accept(tree, logits, sampling, rng)
-            self.target.cache.commit(torch.tensor(path, dtype=torch.long, device=device))
+            if path[-1] == len(path) - 1:  # nodes 0..k, already where they belong (a chain drafted first)
+                self.target.cache.append(len(path))
+            else:
+                self.target.cache.commit(torch.tensor(path, dtype=torch.long, device=device))
             accepted = [tree.tokens[i] for i in path[1:]]
             self.drafter.observe(hidden[path], torch.tensor(accepted + [bonus], dtype=torch.long, device=device))
             self.context += [root] + accepted
             self._device_sync()
             t2 = time.perf_counter()
-            if self.cost is not None and len(tree) > 1:
-                self.cost.observe(sum(tree.scores[1:]), len(accepted), t1 - t0)
+            if self.cost is not None:
+                self.cost.observe_step(len(accepted) + 1, t2 - t0)
+                if len(tree) > 1:
+                    self.cost.observe(sum(tree.scores[1:]), len(accepted), t1 - t0)
 
             out, out_depths = [], []
             for depth, tok in enumerate(accepted + [bonus], 1):

@@ -262,3 +262,56 @@ def test_ngram_proposes_what_followed_before_and_learns_trigrams():
     # Tri-grams persist across a new conversation: (7, 8) was followed by 1.
     tree = d.propose([50, 51, 7, 8], budget=4)
     assert 1 in tree.tokens[1:]
+
+
+def test_ngram_carries_a_repeat_past_the_end_of_the_context():
+    d = NgramDrafter(max_depth=10)
+    context = [5, 1, 2, 3, 1, 2, 3, 1, 2, 3]
+    tree = d.propose(context, budget=64)
+    tree.validate()
+    node, chain = 0, []
+    kids = tree.children()
+    while kids[node]:
+        node = max(kids[node], key=lambda c: tree.scores[c])
+        chain.append(tree.tokens[node])
+    assert chain == [1, 2, 3, 1, 2, 3, 1, 2, 3, 1]  # the period-3 repeat, continued beyond what was seen
+
+
+def test_ngram_learns_how_far_lookups_stay_right():
+    """Survival rates per depth follow what the target went on to produce: a repeat that keeps going raises the
+    score of deep nodes; continuations that break off after one token lower it."""
+
+    def deep_score(d, context, depth):
+        tree = d.propose(context, budget=64)
+        depths = tree.depths()
+        return max((s for s, dd in zip(tree.scores, depths) if dd == depth), default=0.0)
+
+    loop = NgramDrafter(max_depth=12)
+    context = [50, 51] + [1, 2, 3, 4] * 3
+    first = deep_score(loop, context, 8)
+    for _ in range(6):  # the text keeps repeating, as proposed
+        context = context + [1, 2, 3, 4]
+        deep_score(loop, context, 8)
+    assert deep_score(loop, context, 8) > first * 2
+
+    base = [50, 51] + list(range(1, 13))
+    broken, context = NgramDrafter(max_depth=12), list(base)
+    for j in (2, 4, 6, 8):  # a token seen before comes again; the next one is as before, the one after is new
+        broken.propose(context + [base[j]], budget=64)
+        context = context + [base[j], base[j + 1], 1000 + j]
+        broken.propose(context, budget=64)
+    query = context + [base[10]]
+    assert deep_score(broken, query, 2) < deep_score(NgramDrafter(max_depth=12), query, 2) / 2
+    assert deep_score(broken, query, 1) > 0.9  # the first token kept being right
+
+
+def test_cost_model_min_score_follows_speed_and_calibration():
+    from clover_cli.engine import CostModel
+
+    cost = CostModel(verify_s={1: 0.010, 17: 0.018})
+    assert cost.min_score() == 0.0  # nothing timed yet: every node may be grown
+    cost.observe_step(4, 0.010)  # 400 tokens/s
+    per_node = 0.008 / 16
+    assert cost.min_score() == pytest.approx(400 * per_node)
+    cost.calibration = 0.5  # the drafter's scores are worth half what they claim: a higher bar
+    assert cost.min_score() == pytest.approx(800 * per_node)

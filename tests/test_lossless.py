@@ -246,3 +246,37 @@ def test_merged_drafter_skips_the_heads_when_lookup_is_confident():
     assert len(merged.propose([1, 2], 16)) == 5 and Fixed.calls == 1  # 3.6 expected: lookup alone
     lookup.scores = [0.5, 0.4]
     assert len(merged.propose([1, 2], 16)) >= 3 and Fixed.calls == 3  # 0.9 expected: both drafters
+
+
+def test_clover_drafter_catches_up_lazily_across_resets():
+    """observe() only queues; the augmenting block runs when a proposal needs it. Whatever mix of observes,
+    proposals and partial resets, the drafter proposes what one in-order pass over the kept tokens gives."""
+    from clover_cli.target import hidden_states
+
+    model = make_model("llama", 7)
+    target = Target(model)
+    heads = random_heads(model, "clover2", 3, 3, 1)
+    ids = torch.tensor([[(7 * i) % 90 + 3 for i in range(24)]])
+    with torch.inference_mode():
+        pre, _ = hidden_states(model, ids)
+    hidden, nxt = pre[0], ids[0, 1:]
+
+    def fed(spans):
+        d = CloverDrafter(heads, target, topk=4, width=4)
+        for op in spans:
+            if op[0] == "observe":
+                d.observe(hidden[op[1]:op[2]], nxt[op[1]:op[2]])
+            elif op[0] == "reset":
+                d.reset(op[1])
+            else:
+                d.propose([1], 16)
+        return d.propose(ids[0, :20].tolist(), 16), d
+
+    want, plain = fed([("observe", 0, 20)])
+    for spans in ([("observe", 0, 10), ("observe", 10, 14), ("reset", 12), ("observe", 12, 20)],
+                  [("observe", 0, 10), ("propose",), ("observe", 10, 15), ("reset", 8), ("observe", 8, 20)],
+                  [("observe", 0, 6), ("propose",), ("observe", 6, 9), ("propose",), ("observe", 9, 20)]):
+        got, d = fed(spans)
+        assert d.cache.length == 20 and not d.pending
+        assert torch.allclose(d.state, plain.state, atol=1e-5), spans
+        assert got.tokens == want.tokens and got.parents == want.parents, spans

@@ -59,6 +59,16 @@ class MergedDrafter:
         self.name = f"{first.name}+{second.name}"
         self.max_depth = max(getattr(first, "max_depth", 1), getattr(second, "max_depth", 1))
 
+    @property
+    def min_score(self) -> float:
+        return getattr(self.first, "min_score", 0.0)
+
+    @min_score.setter
+    def min_score(self, value: float) -> None:
+        for d in (self.first, self.second):
+            if hasattr(d, "min_score"):
+                d.min_score = value
+
     def reset(self, length: int) -> None:
         self.first.reset(length)
         self.second.reset(length)
@@ -73,4 +83,6 @@ class MergedDrafter:
         second = self.second.propose(context, budget)
         if self.enough is not None and sum(second.scores[1:]) >= self.enough:
             return second
-        return merge_trees(self.first.propose(context, budget), second).prune(budget)
+        # the second tree goes first: its best chain then takes nodes 1, 2, ... and an accepted run of it needs no
+        # move in the target's cache
+        return merge_trees(second, self.first.propose(context, budget)).prune(budget)

@@ -38,10 +38,11 @@ class _TreeGrower:
         self.paths = {0: ()}
 
     def expand(self, builder: TreeBuilder, level: list[int], logits: torch.Tensor, budget: int,
-               token_ids: torch.Tensor | None = None) -> list[int]:
+               token_ids: torch.Tensor | None = None, min_score: float = 0.0) -> list[int]:
         """Add the children of the nodes in `level` (rows of logits); return the next level's nodes.
 
         token_ids maps logit columns to token ids when the heads draft from a shortlist of the vocabulary.
+        A dynamic tree gets no child scored below min_score (one not worth verifying).
         """
         probs = torch.softmax(logits.float(), dim=-1)
         top_p, top_i = probs.topk(min(self.topk, probs.shape[-1]), dim=-1)
@@ -56,7 +57,7 @@ class _TreeGrower:
                     path = self.paths[parent] + (rank,)
                     if path not in self.static:
                         continue
-                elif p < self.min_ratio * best or mass >= self.top_p:
+                elif p < self.min_ratio * best or mass >= self.top_p or base * p < min_score:
                     break
                 mass += p
                 child = builder.add(parent, tok, base * p)
@@ -105,14 +106,38 @@ class CloverDrafter:
         self.project = DraftProjection(target.lm_head, getattr(heads, "draft_vocab", None))
         self.cache = TreeKVCache(heads.cfg.num_layers, 256, target.max_context)
         self.state = None
+        # what observe() was given and the augmenting block has not run over yet: it runs once, over all of it,
+        # when a proposal needs the state (a step whose tree comes from lookup alone skips the heads)
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.max_depth = heads.cfg.num_heads
+        self.min_score = 0.0  # set by the engine: nodes scored below it do not pay for their verification
 
     def reset(self, length: int) -> None:
-        self.cache.truncate(length)
+        keep = length - self.cache.length
+        if keep <= 0:
+            self.cache.truncate(length)
+            self.pending = []
+        else:
+            kept = []
+            for hidden, tokens in self.pending:
+                if keep <= 0:
+                    break
+                kept.append((hidden[:keep], tokens[:keep]))
+                keep -= tokens.numel()
+            self.pending = kept
+        self.state = None
+
+    def observe(self, hidden, next_tokens) -> None:
+        self.pending.append((hidden, next_tokens))
         self.state = None
 
     @torch.inference_mode()
-    def observe(self, hidden, next_tokens) -> None:
+    def _catch_up(self) -> None:
+        if not self.pending:
+            return
+        hidden = torch.cat([h for h, _ in self.pending]) if len(self.pending) > 1 else self.pending[0][0]
+        next_tokens = torch.cat([t for _, t in self.pending]) if len(self.pending) > 1 else self.pending[0][1]
+        self.pending = []
         n = next_tokens.numel()
         self.cache.reserve(n)
         start = self.cache.length
@@ -128,7 +153,10 @@ class CloverDrafter:
     def propose(self, context, budget) -> DraftTree:
         builder = TreeBuilder(context[-1])
         self.grower.start()
-        if budget <= 0 or self.state is None:
+        if budget <= 0:
+            return builder.build(0)
+        self._catch_up()
+        if self.state is None:
             return builder.build(0)
         level, states = [0], self.state[None]
         for depth in range(self.heads.cfg.num_heads):
@@ -137,7 +165,8 @@ class CloverDrafter:
                 prev = self.target.embed_tokens(
                     torch.tensor([builder.tokens[i] for i in level], device=states.device)).to(self.dtype)
             new_states, out = self.heads.step(depth, states, prev)
-            children = self.grower.expand(builder, level, self.project(out), budget, self.project.token_ids)
+            children = self.grower.expand(builder, level, self.project(out), budget, self.project.token_ids,
+                                          self.min_score)
             if not children:
                 break
             row_of = {node: row for row, node in enumerate(level)}
@@ -156,29 +185,29 @@ class MedusaDrafter:
         self.dtype = next(heads.parameters()).dtype
         self.project = DraftProjection(target.lm_head, getattr(heads, "draft_vocab", None))
         self.norm = getattr(target.base, "norm", None)
-        self.logits = None
+        self.last = None  # the last observed hidden state; the heads run on it when a proposal needs them
         self.max_depth = heads.cfg.num_heads
+        self.min_score = 0.0  # set by the engine: nodes scored below it do not pay for their verification
 
     def reset(self, length: int) -> None:
-        self.logits = None
+        self.last = None
 
-    @torch.inference_mode()
     def observe(self, hidden, next_tokens) -> None:
-        last = hidden[-1:]
-        post = self.norm(last) if self.norm is not None else last
-        outs = self.heads.outputs(post.to(self.dtype))
-        self.logits = [self.project(o).float() for o in outs]  # head i: [1, V or the draft vocabulary]
+        self.last = hidden[-1:]
 
     @torch.inference_mode()
     def propose(self, context, budget) -> DraftTree:
         builder = TreeBuilder(context[-1])
         self.grower.start()
-        if budget <= 0 or self.logits is None:
+        if budget <= 0 or self.last is None:
             return builder.build(0)
+        post = self.norm(self.last) if self.norm is not None else self.last
+        outs = self.heads.outputs(post.to(self.dtype))
+        logits = [self.project(o).float() for o in outs]  # head i: [1, V or the draft vocabulary]
         level = [0]
-        for depth, logits in enumerate(self.logits):
-            children = self.grower.expand(builder, level, logits.expand(len(level), -1), budget,
-                                          self.project.token_ids)
+        for depth, head_logits in enumerate(logits):
+            children = self.grower.expand(builder, level, head_logits.expand(len(level), -1), budget,
+                                          self.project.token_ids, self.min_score)
             if not children:
                 break
             level = children
