@@ -295,10 +295,7 @@ class Engine:
             tokens, depths, mask = tree.tensors(device)
             hidden, logits = self.target.forward(tokens, self.target.length + depths, mask)
             path, bonus = accept(tree, logits, sampling, rng)
-            if path[-1] == len(path) - 1:  # nodes 0..k, already where they belong (a chain drafted first)
-                self.target.cache.append(len(path))
-            else:
-                self.target.cache.commit(torch.tensor(path, dtype=torch.long, device=device))
+            self.target.cache.commit(path)
             accepted = [tree.tokens[i] for i in path[1:]]
             self.drafter.observe(hidden[path], torch.tensor(accepted + [bonus], dtype=torch.long, device=device))
             self.context += [root] + accepted

@@ -163,15 +163,18 @@ class TreeKVCache(Cache):
         """Keep the n tokens just written (a prefill or a single-path step)."""
         self.length += n
 
-    def commit(self, nodes: torch.Tensor):
+    def commit(self, nodes: list[int]):
         """Keep the written tokens at offsets `nodes` (ascending, starting at 0) as the next committed tokens.
 
-        Where the Triton kernels run, all layers' keys and values move in one launch (clover_kernels.kv_commit).
+        Nodes 0..k (a path drafted first) are already in place: nothing moves. Otherwise, where the Triton kernels
+        run, all layers' keys and values move in one launch (clover_kernels.kv_commit).
         """
-        if not self._commit_triton(nodes):
-            for layer in self.layers:
-                layer.commit(self.length, nodes)
-        self.length += nodes.numel()
+        if nodes and nodes[-1] != len(nodes) - 1 and self.layers[0].is_initialized:
+            index = torch.tensor(nodes, dtype=torch.long, device=self.layers[0].keys.device)
+            if not self._commit_triton(index):
+                for layer in self.layers:
+                    layer.commit(self.length, index)
+        self.length += len(nodes)
 
     def _commit_triton(self, nodes: torch.Tensor) -> bool:
         kernels = triton_kernels(nodes.device)

@@ -520,7 +520,9 @@ def test_target_forward_and_commit_through_kernels(kernels_on):
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(target_mod, "TRITON_DEVICE_TYPES", ())
             _, logits_slow = slow.forward(tokens, slow.length + depth, mask)
-            path = torch.tensor(random_path(n, rng.randint(1, min(n, 4)), rng), device=device)
+            path = [0, 1]
+            while path[-1] == len(path) - 1:  # one that moves keys: nodes 0..k are already in place
+                path = random_path(n, rng.randint(2, min(n, 4)), rng)
             slow.cache.commit(path)
         fast.cache.commit(path)
         torch.testing.assert_close(logits_fast, logits_slow, atol=1e-4, rtol=1e-4)
@@ -530,6 +532,13 @@ def test_target_forward_and_commit_through_kernels(kernels_on):
             torch.testing.assert_close(a.values[:, :, :fast.length], b.values[:, :, :slow.length], atol=1e-5,
                                        rtol=0)
     assert calls == {"attention": 3 * model.config.num_hidden_layers, "commit": 3}
+    before = [layer.keys.clone() for layer in fast.cache.layers]
+    fast.forward(tokens[:3], fast.length + torch.arange(3, device=device), torch.ones(3, 3, dtype=torch.bool,
+                                                                                      device=device).tril())
+    fast.cache.commit([0, 1, 2])  # a path drafted first is already in place: no launch, nothing moved
+    assert calls["commit"] == 3 and fast.length == slow.length + 3
+    for layer, old in zip(fast.cache.layers, before):
+        torch.testing.assert_close(layer.keys[:, :, :slow.length], old[:, :, :slow.length], atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("kernels_on", DEVICES, indirect=True)

@@ -135,9 +135,10 @@ class CloverDrafter:
     def _catch_up(self) -> None:
         if not self.pending:
             return
-        hidden = torch.cat([h for h, _ in self.pending]) if len(self.pending) > 1 else self.pending[0][0]
-        next_tokens = torch.cat([t for _, t in self.pending]) if len(self.pending) > 1 else self.pending[0][1]
+        hiddens, tokens = zip(*self.pending)
         self.pending = []
+        hidden = torch.cat(hiddens) if len(hiddens) > 1 else hiddens[0]
+        next_tokens = torch.cat(tokens) if len(tokens) > 1 else tokens[0]
         n = next_tokens.numel()
         self.cache.reserve(n)
         start = self.cache.length

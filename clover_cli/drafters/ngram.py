@@ -39,16 +39,11 @@ class NgramDrafter:
     PRIOR_WEIGHT = 2
     FORGET = 0.97  # each new observation at a depth weighs the older ones down by this
 
-    def _learn(self, context: list[int]) -> None:
-        """Score the last proposal's chain against what the target produced after it (known up to here)."""
-        if self.last is None:
-            return
-        start, k, chain = self.last
-        self.last = None
-        if start > len(context) or len(self.tokens) < start or self.tokens[:start] != context[:start]:
-            return  # another conversation: nothing to compare
-        actual = context[start:]
-        for d, (tok, real) in enumerate(zip(chain, actual)):
+    def _learn(self, last: tuple[int, int, list[int]], context: list[int]) -> None:
+        """Score a proposal's chain against what the target produced after it; `context` continues the one the
+        proposal was made for, so its tokens from there on are what came next (as far as known)."""
+        start, k, chain = last
+        for d, (tok, real) in enumerate(zip(chain, context[start:])):
             stat = self.survival[k][d]
             stat[0] = stat[0] * self.FORGET + (tok == real)
             stat[1] = stat[1] * self.FORGET + 1.0
@@ -64,7 +59,8 @@ class NgramDrafter:
     def observe(self, hidden, next_tokens) -> None:
         pass  # the statistics come from the context itself
 
-    def _sync(self, context: list[int]) -> None:
+    def _sync(self, context: list[int]) -> bool:
+        """Index the context's new tokens. Returns whether it continues the context seen before."""
         n = len(self.tokens)
         if n > len(context) or self.tokens != context[:n]:
             self.tokens, self.index, n = [], defaultdict(list), 0
@@ -78,6 +74,7 @@ class NgramDrafter:
                     self.index[tuple(context[i - k + 1:i + 1])].append(i)
             if learn and i >= 2:
                 self.trigrams[(context[i - 2], context[i - 1])][context[i]] += 1
+        return learn
 
     def _lookup(self, context: list[int]) -> tuple[int, list[list[int]]]:
         """(k, continuations) for the longest suffix of k tokens that occurred before (0, [] when none did)."""
@@ -118,8 +115,9 @@ class NgramDrafter:
         """A trie of the looked-up continuations and the tri-gram chain. A node's score is the share of earlier
         matches that continued through it times the learned chance of getting that deep (or the chain's tri-gram
         probability, discounted by decay per depth)."""
-        self._learn(context)
-        self._sync(context)
+        last, self.last = self.last, None
+        if self._sync(context) and last is not None:
+            self._learn(last, context)
         kids: list[dict[int, int]] = [{}]
         tokens, parents, depth, score = [context[-1]], [-1], [0], [1.0]
 
@@ -148,7 +146,7 @@ class NgramDrafter:
                 reach.append(reach[-1] * rate)
             for i in range(1, len(tokens)):
                 score[i] = mass[i] * reach[depth[i]]
-            self.last = (len(context), k, found[0])  # the chain to learn from: the most recent match's
+            self.last = (len(context), k, found[0])  # the chain to learn from: the most recent match's continuation
         chain, probs = self._trigram_chain(context)
         node, p_path = 0, 1.0
         for tok, p in zip(chain, probs):
