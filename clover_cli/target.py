@@ -16,6 +16,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .errors import CloverError
+from .packed import pack_linears, packed_linears
 
 ATTN_NAME = "clover_tree"
 
@@ -210,6 +211,8 @@ class Target:
         self.lm_head = model.get_output_embeddings()
         self.embed_tokens = model.get_input_embeddings()
         self.device = self.embed_tokens.weight.device
+        if self.device.type == "cpu":
+            pack_linears(model)  # used only inside forward(); elsewhere (hf's generate) the model is as it was
         limit = getattr(self.config, "max_position_embeddings", None) or 4096
         self.max_context = min(limit, max_context) if max_context else limit
         self.cache = TreeKVCache(self.config.num_hidden_layers, min(initial_capacity, self.max_context),
@@ -248,11 +251,12 @@ class Target:
             if kernels is not None:  # packed once here, used by every layer's attention
                 extra[TREE_BITS_KWARG] = kernels.pack_tree_mask(tree_mask)
         self._pre_norm = None
-        out = self.base(input_ids=tokens[None], position_ids=positions[None], past_key_values=self.cache,
-                        attention_mask=mask, use_cache=True, **extra)
-        post = out.last_hidden_state[0]
-        pre = self._pre_norm[0] if self._pre_norm is not None else post
-        logits = self.lm_head(post if logits_for is None else post[logits_for]).float()
+        with packed_linears():
+            out = self.base(input_ids=tokens[None], position_ids=positions[None], past_key_values=self.cache,
+                            attention_mask=mask, use_cache=True, **extra)
+            post = out.last_hidden_state[0]
+            pre = self._pre_norm[0] if self._pre_norm is not None else post
+            logits = self.lm_head(post if logits_for is None else post[logits_for]).float()
         return pre, logits
 
     def reset(self, length: int = 0):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..packed import pack_linears, packed_linears
 from ..target import Target, TreeKVCache
 from ..tree import DraftTree, TreeBuilder
 
@@ -82,17 +83,21 @@ class DraftProjection:
     """
 
     def __init__(self, lm_head, vocab: torch.Tensor | None):
-        self.lm_head, self.token_ids = lm_head, None
+        self.linear, self.token_ids = lm_head, None
         if vocab is not None and vocab.numel() < lm_head.weight.shape[0]:
             self.token_ids = vocab.to(lm_head.weight.device)
-            self.weight = lm_head.weight.detach()[self.token_ids].contiguous()
             bias = getattr(lm_head, "bias", None)
-            self.bias = bias.detach()[self.token_ids].contiguous() if bias is not None else None
+            self.linear = torch.nn.Linear(lm_head.weight.shape[1], self.token_ids.numel(), bias=bias is not None,
+                                          device=lm_head.weight.device, dtype=lm_head.weight.dtype)
+            with torch.no_grad():
+                self.linear.weight.copy_(lm_head.weight[self.token_ids])
+                if bias is not None:
+                    self.linear.bias.copy_(bias[self.token_ids])
+            self.linear.requires_grad_(False)
+            pack_linears(self.linear)
 
     def __call__(self, out: torch.Tensor) -> torch.Tensor:
-        if self.token_ids is None:
-            return self.lm_head(out)
-        return torch.nn.functional.linear(out.to(self.weight.dtype), self.weight, self.bias)
+        return self.linear(out.to(self.linear.weight.dtype))
 
 
 class CloverDrafter:
@@ -103,6 +108,7 @@ class CloverDrafter:
         self.target = target
         self.grower = _TreeGrower(**grow)
         self.dtype = next(heads.parameters()).dtype
+        pack_linears(heads)
         self.project = DraftProjection(target.lm_head, getattr(heads, "draft_vocab", None))
         self.cache = TreeKVCache(heads.cfg.num_layers, 256, target.max_context)
         self.state = None
@@ -132,6 +138,7 @@ class CloverDrafter:
         self.state = None
 
     @torch.inference_mode()
+    @packed_linears()
     def _catch_up(self) -> None:
         if not self.pending:
             return
@@ -151,6 +158,7 @@ class CloverDrafter:
         self.state = state[0, -1]
 
     @torch.inference_mode()
+    @packed_linears()
     def propose(self, context, budget) -> DraftTree:
         builder = TreeBuilder(context[-1])
         self.grower.start()
@@ -184,6 +192,7 @@ class MedusaDrafter:
         self.target = target
         self.grower = _TreeGrower(**grow)
         self.dtype = next(heads.parameters()).dtype
+        pack_linears(heads)
         self.project = DraftProjection(target.lm_head, getattr(heads, "draft_vocab", None))
         self.norm = getattr(target.base, "norm", None)
         self.last = None  # the last observed hidden state; the heads run on it when a proposal needs them
@@ -197,6 +206,7 @@ class MedusaDrafter:
         self.last = hidden[-1:]
 
     @torch.inference_mode()
+    @packed_linears()
     def propose(self, context, budget) -> DraftTree:
         builder = TreeBuilder(context[-1])
         self.grower.start()

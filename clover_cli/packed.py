@@ -1,0 +1,103 @@
+"""CPU linears with their weights prepacked once into oneDNN's blocked layout.
+
+A verify forward on a CPU multiplies a few rows (the draft tree) by every weight matrix of the model; at that size a
+linear is bound by reading its weight, and `F.linear` (MKL) re-packs the weight on every call. oneDNN's prepacked
+weight is read as it lies, and a 10-row verify of the bundled model runs about 1.7x faster (docs/BENCHMARKS.md).
+Its rows are also computed independently of how many there are (a token's logits do not depend on the tree size).
+
+`pack_linears(module)` turns the module's plain `nn.Linear`s into `PackedLinear`s (same object, same parameters; the
+weight stays shared, so tied embeddings stay tied, and a second, packed copy is kept beside it). They take the packed
+path only inside `packed_linears()` (Target.forward and the drafters enter it), only without autograd and only on
+the CPU; everywhere else (transformers' own `generate`, training) they are the stock `F.linear`. A weight changed
+in place after packing is packed again before its next use. CLOVER_PACKED=0 turns packing off.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+PACKED_DTYPES = (torch.float32,)
+MAX_PACKED_BYTES = 4 << 30  # the packed copies double the linears' memory: larger models on a CPU are left as they are
+_active = 0
+_supported: bool | None = None
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def supported() -> bool:
+    """Whether this torch build runs oneDNN's prepacked linear and agrees with F.linear on a probe."""
+    global _supported
+    if _supported is None:
+        _supported = False
+        if os.environ.get("CLOVER_PACKED", "1") != "0" and torch.backends.mkldnn.is_available():
+            try:
+                w, x = torch.randn(48, 32), torch.randn(3, 32)
+                _supported = torch.allclose(_linear(x, _pack(w), None), F.linear(x, w), atol=1e-4)
+            except (RuntimeError, AttributeError):
+                pass
+    return _supported
+
+
+class PackedLinear(nn.Linear):
+    """An nn.Linear that also holds its weight prepacked for oneDNN (made by pack_linears, never constructed)."""
+
+    def _key(self):
+        w = self.weight
+        try:
+            version = w._version
+        except RuntimeError:  # a weight made under inference_mode has no version counter
+            version = -1
+        return w.data_ptr(), w.dtype, version
+
+    def repack(self):
+        self.packed = _pack(self.weight)
+        self.packed_key = self._key()
+
+    def __getstate__(self):  # copies and pickles leave the packed weight behind (packed again on first use)
+        state = self.__dict__.copy()
+        state.pop("packed", None)
+        state["packed_key"] = None
+        return state
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (not _active or torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype not in PACKED_DTYPES
+                or x.dtype != self.weight.dtype):
+            return F.linear(x, self.weight, self.bias)
+        if self._key() != self.packed_key:  # moved, cast or changed in place since it was packed
+            self.repack()
+        return _linear(x, self.packed, self.bias)
+
+
+def pack_linears(module: nn.Module, max_bytes: int = MAX_PACKED_BYTES) -> int:
+    """Make the CPU float32 nn.Linears of `module` PackedLinears; returns how many (0 when not supported here)."""
+    linears = [m for m in module.modules() if type(m) is nn.Linear and m.weight.device.type == "cpu"
+               and m.weight.dtype in PACKED_DTYPES]
+    size = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    if not linears or size > max_bytes or not supported():
+        return 0
+    for m in linears:
+        m.__class__ = PackedLinear
+        m.repack()
+    return len(linears)
+
+
+@contextmanager
+def packed_linears():
+    """PackedLinears take the packed path inside this block (re-entrant)."""
+    global _active
+    _active += 1
+    try:
+        yield
+    finally:
+        _active -= 1

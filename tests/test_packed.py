@@ -1,0 +1,128 @@
+"""Prepacked CPU linears: same results as F.linear, used only where the engine asks, never stale."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from clover_cli import packed
+from clover_cli.packed import PackedLinear, pack_linears, packed_linears
+from clover_cli.target import Target
+from helpers import hf_greedy
+from test_lossless import make_model
+
+pytestmark = pytest.mark.skipif(not packed.supported(), reason="this torch build has no oneDNN prepacked linear")
+
+
+def _mlp(seed=0, bias=True):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, 96, bias=bias), nn.SiLU(), nn.Linear(96, 48, bias=bias))
+
+
+def _reference(mlp, x):
+    return F.linear(F.silu(F.linear(x, mlp[0].weight, mlp[0].bias)), mlp[2].weight, mlp[2].bias)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 33])
+@pytest.mark.parametrize("bias", [True, False])
+def test_packed_matches_f_linear(rows, bias):
+    mlp = _mlp(rows, bias)
+    assert pack_linears(mlp) == 2 and all(type(m) is PackedLinear for m in (mlp[0], mlp[2]))
+    x = torch.randn(3, rows, 64)
+    with torch.inference_mode(), packed_linears():
+        out = mlp(x)
+    torch.testing.assert_close(out, _reference(mlp, x), rtol=1e-5, atol=1e-5)
+    # each row is computed on its own: the same row alone gives the very same numbers
+    with torch.inference_mode(), packed_linears():
+        assert torch.equal(mlp(x[:, :1]), out[:, :1])
+
+
+def test_outside_the_block_or_with_autograd_it_is_stock_f_linear():
+    mlp = _mlp()
+    x = torch.randn(4, 64)
+    stock = _reference(mlp, x)
+    pack_linears(mlp)
+    calls = []
+    real = packed._linear
+    packed._linear = lambda *a: calls.append(1) or real(*a)
+    try:
+        with torch.inference_mode():
+            assert torch.equal(mlp(x), stock)  # bit for bit: transformers' own generate is untouched
+        with packed_linears():  # autograd on: training through a packed module must get gradients
+            out = mlp(x.requires_grad_())
+        out.sum().backward()
+        assert mlp[0].weight.grad is not None and not calls
+        with torch.inference_mode(), packed_linears():
+            mlp(x.detach())
+        assert len(calls) == 2
+    finally:
+        packed._linear = real
+
+
+def test_a_changed_moved_or_copied_weight_is_packed_again():
+    mlp = _mlp()
+    pack_linears(mlp)
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        mlp[0].weight.mul_(-1.5)  # an optimizer step, in place
+        mlp[2].bias.add_(1.0)  # bias is read at every call, no repack needed
+    with torch.inference_mode(), packed_linears():
+        torch.testing.assert_close(mlp(x), _reference(mlp, x), rtol=1e-5, atol=1e-5)
+    twin = copy.deepcopy(mlp)
+    again = pickle.loads(pickle.dumps(mlp))
+    with torch.no_grad():
+        twin[2].weight.zero_()
+    with torch.inference_mode(), packed_linears():
+        torch.testing.assert_close(twin(x), twin[2].bias.expand(2, -1))
+        torch.testing.assert_close(again(x), _reference(mlp, x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mlp(x), _reference(mlp, x), rtol=1e-5, atol=1e-5)
+    mlp.to(torch.float64)  # a dtype the packed path does not take: stock F.linear on the new weights
+    with torch.inference_mode(), packed_linears():
+        torch.testing.assert_close(mlp(x.double()), _reference(mlp, x.double()))
+
+
+def test_tied_weights_stay_tied():
+    emb = nn.Embedding(48, 64)
+    head = nn.Linear(64, 48, bias=False)
+    head.weight = emb.weight
+    pack_linears(head)
+    assert head.weight is emb.weight
+    with torch.no_grad():
+        emb.weight.mul_(2)  # the embedding changes: the head follows
+    x = torch.randn(3, 64)
+    with torch.inference_mode(), packed_linears():
+        torch.testing.assert_close(head(x), x @ emb.weight.T, rtol=1e-5, atol=1e-5)
+
+
+def test_what_is_not_packed():
+    assert pack_linears(_mlp(), max_bytes=1000) == 0  # too big for the memory cap: left alone
+    half = _mlp().to(torch.bfloat16)
+    assert pack_linears(half) == 0 and type(half[0]) is nn.Linear
+
+    class Custom(nn.Linear):  # e.g. bitsandbytes' Linear8bitLt: a subclass is never swapped
+        pass
+
+    net = nn.Sequential(Custom(4, 4), nn.Linear(4, 4))
+    assert pack_linears(net) == 1 and type(net[0]) is Custom
+
+
+def test_target_packs_its_model_and_transformers_generate_is_unchanged():
+    model = make_model("llama", 3)
+    prompt = [5, 17, 9, 33, 2, 61]
+    before = hf_greedy(model, prompt, 24)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    target = Target(model)
+    assert type(model.get_output_embeddings()) is PackedLinear
+    assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tied
+    with torch.no_grad():
+        assert torch.equal(model(torch.tensor([prompt])).logits, logits)
+    assert hf_greedy(model, prompt, 24) == before
+    _, mine = target.forward(torch.tensor(prompt))
+    torch.testing.assert_close(mine, logits[0], rtol=1e-4, atol=1e-4)
