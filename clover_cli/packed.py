@@ -1,9 +1,9 @@
 """CPU linears with their weights prepacked once into oneDNN's blocked layout.
 
 A verify forward on a CPU multiplies a few rows (the draft tree) by every weight matrix of the model; at that size a
-linear is bound by reading its weight, and `F.linear` (MKL) re-packs the weight on every call. oneDNN's prepacked
-weight is read as it lies, and a 10-row verify of the bundled model runs about 1.7x faster (docs/BENCHMARKS.md).
-Its rows are also computed independently of how many there are (a token's logits do not depend on the tree size).
+linear is bound by reading its weight, which MKL's general matrix product (`F.linear`) does slowly. From oneDNN's
+prepacked layout a verify forward of the bundled model runs 1.2x (1 token) to 1.5x (4-32 tokens) faster
+(scripts/verify_cost.py, docs/BENCHMARKS.md). Its rows are computed independently of how many there are.
 
 `pack_linears(module)` turns the module's plain `nn.Linear`s into `PackedLinear`s (same object, same parameters; the
 weight stays shared, so tied embeddings stay tied, and a second, packed copy is kept beside it). They take the packed
