@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 PACKED_DTYPES = (torch.float32,)
+WARM_ROWS = 64
 MAX_PACKED_BYTES = 4 << 30  # the packed copies double the linears' memory: larger models on a CPU are left as they are
 _active = 0
 _supported: bool | None = None
@@ -79,16 +80,27 @@ class PackedLinear(nn.Linear):
         return _linear(x, self.packed, self.bias)
 
 
-def pack_linears(module: nn.Module, max_bytes: int = MAX_PACKED_BYTES) -> int:
-    """Make the CPU float32 nn.Linears of `module` PackedLinears; returns how many (0 when not supported here)."""
+def pack_linears(module: nn.Module, max_bytes: int = MAX_PACKED_BYTES, warm_rows: int = WARM_ROWS) -> int:
+    """Make the CPU float32 nn.Linears of `module` PackedLinears; returns how many (0 when not supported here).
+
+    oneDNN compiles a kernel the first time it meets a (weight shape, row count); that costs ~0.4 ms, more than the
+    product itself, so each weight shape is run once here for 1..warm_rows rows (the tree sizes a verify uses)
+    rather than during the first replies (where it would also skew the engine's measured verify costs).
+    """
     linears = [m for m in module.modules() if type(m) is nn.Linear and m.weight.device.type == "cpu"
                and m.weight.dtype in PACKED_DTYPES]
     size = sum(m.weight.numel() * m.weight.element_size() for m in linears)
     if not linears or size > max_bytes or not supported():
         return 0
+    shapes = {}
     for m in linears:
         m.__class__ = PackedLinear
         m.repack()
+        shapes.setdefault((tuple(m.weight.shape), m.weight.dtype, m.bias is not None), m)
+    with torch.inference_mode():
+        for m in shapes.values():
+            for rows in range(1, warm_rows + 1):
+                _linear(m.weight.new_zeros(rows, m.in_features), m.packed, m.bias)
     return len(linears)
 
 
