@@ -6,7 +6,8 @@ prepacked layout a verify forward of the bundled model runs 1.2x (1 token) to 1.
 (scripts/verify_cost.py, docs/BENCHMARKS.md). Its rows are computed independently of how many there are.
 
 `pack_linears(module)` turns the module's plain `nn.Linear`s into `PackedLinear`s (same object, same parameters; the
-weight stays shared, so tied embeddings stay tied, and a second, packed copy is kept beside it). They take the packed
+weight stays shared, so tied embeddings stay tied, and a second, packed copy is kept beside it: the linears' memory
+doubles, so a module whose linears exceed MAX_PACKED_BYTES (4 GiB) is left as it is). They take the packed
 path only inside `packed_linears()` (Target.forward and the drafters enter it), only without autograd and only on
 the CPU; everywhere else (transformers' own `generate`, training) they are the stock `F.linear`. A weight changed
 in place after packing is packed again before its next use. CLOVER_PACKED=0 turns packing off.
@@ -15,6 +16,7 @@ in place after packing is packed again before its next use. CLOVER_PACKED=0 turn
 from __future__ import annotations
 
 import os
+import threading
 from contextlib import contextmanager
 
 import torch
@@ -22,9 +24,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 PACKED_DTYPES = (torch.float32,)
-WARM_ROWS = 64
 MAX_PACKED_BYTES = 4 << 30  # the packed copies double the linears' memory: larger models on a CPU are left as they are
-_active = 0
+WARM_ROWS = 64
+WARM_MAX_BYTES = 256 << 20  # above this the kernels' one-time compile is small next to the products themselves
+_state = threading.local()  # .depth: how many packed_linears() blocks this thread is in
+_warmed: set = set()  # (weight shape, dtype, bias) whose kernels were compiled for 1..WARM_ROWS rows
 _supported: bool | None = None
 
 
@@ -43,7 +47,8 @@ def supported() -> bool:
         _supported = False
         if os.environ.get("CLOVER_PACKED", "1") != "0" and torch.backends.mkldnn.is_available():
             try:
-                w, x = torch.randn(48, 32), torch.randn(3, 32)
+                g = torch.Generator().manual_seed(0)  # not the global generator: seeded runs stay as they were
+                w, x = torch.randn(48, 32, generator=g), torch.randn(3, 32, generator=g)
                 _supported = torch.allclose(_linear(x, _pack(w), None), F.linear(x, w), atol=1e-4)
             except (RuntimeError, AttributeError):
                 pass
@@ -63,29 +68,42 @@ class PackedLinear(nn.Linear):
 
     def repack(self):
         self.packed = _pack(self.weight)
+        # Holding the packed-from tensor keeps its memory from being reused by a replacement weight (`.data = ...`),
+        # which could otherwise sit at the same address with the same version and pass for the packed one.
+        self.packed_from = self.weight.detach()
         self.packed_key = self._key()
+
+    def unpack(self):
+        self.__dict__.pop("packed", None)
+        self.__dict__.pop("packed_from", None)
+        self.packed_key = None
+
+    def _apply(self, fn, recurse=True):  # .to(), .float(), .cuda(), ...: packed again on first use, if at all
+        self.unpack()
+        return super()._apply(fn, recurse)
 
     def __getstate__(self):  # copies and pickles leave the packed weight behind (packed again on first use)
         state = self.__dict__.copy()
         state.pop("packed", None)
+        state.pop("packed_from", None)
         state["packed_key"] = None
         return state
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (not _active or torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype not in PACKED_DTYPES
-                or x.dtype != self.weight.dtype):
+        if (not getattr(_state, "depth", 0) or torch.is_grad_enabled() or x.device.type != "cpu"
+                or x.dtype not in PACKED_DTYPES or x.dtype != self.weight.dtype):
             return F.linear(x, self.weight, self.bias)
-        if self._key() != self.packed_key:  # moved, cast or changed in place since it was packed
+        if self._key() != self.packed_key:  # replaced, cast or changed in place since it was packed
             self.repack()
         return _linear(x, self.packed, self.bias)
 
 
-def pack_linears(module: nn.Module, max_bytes: int = MAX_PACKED_BYTES, warm_rows: int = WARM_ROWS) -> int:
+def pack_linears(module: nn.Module, max_bytes: int = MAX_PACKED_BYTES) -> int:
     """Make the CPU float32 nn.Linears of `module` PackedLinears; returns how many (0 when not supported here).
 
-    oneDNN compiles a kernel the first time it meets a (weight shape, row count); that costs ~0.4 ms, more than the
-    product itself, so each weight shape is run once here for 1..warm_rows rows (the tree sizes a verify uses)
-    rather than during the first replies (where it would also skew the engine's measured verify costs).
+    oneDNN compiles a kernel the first time it meets a (weight shape, row count); for a small model that costs more
+    (~0.4 ms) than the product itself, so each new weight shape is run here for 1..WARM_ROWS rows (the tree sizes a
+    verify uses) rather than during the first replies, where it would also skew the engine's measured verify costs.
     """
     linears = [m for m in module.modules() if type(m) is nn.Linear and m.weight.device.type == "cpu"
                and m.weight.dtype in PACKED_DTYPES]
@@ -97,19 +115,21 @@ def pack_linears(module: nn.Module, max_bytes: int = MAX_PACKED_BYTES, warm_rows
         m.__class__ = PackedLinear
         m.repack()
         shapes.setdefault((tuple(m.weight.shape), m.weight.dtype, m.bias is not None), m)
-    with torch.inference_mode():
-        for m in shapes.values():
-            for rows in range(1, warm_rows + 1):
-                _linear(m.weight.new_zeros(rows, m.in_features), m.packed, m.bias)
+    if size <= WARM_MAX_BYTES:
+        with torch.inference_mode():
+            for key, m in shapes.items():
+                if key not in _warmed:
+                    for rows in range(1, WARM_ROWS + 1):
+                        _linear(m.weight.new_zeros(rows, m.in_features), m.packed, m.bias)
+                    _warmed.add(key)
     return len(linears)
 
 
 @contextmanager
 def packed_linears():
-    """PackedLinears take the packed path inside this block (re-entrant)."""
-    global _active
-    _active += 1
+    """PackedLinears take the packed path inside this block (re-entrant; per thread)."""
+    _state.depth = getattr(_state, "depth", 0) + 1
     try:
         yield
     finally:
-        _active -= 1
+        _state.depth -= 1

@@ -81,7 +81,16 @@ def test_a_changed_moved_or_copied_weight_is_packed_again():
         torch.testing.assert_close(twin(x), twin[2].bias.expand(2, -1))
         torch.testing.assert_close(again(x), _reference(mlp, x), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(mlp(x), _reference(mlp, x), rtol=1e-5, atol=1e-5)
+    for _ in range(5):  # a replaced weight may land where the old one was: still packed again
+        mlp[0].weight.data = torch.randn_like(mlp[0].weight)
+        mlp[0].weight.data = torch.randn_like(mlp[0].weight)
+        with torch.inference_mode(), packed_linears():
+            torch.testing.assert_close(mlp(x), _reference(mlp, x), rtol=1e-5, atol=1e-5)
+    mlp.to(torch.bfloat16).to(torch.float32)  # a round trip through bf16 rounds the weights: the packed copy too
+    with torch.inference_mode(), packed_linears():
+        torch.testing.assert_close(mlp(x), _reference(mlp, x), rtol=1e-5, atol=1e-5)
     mlp.to(torch.float64)  # a dtype the packed path does not take: stock F.linear on the new weights
+    assert not hasattr(mlp[0], "packed")  # and the old packed copy is not kept in memory
     with torch.inference_mode(), packed_linears():
         torch.testing.assert_close(mlp(x.double()), _reference(mlp, x.double()))
 
@@ -97,6 +106,25 @@ def test_tied_weights_stay_tied():
     x = torch.randn(3, 64)
     with torch.inference_mode(), packed_linears():
         torch.testing.assert_close(head(x), x @ emb.weight.T, rtol=1e-5, atol=1e-5)
+
+
+def test_the_packed_path_is_per_thread():
+    import threading
+
+    mlp = _mlp()
+    pack_linears(mlp)
+    x = torch.randn(2, 64)
+    seen = []
+
+    def other():
+        with torch.inference_mode():
+            seen.append(torch.equal(mlp(x), _reference(mlp, x)))  # not inside this thread's block: stock
+
+    with torch.inference_mode(), packed_linears():
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+    assert seen == [True]
 
 
 def test_what_is_not_packed():

@@ -83,21 +83,21 @@ class DraftProjection:
     """
 
     def __init__(self, lm_head, vocab: torch.Tensor | None):
-        self.linear, self.token_ids = lm_head, None
+        self.lm_head, self.token_ids = lm_head, None
         if vocab is not None and vocab.numel() < lm_head.weight.shape[0]:
             self.token_ids = vocab.to(lm_head.weight.device)
             bias = getattr(lm_head, "bias", None)
-            self.linear = torch.nn.Linear(lm_head.weight.shape[1], self.token_ids.numel(), bias=bias is not None,
-                                          device=lm_head.weight.device, dtype=lm_head.weight.dtype)
-            with torch.no_grad():
-                self.linear.weight.copy_(lm_head.weight[self.token_ids])
-                if bias is not None:
-                    self.linear.bias.copy_(bias[self.token_ids])
-            self.linear.requires_grad_(False)
-            pack_linears(self.linear)
+            self.shortlist = torch.nn.Linear(lm_head.weight.shape[1], self.token_ids.numel(), bias=bias is not None,
+                                             device="meta")
+            self.shortlist.weight = torch.nn.Parameter(lm_head.weight.detach()[self.token_ids], requires_grad=False)
+            if bias is not None:
+                self.shortlist.bias = torch.nn.Parameter(bias.detach()[self.token_ids], requires_grad=False)
+            pack_linears(self.shortlist)
 
     def __call__(self, out: torch.Tensor) -> torch.Tensor:
-        return self.linear(out.to(self.linear.weight.dtype))
+        if self.token_ids is None:
+            return self.lm_head(out)
+        return self.shortlist(out.to(self.shortlist.weight.dtype))
 
 
 class CloverDrafter:
