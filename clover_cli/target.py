@@ -211,8 +211,7 @@ class Target:
         self.lm_head = model.get_output_embeddings()
         self.embed_tokens = model.get_input_embeddings()
         self.device = self.embed_tokens.weight.device
-        if self.device.type == "cpu":
-            pack_linears(model)  # used only inside forward(); elsewhere (hf's generate) the model is as it was
+        pack_linears(model)  # CPU linears only, used only inside forward(); elsewhere (hf's generate) as they were
         limit = getattr(self.config, "max_position_embeddings", None) or 4096
         self.max_context = min(limit, max_context) if max_context else limit
         self.cache = TreeKVCache(self.config.num_hidden_layers, min(initial_capacity, self.max_context),

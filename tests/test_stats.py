@@ -89,12 +89,18 @@ def test_snapshot_numbers(tmp_path, run_cli):
     assert one["hit_rate_by_depth"] == pytest.approx(S1["hits"], abs=1e-4)
 
 
-def test_dashboard_text(tmp_path, run_cli, monkeypatch):
-    monkeypatch.setenv("COLUMNS", "200")
+def _dashboard(tmp_path, run_cli, monkeypatch, columns: int) -> str:
+    """`clover stats --once` over the recorded stream, on a terminal `columns` wide."""
+    monkeypatch.setenv("COLUMNS", str(columns))
     f = tmp_path / "stats.jsonl"
     recorded_stream(f)
     code, out, err = run_cli("stats", "--stats-file", str(f), "--once")
     assert code == 0, err
+    return out
+
+
+def test_dashboard_text(tmp_path, run_cli, monkeypatch):
+    out = _dashboard(tmp_path, run_cli, monkeypatch, 200)
     assert "\x1b[" not in out  # not a terminal: plain
     assert "35.7%" in out and "1.56" in out  # overall acceptance rate and τ
     assert f"{S1['speedup']:.2f}×" in out  # estimated speedup
@@ -108,11 +114,7 @@ def test_dashboard_text(tmp_path, run_cli, monkeypatch):
 
 def test_session_table_fits_a_narrow_terminal(tmp_path, run_cli, monkeypatch):
     """At 80 columns the per-session table keeps its most important figures whole and drops the rest."""
-    monkeypatch.setenv("COLUMNS", "80")
-    f = tmp_path / "stats.jsonl"
-    recorded_stream(f)
-    code, out, err = run_cli("stats", "--stats-file", str(f), "--once")
-    assert code == 0, err
+    out = _dashboard(tmp_path, run_cli, monkeypatch, 80)
     assert max(len(line) for line in out.splitlines()) <= 80
     header = next(line for line in out.splitlines() if "session" in line and "draft" in line)
     for col in ("accept", "τ", "tok/s"):
