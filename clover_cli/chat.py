@@ -16,10 +16,10 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+from .atomic import write_bytes
 from .errors import CloverError
 
 HELP_KEYS = [
@@ -175,24 +175,10 @@ class Conversation:
         if p.is_dir():
             raise CloverError(f"cannot save to {path}: it is a directory")
         data = (json.dumps(self.to_json(model), ensure_ascii=False, indent=1) + "\n").encode()
-        parent = p.parent if str(p.parent) else Path(".")
-        tmp = None
         try:
-            fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{p.name}.", suffix=".tmp")  # 0600
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, p)
-            tmp = None
+            write_bytes(p, data, mode=0o600, make_parents=False)  # a conversation is private
         except OSError as e:
             raise CloverError(f"cannot save to {path}: {e.strerror or e}")
-        finally:
-            if tmp is not None:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
         return p
 
 
