@@ -45,6 +45,7 @@ class BenchConfig:
     load_in_8bit: bool = False
     json_out: bool = False
     plot: Path | None = None
+    compile: str | None = None  # auto/on: clover's rows run the compiled step (built first if needed); off: eager
 
 
 @dataclass
@@ -153,14 +154,17 @@ class BenchSession:
     """One loaded target with what every method needs."""
 
     def __init__(self, cfg: BenchConfig):
+        from .compiled import compile_mode
         from .heads import load_heads
         from .hub import resolve_heads
         from .session import Options, Session
 
+        compiled = "off" if compile_mode(cfg.compile) == "off" else "on"  # a benchmark waits for the build
         self.session = Session(Options(model=cfg.model, heads=cfg.heads, draft="none", device=cfg.device,
-                                       dtype=cfg.dtype, load_in_8bit=cfg.load_in_8bit, tree_budget=cfg.tree_budget),
-                               quiet=cfg.json_out)
+                                       dtype=cfg.dtype, load_in_8bit=cfg.load_in_8bit, tree_budget=cfg.tree_budget,
+                                       compile=compiled), quiet=cfg.json_out)
         s = self.session
+        s.compiler.start(background=False)
         heads_path = resolve_heads(cfg.heads, s.resolved, quiet=True)
         self.clover_heads = self.medusa_heads = None
         for path in filter(None, [heads_path, cfg.medusa_heads]):
@@ -203,7 +207,8 @@ class BenchSession:
 
                 drafter = auto_drafter(drafter)  # exactly what --draft auto runs
         if method not in self.engines:
-            self.engines[method] = Engine(s.target, drafter, budget=self.budget, auto_budget=self.auto)
+            self.engines[method] = Engine(s.target, drafter, budget=self.budget, auto_budget=self.auto,
+                                          costs=s.engine.costs)
         eng = self.engines[method]
         eng.drafter = drafter
         eng.reset()
@@ -347,7 +352,8 @@ def make_report(cfg, bs, methods, rows, prompts) -> dict:
     return {
         "model": s.resolved.name, "device": str(s.device), "dtype": str(s.dtype).replace("torch.", ""),
         "prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
-        "repeats": cfg.repeats, "tree_budget": cfg.tree_budget,
+        "repeats": cfg.repeats, "tree_budget": cfg.tree_budget, "compiled": s.compiler.active,
+        "step": s.compiler.describe(),
         "machine": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} threads".strip(),
         "torch": torch.__version__, "date": date.today().isoformat(), "methods": out,
     }
@@ -358,7 +364,8 @@ def print_table(report: dict):
     from rich.table import Table
 
     t = Table(title=f"clover bench · {report['model']} · {report['device']} {report['dtype']} · "
-                    f"{report['prompts']} prompts x {report['max_new_tokens']} tokens")
+                    f"{report['prompts']} prompts x {report['max_new_tokens']} tokens · "
+                    f"{'compiled' if report['compiled'] else 'eager'} step")
     for col in ("method", "tok/s", "tok/s e2e", "τ", "accept by depth", "vs hf", "vs plain", "identical"):
         t.add_column(col, justify="right" if col not in ("method", "accept by depth") else "left")
     for r in report["methods"]:

@@ -245,6 +245,8 @@ class Chat:
         self.total = SessionStats(self.sid or "", "chat", session.resolved.name, session.draft_name)
         self.generations = 0
         self.interrupts = 0  # Ctrl-C presses caught while replying
+        self.notices: list[str] = []  # said between replies, never into one (the compiled step's news)
+        session.compiler.warn = self.notices.append
 
     # --- replies
 
@@ -352,6 +354,18 @@ class Chat:
             self.stats_line(per, finish, interrupted)
         except KeyboardInterrupt:
             self.conv.repair()
+        finally:
+            self.say_notices()
+
+    def say_notices(self):
+        compiler = self.session.compiler
+        compiler.poll()
+        if compiler.just_activated:
+            compiler.just_activated = False
+            self.notices.append("compiled step ready: replies run it from now on")
+        for text in self.notices:
+            self.out.note(f"({text})")
+        self.notices.clear()
 
     def stats_line(self, per, finish, interrupted):
         tokens = per.tokens + per.replies
@@ -729,6 +743,7 @@ def _banner(session, out: Out, load_s: float, chat: Chat, history_path, interact
     out.note(f"clover chat · model {session.resolved.name} · device {session.device} · dtype {dtype} · "
              f"8-bit {'on' if session.load_in_8bit else 'off'} · loaded in {load_s:.1f}s", "bold")
     out.note(f"drafter {session.draft_name} · {_heads_source(session)}")
+    out.note(session.compiler.describe())
     extra = []
     if chat.stats_path:
         extra.append(f"stats → {chat.stats_path}")
@@ -759,7 +774,9 @@ def run_chat(opts, system=None, max_new_tokens=256, temperature=0.0, top_p=1.0, 
     writer = StatsWriter.open(stats_file)  # after loading: a run that fails to start leaves no record
     chat = Chat(session, Conversation(system or None), out, max_new_tokens, temperature, top_p, seed, writer,
                 writer.path if writer else None, interactive)
+    session.compiler.start(background=True)  # auto: replies run eager until the compiled step is built
     _banner(session, out, load_s, chat, history_path, interactive)
+    chat.say_notices()
     if interactive:
         _repl(chat, _prompt_session(history, colour))
     else:

@@ -65,6 +65,9 @@ class Common:
     stats_file = typer.Option(None, "--stats-file", help="Where to append per-step records (default: the user "
                                                          "cache directory; 'off' disables).")
     no_color = typer.Option(False, "--no-color", help="Plain text, no colours.")
+    compile = typer.Option(None, "--compile", help="The compiled target step (CPU, float32): auto = use it when "
+                           "it is built (chat builds it in the background meanwhile); on = build it first if "
+                           "needed; off = eager. Default: $CLOVER_COMPILE, else auto.", show_default=False)
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_p: float, seed: int | None = None):
@@ -105,12 +108,14 @@ def read_prompt(path: str) -> str:
 
 
 def _options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, device, dtype, trust_remote_code,
-             allow_pickle):
+             allow_pickle, compile=None):
+    from .compiled import compile_mode
     from .session import Options
 
+    compile_mode(compile)  # a bad value fails here, before anything loads
     return Options(model=model, revision=revision, heads=heads, draft=draft, tree=tree, tree_budget=tree_budget,
                    load_in_8bit=load_in_8bit, device=device, dtype=dtype, trust_remote_code=trust_remote_code,
-                   allow_pickle=allow_pickle)
+                   allow_pickle=allow_pickle, compile=compile)
 
 
 @app.command()
@@ -168,6 +173,7 @@ def generate(
     trust_remote_code: bool = Common.trust_remote_code, allow_pickle: bool = Common.allow_pickle,
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
     stats_file: Optional[str] = Common.stats_file, no_color: bool = Common.no_color,
+    compile: Optional[str] = Common.compile,
 ):
     """Generate one reply to a prompt file, streaming it (or --json for scripts)."""
     from .engine import Sampling
@@ -178,8 +184,11 @@ def generate(
 
     check_sampling(max_new_tokens, temperature, top_p, seed)
     text = read_prompt(prompt)
+    t_start = time.perf_counter()
     session = Session(_options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, device, dtype,
-                               trust_remote_code, allow_pickle), quiet=json_out)
+                               trust_remote_code, allow_pickle, compile), quiet=json_out)
+    session.compiler.start(background=False)  # --compile on: built now if needed; auto: a cached one or eager
+    load_s = time.perf_counter() - t_start
     if raw:
         ids = session.encode_raw(text)
     else:
@@ -215,8 +224,11 @@ def generate(
         "steps": stats.steps,
         "tau": round(stats.tau, 4),
         "tokens_per_s": round(stats.tokens_per_s, 3),
+        "tokens_per_s_e2e": round(stats.new_tokens / elapsed, 3) if elapsed > 0 else 0.0,
         "elapsed_s": round(elapsed, 4),
         "prefill_s": round(stats.prefill_s, 4),
+        "decode_s": round(stats.decode_s, 4),
+        "load_s": round(load_s, 4),
         "acceptance_rate": round(stats.drafted_accepted / max(1, stats.new_tokens - 1), 4),
         "accept_by_depth": [round(a, 4) for a in stats.accept_by_depth],
         "finish": stats.finish,
@@ -225,13 +237,15 @@ def generate(
         "heads": str(session.heads_path) if session.heads_path else None,
         "device": str(session.device),
         "dtype": str(session.dtype).replace("torch.", ""),
+        "compiled": session.compiler.active,
+        "step": session.compiler.describe(),
         "prompt_tokens": len(ids),
     }
     if json_out:
         typer.echo(json.dumps(result, ensure_ascii=False))
     else:
         typer.echo(f"{stats.new_tokens} tokens · τ {stats.tau:.2f} · {stats.tokens_per_s:.1f} tok/s · "
-                   f"{session.draft_name}", err=True)
+                   f"{session.draft_name} · {'compiled' if session.compiler.active else 'eager'} step", err=True)
 
 
 @app.command()
@@ -247,6 +261,7 @@ def chat(
     history_file: Optional[str] = typer.Option(None, "--history-file", help="Input history (default: user "
                                                                             "cache directory)."),
     stats_file: Optional[str] = Common.stats_file, no_color: bool = Common.no_color,
+    compile: Optional[str] = Common.compile,
 ):
     """Chat with a model in the terminal; accepted draft tokens are coloured as they stream.
 
@@ -258,7 +273,7 @@ def chat(
 
     check_sampling(max_new_tokens, temperature, top_p, seed)
     run_chat(_options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, device, dtype,
-                      trust_remote_code, allow_pickle),
+                      trust_remote_code, allow_pickle, compile),
              system=system, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
              history_file=history_file, stats_file=stats_file, no_color=no_color)
 
@@ -354,14 +369,68 @@ def bench(
     load_in_8bit: bool = Common.load_in_8bit,
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG chart (needs matplotlib)."),
+    compile: Optional[str] = typer.Option(None, "--compile", help="clover's rows with the compiled step: auto "
+                                          "or on = built first if needed (outside the timings); off = eager. "
+                                          "Default: $CLOVER_COMPILE, else auto.", show_default=False),
 ):
     """Compare every decoding method on the same prompts: speed, τ, and identity with HF greedy."""
     from .bench import BenchConfig, run_bench
+    from .compiled import compile_mode
 
+    compile_mode(compile)
     run_bench(BenchConfig(model=model, prompts=prompts, methods=methods, max_new_tokens=max_new_tokens,
                           temperature=temperature, repeats=repeats, limit=limit, heads=heads,
                           medusa_heads=medusa_heads, assistant=assistant, tree_budget=tree_budget, device=device,
-                          dtype=dtype, load_in_8bit=load_in_8bit, json_out=json_out, plot=plot))
+                          dtype=dtype, load_in_8bit=load_in_8bit, json_out=json_out, plot=plot, compile=compile))
+
+
+@app.command(name="compile")
+def compile_step(
+    model: Optional[str] = MODEL_ARG, revision: Optional[str] = Common.revision,
+    trust_remote_code: bool = Common.trust_remote_code, allow_pickle: bool = Common.allow_pickle,
+    force: bool = typer.Option(False, "--force", help="Build again even when a package is cached."),
+):
+    """Build the compiled target step of a model ahead of time (CPU, float32).
+
+    clover runs the target's forward as one program compiled by AOTInductor, its weights frozen into it: a step
+    costs a fraction of the eager one. Building takes 15-60 s per model; the package is cached under the user
+    cache directory (keyed by model files, torch version and CPU), so chat, generate and bench load it in
+    milliseconds afterwards. Without this command, chat builds it in the background on first use.
+    """
+    import torch
+    from transformers import AutoConfig
+
+    from .compiled import Package, build_locked, capacity_for, failure_line, package_dir
+    from .hub import resolve_model
+    from .target import context_limit
+
+    resolved = resolve_model(model, revision, allow_pickle)
+    try:
+        config = AutoConfig.from_pretrained(resolved.path, trust_remote_code=trust_remote_code)
+    except Exception as e:
+        raise CloverError(f"cannot read the model config in {resolved.path}: {str(e).splitlines()[0] if str(e) else e}")
+    capacity = capacity_for(context_limit(config))
+    out = package_dir(resolved.path, torch.float32, capacity)
+    pkg = Package.find(out)
+    if pkg is None or force:
+        t0 = time.perf_counter()
+        try:
+            meta = build_locked(resolved.path, out, capacity, trust_remote_code, allow_pickle,
+                                log=lambda text: typer.echo(text, err=True))
+        except CloverError:
+            raise
+        except Exception as e:  # export or compiler failure
+            raise CloverError(failure_line(e))
+        if meta is None:
+            raise CloverError(f"another clover process is compiling {resolved.name} right now; try again when it ends")
+        pkg = Package.find(out)
+        typer.echo(f"compiled {resolved.name} in {time.perf_counter() - t0:.0f} s")
+    else:
+        typer.echo(f"{resolved.name} is already compiled (--force builds it again)")
+    costs = " · ".join(f"{n} token{'s' * (n > 1)} {1000 * pkg.verify_s[n]:.2f} ms" for n in (1, 16, 32)
+                       if n in pkg.verify_s)
+    typer.echo(f"package: {pkg.path}")
+    typer.echo(f"verify forward: {costs}")
 
 
 def _fail(message: str, code: int = 2):

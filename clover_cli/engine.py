@@ -131,6 +131,7 @@ class CostModel:
     by_mode: dict = field(default_factory=dict)  # calibration per sampling mode: greedy accepts far more
     mode: float | None = None  # the sampling mode `calibration` belongs to
     rate: float = 0.0  # recent tokens per second of whole steps
+    refreshed: bool = False  # verify_s changed since it was loaded or measured
 
     def use_mode(self, mode):
         """Switch to the calibration learned under `mode` (e.g. the temperature), keeping the current one."""
@@ -166,6 +167,19 @@ class CostModel:
         per_node = (self.verify(17) - self.verify(1)) / 16
         return self.rate * per_node / max(self.calibration, 1e-3)
 
+    def monotone(self):
+        """Measured times non-decreasing in tree size: timing noise must not make a bigger tree look cheaper."""
+        prev = 0.0
+        for n in sorted(self.verify_s):
+            self.verify_s[n] = prev = max(self.verify_s[n], prev * 1.001)
+
+    def refresh(self, n: int, seconds: float):
+        """Fold the time of a real forward over n tokens into the table (sizes the table holds)."""
+        if n in self.verify_s and seconds > 0:
+            self.verify_s[n] = 0.8 * self.verify_s[n] + 0.2 * seconds
+            self.monotone()
+            self.refreshed = True
+
     def observe_step(self, tokens: int, seconds: float):
         if seconds > 0:
             r = tokens / seconds
@@ -185,19 +199,33 @@ class Engine:
     themselves on this device.
     """
 
-    def __init__(self, target: Target, drafter, budget: int = 32, auto_budget: bool = True):
+    def __init__(self, target: Target, drafter, budget: int = 32, auto_budget: bool = True, costs=None):
         self.target = target
         self.drafter = drafter
         self.budget = budget
         self.auto_budget = auto_budget and budget > 0
         self.cost: CostModel | None = None
+        self.costs = costs  # a store of measured verify costs (load() -> {n: s} or None, save(table)), if any
         self.context: list[int] = []  # exactly the tokens in the target's KV cache
+
+    def use_verify_costs(self, table: dict[int, float]):
+        """Size trees from these verify costs from now on (the step changed, e.g. the compiled one came in)."""
+        if self.cost is not None:
+            self.cost.verify_s = dict(table)
+            self.cost.monotone()
 
     def _device_sync(self):
         if self.target.device.type == "cuda":
             torch.cuda.synchronize()
 
     def calibrate(self, root: int):
+        """The verify cost of several tree sizes: from the store when it has them, else measured here (about half
+        a second on a CPU) and stored for the next process."""
+        stored = self.costs.load() if self.costs is not None else None
+        if stored:
+            self.cost = CostModel(verify_s=stored)
+            self.cost.monotone()
+            return
         sizes = sorted({1, 2, 4, 8, 16, 32, 64, 128} & set(range(1, self.budget + 2)) | {self.budget + 1})
         cost = CostModel()
         for n in sizes:
@@ -214,10 +242,10 @@ class Engine:
                 break
         if len(cost.verify_s) == 1:
             cost.verify_s[2] = cost.verify_s[1] * 1.05
-        prev = 0.0
-        for n in sorted(cost.verify_s):  # timing noise must not make a bigger tree look cheaper than a smaller one
-            cost.verify_s[n] = prev = max(cost.verify_s[n], prev * 1.001)
+        cost.monotone()
         self.cost = cost
+        if self.costs is not None:
+            self.costs.save(cost.verify_s)
 
     def reset(self):
         """Forget the cache contents (the next prompt is prefilled from scratch)."""
@@ -237,6 +265,9 @@ class Engine:
         finally:
             if not done:
                 self.reset()
+            if self.cost is not None and self.cost.refreshed and self.costs is not None:
+                self.costs.save(self.cost.verify_s)
+                self.cost.refreshed = False
 
     def _generate(self, prompt: list[int], stop: StopCheck, sampling: Sampling) -> Iterator[StepEvent]:
         rng = torch.Generator()
@@ -293,7 +324,11 @@ class Engine:
                 idle = 0 if n else idle + 1
             tree = tree.prune(max(0, self.target.max_context - self.target.length - 1))  # room left in context
             tokens, depths, mask = tree.tensors(device)
+            tv = time.perf_counter()
             hidden, logits = self.target.forward(tokens, self.target.length + depths, mask)
+            if self.costs is not None and self.cost is not None and device.type == "cpu":
+                # keeps the stored table current (a GPU forward returns before it is done: not timed there)
+                self.cost.refresh(len(tree), time.perf_counter() - tv)
             path, bonus = accept(tree, logits, sampling, rng)
             self.target.cache.commit(path)
             accepted = [tree.tokens[i] for i in path[1:]]

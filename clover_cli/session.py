@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from .drafters import MergedDrafter, NoDrafter
+from .compiled import StepCompiler, StepCosts, compile_mode
 from .engine import Engine, Sampling, StepEvent, StopCheck
 from .errors import CloverError
 from .hub import looks_like_repo, resolve_heads, resolve_model
@@ -33,6 +34,7 @@ class Options:
     trust_remote_code: bool = False
     allow_pickle: bool = False
     max_context: int | None = None
+    compile: str | None = None  # auto, on or off (None: CLOVER_COMPILE, else auto); see clover_cli/compiled.py
 
 
 def parse_budget(text: str) -> tuple[int, bool]:
@@ -76,11 +78,20 @@ class Session:
         spec = self.resolved.spec
         self.template_name, self.template = chat_template(self.tokenizer, spec.template if spec else None)
         self.target = Target(self.model, max_context=opts.max_context)
+        self.compiler = StepCompiler(compile_mode(opts.compile), self.target, self.resolved.path, self.dtype,
+                                     self.device, self.load_in_8bit, opts.trust_remote_code, opts.allow_pickle,
+                                     warn=self._warn)
         self.drafter = self._drafter(opts)
-        self.engine = Engine(self.target, self.drafter, budget=budget, auto_budget=auto)
+        self.engine = Engine(self.target, self.drafter, budget=budget, auto_budget=auto,
+                             costs=StepCosts(self.resolved.path, self.device, self.dtype, self.compiler))
+        self.compiler.listeners.append(self.engine.use_verify_costs)
         self.eos_ids = self._eos_ids()
         # the tokenizer's own template has no known stop strings; an alias names the template it follows
         self.stop_strings = STOP_STRINGS.get(self.template_name) or STOP_STRINGS.get(spec.template if spec else "", [])
+
+    def _warn(self, text: str):
+        if not self.quiet:
+            print(f"clover: {text}", file=sys.stderr)
 
     @property
     def draft_name(self) -> str:
@@ -172,7 +183,9 @@ class Session:
         room = self.check_fits(prompt, max_new_tokens)
         stop = StopCheck(room, self.eos_ids, self.stop_strings, self.decode)
         try:
-            yield from self.engine.generate(prompt, stop, sampling)
+            for ev in self.engine.generate(prompt, stop, sampling):
+                yield ev
+                self.compiler.poll()  # a compiled step built in the background comes in between two steps
         except torch.cuda.OutOfMemoryError:
             raise CloverError("out of GPU memory while generating; try a smaller --tree-budget, --load-in-8bit "
                               "or a shorter conversation")

@@ -109,9 +109,10 @@ class TreeKVLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         start, n = self.owner.length, key_states.shape[2]
-        self.keys[:, :, start:start + n] = key_states
-        self.values[:, :, start:start + n] = value_states
-        return self.keys[:, :, :start + n], self.values[:, :, :start + n]
+        # narrow, not slicing: exact lengths (slices clamp), so the compiled program's sizes stay symbolic
+        self.keys.narrow(2, start, n).copy_(key_states)
+        self.values.narrow(2, start, n).copy_(value_states)
+        return self.keys.narrow(2, 0, start + n), self.values.narrow(2, 0, start + n)
 
     @torch.inference_mode()
     def grow(self, capacity: int):
@@ -149,6 +150,23 @@ class TreeKVCache(Cache):
         self.max_capacity = max_capacity
         self._pointer_table = None  # K/V buffer addresses for the one-launch Triton commit
 
+    @classmethod
+    def over(cls, keys: list[torch.Tensor], values: list[torch.Tensor], length) -> "TreeKVCache":
+        """A cache over existing buffers (one [1, Hkv, capacity, D] pair per layer) holding `length` tokens: what
+        the compiled program (clover_cli/compiled.py) writes into, the live cache's own buffers."""
+        capacity = keys[0].shape[2]
+        cache = cls(len(keys), capacity, capacity)
+        for layer, k, v in zip(cache.layers, keys, values):
+            layer.keys, layer.values, layer.is_initialized = k, v, True
+        cache.length = length
+        return cache
+
+    def buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """Every layer's key and value buffers, or None before the first forward allocates them."""
+        if not all(layer.is_initialized for layer in self.layers):
+            return None
+        return [layer.keys for layer in self.layers], [layer.values for layer in self.layers]
+
     def reserve(self, n_new: int):
         """Make room for n_new more tokens, growing the buffers (doubling) up to the model's context."""
         need = self.length + n_new
@@ -156,9 +174,14 @@ class TreeKVCache(Cache):
             return
         if need > self.max_capacity:
             raise CloverError(f"the conversation needs {need} tokens but the model's context is {self.max_capacity}")
-        self.capacity = min(self.max_capacity, max(need, 2 * self.capacity))
-        for layer in self.layers:
-            layer.grow(self.capacity)
+        self.grow_to(min(self.max_capacity, max(need, 2 * self.capacity)))
+
+    def grow_to(self, capacity: int):
+        """Buffers of `capacity` tokens from now on (the committed ones copied over); never shrinks."""
+        if capacity > self.capacity:
+            self.capacity = capacity
+            for layer in self.layers:
+                layer.grow(capacity)
 
     def append(self, n: int):
         """Keep the n tokens just written (a prefill or a single-path step)."""
@@ -194,15 +217,25 @@ class TreeKVCache(Cache):
         self.length = min(self.length, length)
 
 
+def context_limit(config, max_context: int | None = None) -> int:
+    """The longest conversation in tokens: the model's position limit (4096 when it states none), or less."""
+    limit = getattr(config, "max_position_embeddings", None) or 4096
+    return min(limit, max_context) if max_context else limit
+
+
 def _find_final_norm(base):
     norm = getattr(base, "norm", None)
     return norm if isinstance(norm, torch.nn.Module) else None
 
 
 class Target:
-    """A causal LM with our cache. forward() returns (pre-norm hidden, logits) of the new tokens."""
+    """A causal LM with our cache. forward() returns (pre-norm hidden, logits) of the new tokens.
 
-    def __init__(self, model, max_context: int | None = None, initial_capacity: int = 1024):
+    With a compiled program attached (`attach_program`, clover_cli/compiled.py), forward() runs it instead of the
+    eager modules whenever it fits: same inputs, same cache buffers, same outputs.
+    """
+
+    def __init__(self, model, max_context: int | None = None, initial_capacity: int = 1024, pack: bool = True):
         self.model = model
         self.config = model.config
         if model.config._attn_implementation != ATTN_NAME:
@@ -211,11 +244,12 @@ class Target:
         self.lm_head = model.get_output_embeddings()
         self.embed_tokens = model.get_input_embeddings()
         self.device = self.embed_tokens.weight.device
-        pack_linears(model)  # CPU linears only, used only inside forward(); elsewhere (hf's generate) as they were
-        limit = getattr(self.config, "max_position_embeddings", None) or 4096
-        self.max_context = min(limit, max_context) if max_context else limit
+        if pack:  # CPU linears only, used only inside forward(); elsewhere (hf's generate) as they were
+            pack_linears(model)
+        self.max_context = context_limit(self.config, max_context)
         self.cache = TreeKVCache(self.config.num_hidden_layers, min(initial_capacity, self.max_context),
                                  self.max_context)
+        self.program = None  # the compiled step, once attached
         self._pre_norm = None
         norm = _find_final_norm(self.base)
         if norm is not None:
@@ -227,6 +261,11 @@ class Target:
     @property
     def length(self) -> int:
         return self.cache.length
+
+    def attach_program(self, program) -> None:
+        """Run `program` (a compiled step for this model) from now on; its KV capacity becomes the cache's."""
+        self.cache.grow_to(program.capacity)
+        self.program = program
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
@@ -241,6 +280,8 @@ class Target:
         past = self.cache.length
         if positions is None:
             positions = torch.arange(past, past + n, device=self.device)
+        if self.program is not None and self.program.fits(self.cache, n):
+            return self.program(self.cache, tokens, positions, tree_mask, logits_for)
         mask = None
         extra = {}
         if tree_mask is not None:
@@ -249,14 +290,19 @@ class Target:
             kernels = triton_kernels(self.device)
             if kernels is not None:  # packed once here, used by every layer's attention
                 extra[TREE_BITS_KWARG] = kernels.pack_tree_mask(tree_mask)
-        self._pre_norm = None
         with packed_linears():
-            out = self.base(input_ids=tokens[None], position_ids=positions[None], past_key_values=self.cache,
-                            attention_mask=mask, use_cache=True, **extra)
-            post = out.last_hidden_state[0]
-            pre = self._pre_norm[0] if self._pre_norm is not None else post
-            logits = self.lm_head(post if logits_for is None else post[logits_for]).float()
-        return pre, logits
+            return self.run(tokens, positions, mask, self.cache, logits_for, **extra)
+
+    def run(self, tokens, positions, mask, cache, rows, **extra):
+        """The model's own forward over `tokens` with our cache: (pre-norm hidden [n, H], logits of `rows`, or of
+        all tokens when rows is None). Shared by the eager path and the compiled program."""
+        self._pre_norm = None
+        out = self.base(input_ids=tokens[None], position_ids=positions[None], past_key_values=cache,
+                        attention_mask=mask, use_cache=True, **extra)
+        post = out.last_hidden_state[0]
+        pre = self._pre_norm[0] if self._pre_norm is not None else post
+        self._pre_norm = None
+        return pre, self.lm_head(post if rows is None else post[rows]).float()
 
     def reset(self, length: int = 0):
         self.cache.truncate(length)

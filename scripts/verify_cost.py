@@ -1,11 +1,13 @@
-"""What a verify forward of the bundled model costs by tree size, with and without prepacked CPU linears.
+"""What a verify forward of the bundled model costs by tree size: eager with stock linears, eager with prepacked
+CPU linears, and the compiled step (clover_cli/compiled.py; built first if it is not cached).
 
-    python scripts/verify_cost.py                 # both ways, alternating, 3 rounds; prints one JSON object
-    python scripts/verify_cost.py --markdown      # also table rows for docs/BENCHMARKS.md
+    python scripts/verify_cost.py                      # all three, alternating, 3 rounds; one JSON object
+    python scripts/verify_cost.py --markdown --plot docs/step_cost.png   # also table rows and a chart
+    python scripts/verify_cost.py --settings stock,packed   # only some
 
-Each measurement runs in its own process (CLOVER_PACKED=1 or 0), after a 300-token prompt is in the cache; a
-tree of n tokens is a chain (speed does not depend on its shape). Median of --repeats forwards per size, then the
-median over rounds. The machine's speed drifts, so the two settings alternate.
+Each measurement runs in its own process (CLOVER_PACKED=0/1, CLOVER_COMPILE=off/on), after a 300-token prompt is
+in the cache; a tree of n tokens is a chain (speed does not depend on its shape). Median of --repeats forwards per
+size, then the median over rounds. The machine's speed drifts, so the settings alternate.
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ import sys
 import time
 from datetime import date
 
-SIZES = (1, 2, 4, 8, 16, 32)
+SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+SETTINGS = {"stock": {"CLOVER_PACKED": "0", "CLOVER_COMPILE": "off"},
+            "packed": {"CLOVER_PACKED": "1", "CLOVER_COMPILE": "off"},
+            "compiled": {"CLOVER_PACKED": "1", "CLOVER_COMPILE": "on"}}
 
 
 def measure(repeats: int, context: int) -> dict:
@@ -31,11 +36,13 @@ def measure(repeats: int, context: int) -> dict:
     from clover_cli.tree import DraftTree
 
     session = Session(Options(draft="none"), quiet=True)
+    session.compiler.start(background=False)  # CLOVER_COMPILE=on: built here if not cached
     target = session.target
     prompt = torch.randint(3, target.config.vocab_size, (context,), generator=torch.Generator().manual_seed(0))
     target.forward(prompt)
     target.cache.append(context)
-    out = {"packed": packed.supported() and type(target.lm_head) is packed.PackedLinear, "ms": {}}
+    out = {"packed": packed.supported() and type(target.lm_head) is packed.PackedLinear,
+           "compiled": session.compiler.active, "ms": {}}
     for n in SIZES:
         tokens, depths, mask = DraftTree([5] * n, [-1] + list(range(n - 1))).tensors("cpu")
         times = []
@@ -52,31 +59,60 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=100)
     ap.add_argument("--context", type=int, default=300)
+    ap.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated: stock, packed, compiled")
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--plot", help="write a PNG chart of ms per forward against tree size")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(measure(args.repeats, args.context)))
         return
-    runs = {"1": [], "0": []}
+    names = [n.strip() for n in args.settings.split(",") if n.strip()]
+    if not names or any(n not in SETTINGS for n in names):
+        sys.exit(f"--settings: choose from {', '.join(SETTINGS)}")
+    runs = {name: [] for name in names}
     for _ in range(args.rounds):
-        for flag in runs:
+        for name in names:
             p = subprocess.run([sys.executable, __file__, "--child", "--repeats", str(args.repeats), "--context",
                                 str(args.context)], capture_output=True, text=True,
-                               env={**os.environ, "CLOVER_PACKED": flag})
+                               env={**os.environ, **SETTINGS[name]})
             if p.returncode:
                 sys.exit(p.stderr.strip().splitlines()[-1] if p.stderr.strip() else "measurement failed")
-            runs[flag].append(json.loads(p.stdout))
+            runs[name].append(json.loads(p.stdout))
     report = {"date": date.today().isoformat(), "machine": f"{platform.processor() or platform.machine()}, "
               f"{os.cpu_count()} cpus", "context": args.context, "sizes": list(SIZES)}
-    for flag, name in (("1", "packed"), ("0", "stock")):
-        report[name + "_is_packed"] = runs[flag][0]["packed"]
-        report[name + "_ms"] = {n: round(statistics.median(r["ms"][str(n)] for r in runs[flag]), 2) for n in SIZES}
-    report["speedup"] = {n: round(report["stock_ms"][n] / report["packed_ms"][n], 2) for n in SIZES}
+    for name in names:
+        report[name + "_is_packed"] = runs[name][0]["packed"]
+        report[name + "_is_compiled"] = runs[name][0]["compiled"]
+        report[name + "_ms"] = {n: round(statistics.median(r["ms"][str(n)] for r in runs[name]), 3) for n in SIZES}
+    if "stock" in names and "packed" in names:
+        report["speedup"] = {n: round(report["stock_ms"][n] / report["packed_ms"][n], 2) for n in SIZES}
+    if "compiled" in names:
+        eager = "packed" if "packed" in names else names[0]
+        report["compiled_speedup"] = {n: round(report[eager + "_ms"][n] / report["compiled_ms"][n], 2)
+                                      for n in SIZES}
+        report["compiled_vs_1"] = {n: round(report["compiled_ms"][n] / report["compiled_ms"][1], 2) for n in SIZES}
     print(json.dumps(report, indent=2))
     if args.markdown:
-        for name in ("stock", "packed"):
-            print(f"| {report['date']} | {name} | " + " | ".join(f"{report[name + '_ms'][n]}" for n in SIZES) + " |")
+        for name in names:
+            print(f"| {report['date']} | {name} | " + " | ".join(f"{report[name + '_ms'][n]:.2f}" for n in SIZES)
+                  + " |")
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6.5, 4))
+        for name in names:
+            ax.plot(SIZES, [report[name + "_ms"][n] for n in SIZES], marker="o", label=name)
+        ax.set_xlabel("new tokens verified in one forward")
+        ax.set_ylabel("ms per forward")
+        ax.set_title(f"bundled model, verify forward · {report['machine']} · {report['date']}", fontsize=9)
+        ax.set_ylim(bottom=0)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=110)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+# No test builds a compiled step unless it asks for one (tests/test_compiled.py), and none writes packages or
+# measured step costs into the user's cache.
+os.environ.setdefault("CLOVER_COMPILE", "off")
+os.environ.setdefault("CLOVER_COMPILE_CACHE", tempfile.mkdtemp(prefix="clover-compiled-"))
 torch.set_num_threads(1)  # tiny models gain nothing from threads, and a busy machine makes them slow
 
 CORPUS = [

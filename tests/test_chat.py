@@ -42,6 +42,8 @@ class FakeSession:
         self.tokenizer = FakeTokenizer()
         self.max_context = max_context
         self.engine = SimpleNamespace(budget=4)
+        self.compiler = SimpleNamespace(warn=None, poll=lambda: False, just_activated=False, active=False,
+                                        describe=lambda: "eager (--compile off)")
         self.prompts = []
 
     def encode_chat(self, messages):

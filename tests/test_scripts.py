@@ -21,13 +21,17 @@ def test_gpu_bench_dry_run_on_cpu():
     assert 0 < report["roofline_share"]
 
 
-def test_verify_cost_compares_packed_and_stock_linears():
+def test_verify_cost_compares_stock_packed_and_compiled_steps(tmp_path):
     from clover_cli import packed
 
+    png = tmp_path / "cost.png"
     p = subprocess.run([sys.executable, str(ROOT / "scripts" / "verify_cost.py"), "--rounds", "1", "--repeats", "2",
-                        "--context", "32"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+                        "--context", "32", "--plot", str(png)], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert p.returncode == 0, p.stderr
-    report = json.loads(p.stdout)
+    report = json.loads(p.stdout[:p.stdout.rindex("}") + 1])
     assert report["packed_is_packed"] == packed.supported() and report["stock_is_packed"] is False
-    assert set(report["packed_ms"]) == set(report["stock_ms"]) == {"1", "2", "4", "8", "16", "32"}
-    assert all(v > 0 for v in report["packed_ms"].values())
+    assert report["compiled_is_compiled"] is True and report["packed_is_compiled"] is False
+    sizes = {"1", "2", "4", "8", "16", "24", "32", "48", "64"}
+    assert set(report["packed_ms"]) == set(report["stock_ms"]) == set(report["compiled_ms"]) == sizes
+    assert all(v > 0 for v in report["compiled_ms"].values())
+    assert png.read_bytes()[:4] == b"\x89PNG"

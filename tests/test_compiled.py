@@ -1,0 +1,291 @@
+"""The compiled step (clover_cli/compiled.py): lossless against transformers' own generate with the compiled program
+running every step, on several architectures, drafters, trees and sampling settings; eager and compiled steps
+mixed in one generation; the package cache, the background build and its swap, fallbacks and the CLI.
+
+Each architecture's program is built once per test session (about 10 s each on one core).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import zlib
+
+import pytest
+import torch
+
+from clover_cli import compiled
+from clover_cli.compiled import CompiledStep, Package, StepCompiler, build_for
+from clover_cli.engine import Engine, Sampling, StopCheck
+from clover_cli.target import Target
+from helpers import hf_greedy, run_engine
+from test_lossless import drafter_for, make_model
+
+FAMILIES = ("llama", "mistral", "qwen2")  # GQA; a sliding window shorter than the conversations; attention bias
+
+
+@pytest.fixture(scope="module")
+def programs(tmp_path_factory):
+    """family -> (model, package directory, capacity), each program built from its own random model."""
+    root = tmp_path_factory.mktemp("programs")
+    out = {}
+    for i, family in enumerate(FAMILIES):
+        model = make_model(family, seed=i)
+        target = Target(model)
+        meta = build_for(target, root / family, log=lambda text: None)
+        assert meta["capacity"] == target.cache.capacity == 512
+        assert set(meta["verify_s"]) >= {"1", "16", "32"} and all(v > 0 for v in meta["verify_s"].values())
+        out[family] = (model, root / family, meta["capacity"])
+    return out
+
+
+def compiled_target(programs, family) -> tuple:
+    model, path, capacity = programs[family]
+    target = Target(model)
+    target.attach_program(CompiledStep(path, capacity))
+    return model, target
+
+
+def counting(target):
+    """Count the forwards the compiled program serves."""
+    step = target.program
+    calls = {"n": 0}
+
+    class Counting:
+        capacity = step.capacity
+
+        def fits(self, cache, n):
+            return step.fits(cache, n)
+
+        def __call__(self, *args):
+            calls["n"] += 1
+            return step(*args)
+
+    target.program = Counting()
+    return calls
+
+
+CASES = [(fam, kind, seed) for fam in FAMILIES for kind in ("none", "ngram", "oracle", "clover", "merged")
+         for seed in range(4)]
+
+
+@pytest.mark.parametrize("family,kind,seed", CASES)
+def test_compiled_greedy_matches_transformers(programs, family, kind, seed):
+    rng = random.Random(zlib.crc32(f"compiled-{family}-{kind}-{seed}".encode()))
+    model, target = compiled_target(programs, family)
+    calls = counting(target)
+    for _ in range(3):
+        base = [rng.randrange(3, 96) for _ in range(rng.randint(2, 12))]
+        prompt = (base * rng.randint(1, 3))[: rng.randint(1, 30)] or [5]
+        n = rng.randint(1, 40)
+        reference = hf_greedy(model, prompt, n)
+        drafter = drafter_for(kind, model, target, rng, reference, len(prompt))
+        engine = Engine(target, drafter, budget=rng.choice([1, 4, 16, 40]), auto_budget=False)
+        out, events = run_engine(engine, prompt, StopCheck(n))
+        assert out == reference, f"prompt {prompt} n={n}"
+        follow = prompt + reference + [rng.randrange(3, 96)]  # the next request reuses the cache
+        ref2 = hf_greedy(model, follow, 10)
+        if kind == "oracle":
+            engine.drafter = drafter_for(kind, model, target, rng, ref2, len(follow))
+        out2, _ = run_engine(engine, follow, StopCheck(10))
+        assert out2 == ref2
+    assert calls["n"] >= 6  # prefills and steps ran compiled, not eager
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_eager_and_compiled_steps_mix_in_one_generation(programs, family):
+    """The compiled step swapped in mid-reply (as a background build does) continues the same cache exactly."""
+    rng = random.Random(family)
+    model, path, capacity = programs[family]
+    for swap_after in (1, 3, 7):
+        target = Target(model)
+        prompt = [rng.randrange(3, 96) for _ in range(rng.randint(5, 20))]
+        reference = hf_greedy(model, prompt * 2, 60)
+        engine = Engine(target, drafter_for("oracle", model, target, rng, reference, len(prompt) * 2), budget=12,
+                        auto_budget=False)
+        out = []
+        for i, ev in enumerate(engine.generate(prompt * 2, StopCheck(60))):
+            out += ev.tokens
+            if i == swap_after:
+                target.attach_program(CompiledStep(path, capacity))
+        assert out == reference
+        assert target.program is not None
+
+
+@pytest.mark.parametrize("temperature,top_p", [(0.7, 1.0), (1.0, 0.9), (1.5, 0.5)])
+def test_compiled_sampling_draws_what_eager_draws(programs, temperature, top_p):
+    """Sampling reads the compiled program's logits: with the same seed, the same tokens as the eager step (whose
+    exactness against the target's distribution tests/test_engine.py checks)."""
+    model, compiled_t = compiled_target(programs, "llama")
+    eager_t = Target(model)
+    rng = random.Random(int(temperature * 10))
+    for seed in range(4):
+        prompt = [rng.randrange(3, 96) for _ in range(rng.randint(3, 15))]
+        runs = []
+        for target in (eager_t, compiled_t):
+            engine = Engine(target, drafter_for("ngram", model, target, random.Random(seed), [], 0), budget=8,
+                            auto_budget=False)
+            out, _ = run_engine(engine, prompt * 2, StopCheck(30), Sampling(temperature, top_p, seed))
+            runs.append(out)
+        assert runs[0] == runs[1]
+
+
+def test_program_serves_only_what_fits(programs):
+    model, target = compiled_target(programs, "qwen2")
+    step = target.program
+    assert not step.fits(target.cache, 1)  # the buffers are made by the first (eager) forward
+    target.forward(torch.tensor([5]))
+    target.reset(0)
+    assert step.fits(target.cache, 1) and step.fits(target.cache, step.capacity - 1)
+    assert not step.fits(target.cache, step.capacity)  # one token more than the program was built for
+    target.cache.length = step.capacity - 4
+    assert step.fits(target.cache, 4) and not step.fits(target.cache, 5)
+    # near the end of the context the engine's last steps run eager, and the output stays exact
+    target.cache.length = 0
+    prompt = [7, 8, 9] * 160
+    reference = hf_greedy(model, prompt, 30)
+    engine = Engine(target, drafter_for("ngram", model, target, random.Random(0), [], 0), budget=16,
+                    auto_budget=False)
+    out, _ = run_engine(engine, prompt, StopCheck(30))
+    assert out == reference
+
+
+def test_a_wrong_program_is_caught_before_it_is_written(programs, tmp_path, monkeypatch):
+    """build_for checks the package against the eager forward: one that computes something else is refused."""
+    model, _, _ = programs["llama"]
+    target = Target(model)
+    real = compiled.CompiledStep.__call__
+
+    def off_by_a_bit(self, *args):
+        pre, logits = real(self, *args)
+        return pre, logits + 0.01 * logits.abs().max()
+
+    monkeypatch.setattr(compiled.CompiledStep, "__call__", off_by_a_bit)
+    with pytest.raises(compiled.CloverError, match="disagrees with the eager one"):
+        build_for(target, tmp_path / "bad", log=lambda text: None)
+    assert not (tmp_path / "bad").exists() and not list(tmp_path.glob("bad.tmp*"))
+
+
+def test_stored_costs_spare_the_calibration(programs, tmp_path, monkeypatch):
+    """A second engine for the same model and step sizes its trees from the stored verify costs: no forward is
+    spent measuring them."""
+    monkeypatch.setenv("CLOVER_COMPILE_CACHE", str(tmp_path))
+    model, _, _ = programs["llama"]
+    target = Target(model)
+    costs = compiled.StepCosts(tmp_path / "model", torch.device("cpu"), torch.float32, None)
+    forwards = {"n": 0}
+    real = target.forward
+
+    def counted(*args, **kwargs):
+        forwards["n"] += 1
+        return real(*args, **kwargs)
+
+    target.forward = counted
+    first = Engine(target, drafter_for("ngram", model, target, random.Random(0), [], 0), budget=8, costs=costs)
+    first.calibrate(5)
+    measured = forwards["n"]
+    assert measured >= 5 and costs.load() == first.cost.verify_s
+    forwards["n"] = 0
+    second = Engine(target, drafter_for("ngram", model, target, random.Random(0), [], 0), budget=8, costs=costs)
+    second.calibrate(5)
+    assert forwards["n"] == 0 and second.cost.verify_s == first.cost.verify_s
+    # real forwards of the sizes in the table refresh it, and the refreshed table is saved after the reply
+    _, events = run_engine(second, [5, 6, 7, 5, 6, 7, 5, 6], StopCheck(20))
+    assert {ev.proposed + 1 for ev in events if not ev.prefill} & set(first.cost.verify_s)
+    assert not second.cost.refreshed  # saved
+    assert costs.load() == second.cost.verify_s != first.cost.verify_s
+
+
+def test_compiler_falls_back_to_eager_with_one_warning(llama_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("CLOVER_COMPILE_CACHE", str(tmp_path))
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(llama_dir).eval()
+    target = Target(model)
+    warnings = []
+
+    class FailingBuilder:
+        def __init__(self, *args):
+            pass
+
+        def wait(self, timeout=600.0):
+            pass
+
+        def done(self):
+            return True
+
+        def error(self):
+            return "compiling failed: RuntimeError: no luck"
+
+    monkeypatch.setattr(compiled, "Builder", FailingBuilder)
+    comp = StepCompiler("on", target, llama_dir, torch.float32, torch.device("cpu"), warn=warnings.append)
+    assert comp.state == "missing"
+    comp.start(background=False)
+    assert comp.state == "failed" and not comp.active and target.program is None
+    assert warnings == ["no compiled step (compiling failed: RuntimeError: no luck); running eager"]
+    assert comp.describe().startswith("eager (")
+    # a model the compiled step cannot serve: one line with --compile on, nothing with auto
+    warnings.clear()
+    comp = StepCompiler("on", target, llama_dir, torch.float16, torch.device("cpu"), warn=warnings.append)
+    assert comp.state == "eager" and len(warnings) == 1 and "float32" in warnings[0]
+    warnings.clear()
+    comp = StepCompiler("auto", target, llama_dir, torch.float16, torch.device("cpu"), warn=warnings.append)
+    comp.start(background=True)
+    assert comp.state == "eager" and warnings == []
+
+
+def test_background_build_swaps_in_and_the_cli_reuses_it(llama_dir, tmp_path, monkeypatch, run_cli):
+    """chat's path: the package is built by a child process while the session runs eager, then swapped in;
+    `clover compile` and `clover generate` find it in the cache afterwards."""
+    monkeypatch.setenv("CLOVER_COMPILE_CACHE", str(tmp_path / "cache"))
+    from clover_cli.session import Options, Session
+
+    s = Session(Options(model=str(llama_dir), draft="ngram", compile="auto"), quiet=True)
+    assert s.compiler.state == "missing"
+    s.compiler.start(background=True)
+    assert s.compiler.state == "building" and s.target.program is None
+    prompt = s.encode_raw("The quick brown fox")
+    eager_out = [t for ev in s.generate(prompt, 20, Sampling()) for t in ev.tokens]
+    s.compiler.builder.wait(300)
+    assert s.compiler.poll() and s.compiler.active and s.target.program is not None, s.compiler.builder.error()
+    assert s.compiler.just_activated
+    compiled_out = [t for ev in s.generate(prompt, 20, Sampling()) for t in ev.tokens]
+    assert compiled_out == eager_out == hf_greedy(s.model, prompt, 20, eos=sorted(s.eos_ids)[0])[:len(eager_out)]
+
+    code, out, err = run_cli("compile", str(llama_dir))
+    assert code == 0, err
+    assert "already compiled" in out and "package: " in out and "verify forward: 1 token" in out
+    prompt_file = tmp_path / "p.txt"
+    prompt_file.write_text("Hello! How can I help")
+    results = {}
+    for mode in ("auto", "off"):
+        code, out, err = run_cli("generate", str(llama_dir), "--prompt", str(prompt_file), "-n", "16", "--json",
+                                 "--compile", mode, "--stats-file", "off")
+        assert code == 0, err
+        results[mode] = json.loads(out)
+    assert results["auto"]["compiled"] is True and results["off"]["compiled"] is False
+    assert results["auto"]["text"] == results["off"]["text"]
+    for r in results.values():
+        assert r["tokens_per_s_e2e"] > 0 and r["decode_s"] >= 0 and r["load_s"] > 0
+
+
+@pytest.mark.parametrize("args,env", [(["--compile", "sometimes"], {}), ([], {"CLOVER_COMPILE": "always"})])
+def test_bad_compile_mode_is_one_line(llama_dir, tmp_path, monkeypatch, run_cli, args, env):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    p = tmp_path / "p.txt"
+    p.write_text("hi")
+    code, out, err = run_cli("generate", str(llama_dir), "--prompt", str(p), *args)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "must be auto, on or off" in err
+
+
+def test_package_lookup_ignores_incomplete_builds(tmp_path):
+    d = tmp_path / "pkg"
+    d.mkdir()
+    assert Package.find(d) is None  # no metadata
+    (d / compiled.META).write_text(json.dumps({"program": compiled.PROGRAM_VERSION, "capacity": 8}))
+    assert Package.find(d) is None  # no package file
+    (d / compiled.PACKAGE).write_bytes(b"")
+    (d / compiled.META).write_text(json.dumps({"program": compiled.PROGRAM_VERSION - 1, "capacity": 8}))
+    assert Package.find(d) is None  # built by an older clover
