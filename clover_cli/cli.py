@@ -387,21 +387,25 @@ def bench(
 @app.command(name="compile")
 def compile_step(
     model: Optional[str] = MODEL_ARG, revision: Optional[str] = Common.revision,
+    heads: Optional[str] = typer.Option(None, "--heads", help="Draft heads to compile too (default: the model's "
+                                                              "own heads, when it has some)."),
+    no_heads: bool = typer.Option(False, "--no-heads", help="Compile the target's step only."),
     trust_remote_code: bool = Common.trust_remote_code, allow_pickle: bool = Common.allow_pickle,
     force: bool = typer.Option(False, "--force", help="Build again even when a package is cached."),
 ):
-    """Build the compiled target step of a model ahead of time (CPU, float32).
+    """Build the compiled target step of a model (and its draft heads' programs) ahead of time (CPU, float32).
 
     clover runs the target's forward as one program compiled by AOTInductor, its weights frozen into it: a step
-    costs a fraction of the eager one. Building takes 15-60 s per model; the package is cached under the user
-    cache directory (keyed by model files, torch version and CPU), so chat, generate and bench load it in
-    milliseconds afterwards. Without this command, chat builds it in the background on first use.
+    costs a fraction of the eager one; the Clover-2 or Medusa heads' per-step work likewise. Building takes
+    15-60 s per model; the packages are cached under the user cache directory (keyed by model and heads files,
+    versions and CPU), so chat, generate and bench load them in milliseconds afterwards. Without this command, chat
+    builds them in the background on first use.
     """
     import torch
     from transformers import AutoConfig
 
-    from .compiled import Package, build_locked, capacity_for, failure_line, package_dir
-    from .hub import resolve_model
+    from .compiled import Job, Package, build_locked, capacity_for, failure_line, find_heads, heads_dir, package_dir
+    from .hub import resolve_heads, resolve_model
     from .target import context_limit
 
     resolved = resolve_model(model, revision, allow_pickle)
@@ -409,28 +413,31 @@ def compile_step(
         config = AutoConfig.from_pretrained(resolved.path, trust_remote_code=trust_remote_code)
     except Exception as e:
         raise CloverError(f"cannot read the model config in {resolved.path}: {str(e).splitlines()[0] if str(e) else e}")
+    heads_path = None if no_heads else resolve_heads(heads, resolved)
     capacity = capacity_for(context_limit(config))
     out = package_dir(resolved.path, torch.float32, capacity)
-    pkg = Package.find(out)
-    if pkg is None or force:
+    job = Job(resolved.path, out, capacity, trust_remote_code, allow_pickle, heads_path,
+              heads_dir(out, heads_path, 8) if heads_path else None, force=force)
+    if any(job.missing()):
         t0 = time.perf_counter()
         try:
-            meta = build_locked(resolved.path, out, capacity, trust_remote_code, allow_pickle,
-                                log=lambda text: typer.echo(text, err=True))
+            built = build_locked(job, log=lambda text: typer.echo(text, err=True))
         except CloverError:
             raise
         except Exception as e:  # export or compiler failure
             raise CloverError(failure_line(e))
-        if meta is None:
+        if built is None:
             raise CloverError(f"another clover process is compiling {resolved.name} right now; try again when it ends")
-        pkg = Package.find(out)
         typer.echo(f"compiled {resolved.name} in {time.perf_counter() - t0:.0f} s")
     else:
         typer.echo(f"{resolved.name} is already compiled (--force builds it again)")
+    pkg = Package.find(out)
     costs = " · ".join(f"{n} token{'s' * (n > 1)} {1000 * pkg.verify_s[n]:.2f} ms" for n in (1, 16, 32)
                        if n in pkg.verify_s)
     typer.echo(f"package: {pkg.path}")
     typer.echo(f"verify forward: {costs}")
+    if heads_path is not None:
+        typer.echo(f"heads ({find_heads(job.heads_out)['kind']}): {job.heads_out}")
 
 
 def _fail(message: str, code: int = 2):

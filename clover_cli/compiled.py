@@ -31,6 +31,7 @@ import shutil
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,7 +43,11 @@ PROGRAM_VERSION = 1  # bump when the program's inputs, outputs or semantics chan
 MAX_CAPACITY = 8192  # KV buffers of the compiled program (tokens); longer contexts run eager past this point
 MAX_LINEAR_BYTES = 4 << 30  # the package holds a frozen copy of the weights: larger models stay eager
 MODES = ("auto", "on", "off")
-COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 65)  # tree sizes timed after building
+# A step of n new tokens runs as the smallest of these sizes >= n (beyond them: the next multiple of 64), the extra
+# rows padding that no real token sees. oneDNN builds its kernels for every new row count the first time it meets
+# it (about 4 ms a size here): a few sizes keep that one-time cost small, and cost almost nothing per step, since
+# a product over a few rows more reads the same weights.
+SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 80)
 PACKAGE = "step.pt2"
 META = "meta.json"
 
@@ -120,21 +125,33 @@ def package_dir(model_path: Path, dtype: torch.dtype, capacity: int) -> Path:
 # ---------------------------------------------------------------------------------------------------------------
 # The program and its build
 
-class StepProgram(torch.nn.Module):
-    """What gets exported: Target.run over the given buffers, with the tree mask after the committed tokens."""
+class OnBuffers(torch.nn.Module):
+    """Export wrapper: block(*inputs, cache) with the cache made over the trailing buffer inputs (every layer's keys,
+    then every layer's values, [1, Hkv, capacity, D]), holding as many tokens as the `past` input is long. Its
+    inputs are one variadic argument: dynamic shapes are given as a 1-tuple holding one spec per tensor."""
+
+    def __init__(self, block: torch.nn.Module, n_inputs: int):
+        super().__init__()
+        self.block, self.n_inputs = block, n_inputs
+
+    def forward(self, *args):
+        from .target import TreeKVCache
+
+        inputs, past, buffers = args[:self.n_inputs], args[self.n_inputs], args[self.n_inputs + 1:]
+        layers = len(buffers) // 2
+        return self.block(*inputs, TreeKVCache.over(list(buffers[:layers]), list(buffers[layers:]), past.shape[0]))
+
+
+class TargetStep(torch.nn.Module):
+    """The target's step as the program computes it: Target.run with the tree mask after the committed tokens."""
 
     def __init__(self, target):
         super().__init__()
         self.model = target.model  # a submodule, so export sees its weights as parameters (frozen when compiled)
         self.target = target
 
-    def forward(self, tokens, positions, tree, rows, past, *buffers):
-        from .target import TreeKVCache
-
-        n, committed = tokens.shape[0], past.shape[0]
-        layers = len(buffers) // 2
-        cache = TreeKVCache.over(list(buffers[:layers]), list(buffers[layers:]), committed)
-        mask = torch.cat([tree.new_ones(n, committed), tree], 1)[None, None]
+    def forward(self, tokens, positions, tree, rows, cache):
+        mask = torch.cat([tree.new_ones(tree.shape[0], cache.length), tree], 1)[None, None]
         return self.target.run(tokens, positions, mask, cache, rows)
 
 
@@ -149,23 +166,107 @@ def _example(target, n: int, past: int, seed: int = 0):
             torch.arange(n), torch.empty(past, 0))
 
 
-def build(model_path: Path, out: Path, capacity: int, trust_remote_code: bool = False, allow_pickle: bool = False,
-          log=print) -> dict:
-    """Load the model at `model_path` (CPU, float32) and build its package into `out` (see build_for)."""
+@dataclass
+class Job:
+    """What a build makes: the step package `out` of the model, and the heads' programs `heads_out` when `heads`
+    (a heads directory) is given. Parts already in the cache are not built again unless `force`."""
+
+    model: Path
+    out: Path
+    capacity: int
+    trust_remote_code: bool = False
+    allow_pickle: bool = False
+    heads: Path | None = None
+    heads_out: Path | None = None
+    topk: int = 8
+    force: bool = False
+
+    def argv(self) -> list[str]:
+        args = [str(self.model), "--capacity", str(self.capacity), "--out", str(self.out), "--topk", str(self.topk)]
+        if self.heads is not None:
+            args += ["--heads", str(self.heads), "--heads-out", str(self.heads_out)]
+        return args + ["--trust-remote-code"] * self.trust_remote_code + ["--allow-pickle"] * self.allow_pickle \
+            + ["--force"] * self.force
+
+    def missing(self) -> tuple[bool, bool]:
+        """(the step, the heads' programs) still to build."""
+        step = self.force or Package.find(self.out) is None
+        heads = self.heads is not None and (self.force or find_heads(self.heads_out) is None)
+        return step, heads
+
+
+def build(job: Job, log=print) -> dict:
+    """Load the model (CPU, float32) once and build what `job` still lacks. Returns {"step": meta, "heads": meta}
+    for the parts built."""
+    from .drafters.heads import CloverDrafter, MedusaDrafter
+    from .heads import load_heads
     from .loading import load
     from .target import Target
 
+    need_step, need_heads = job.missing()
+    if not (need_step or need_heads):
+        return {}
     t0 = time.perf_counter()
-    loaded = load(Path(model_path), "cpu", "float32", False, trust_remote_code, allow_pickle)
+    loaded = load(Path(job.model), "cpu", "float32", False, job.trust_remote_code, job.allow_pickle)
     model = loaded.model.eval()
     why = unsupported(model, torch.device("cpu"), torch.float32, False)
     if why:
-        raise CloverError(f"cannot compile {model_path}: {why}")
-    target = Target(model, max_context=capacity, initial_capacity=capacity, pack=False)
-    log(f"exporting the step of {model_path} ...")
-    meta = build_for(target, out, log)
-    log(f"compiled step ready in {time.perf_counter() - t0:.0f} s: {out}")
-    return meta
+        raise CloverError(f"cannot compile {job.model}: {why}")
+    target = Target(model, max_context=job.capacity, initial_capacity=job.capacity, pack=False)
+    built = {}
+    if need_step:
+        log(f"exporting the step of {job.model} ...")
+        built["step"] = build_for(target, job.out, log)
+        log(f"compiled step ready in {time.perf_counter() - t0:.0f} s: {job.out}")
+    if need_heads:
+        heads = load_heads(Path(job.heads), model)
+        cls = CloverDrafter if heads.cfg.architecture == "clover2" else MedusaDrafter
+        built["heads"] = build_heads_for(cls(heads, target, topk=job.topk), target.cache.capacity, job.heads_out,
+                                         log)
+        log(f"compiled heads ready in {time.perf_counter() - t0:.0f} s: {job.heads_out}")
+    return built
+
+
+def export(module: torch.nn.Module, args: tuple, shapes) -> "torch.export.ExportedProgram":
+    """torch.export with symbolic sizes where `shapes` says; sizes 0 and 1 are not special-cased (one program for a
+    single token and for a tree)."""
+    from torch.fx.experimental import _config as fx_config
+
+    with torch.no_grad(), fx_config.patch(backed_size_oblivious=True):
+        return torch.export.export(module, args, dynamic_shapes=shapes, strict=False)
+
+
+def compile_package(exported, path: Path) -> None:
+    """AOTInductor, the weights frozen into the program (on a CPU: prepacked for oneDNN; q/k/v and gate/up fused)."""
+    with torch.no_grad(), torch._inductor.config.patch({"freezing": True, "cpp.enable_concat_linear": True}):
+        torch._inductor.aoti_compile_and_package(exported, package_path=str(path))
+
+
+class Program:
+    """A compiled package: called with its flat tensor inputs, returns its flat outputs."""
+
+    def __init__(self, path: Path):
+        self.loader = torch._inductor.aoti_load_package(str(path)).loader
+
+    def __call__(self, *inputs):
+        return self.loader.boxed_run(list(inputs))
+
+
+@contextmanager
+def building(out: Path):
+    """A fresh directory beside `out` to build into; renamed to `out` (replacing it) when the block succeeds,
+    removed when it fails: a package directory is complete or absent."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def build_for(target, out: Path, log=print) -> dict:
@@ -177,37 +278,24 @@ def build_for(target, out: Path, log=print) -> dict:
         target.cache.truncate(0)
         target.forward(torch.tensor([0], device=target.device))
     keys, values = target.cache.buffers()
-    program = StepProgram(target).eval()
     Dim = torch.export.Dim
-    # n < capacity: with n == capacity a few sizes coincide and the program would have to tell them apart
-    n, past = Dim("n", min=1, max=capacity - 1), Dim("past", min=0, max=capacity - 1)
+    # past + n < capacity: with a full buffer a few sizes coincide and the program would have to tell them apart
+    n, past = Dim("n", min=1, max=capacity - 1), Dim("past", min=0, max=capacity - 2)
     rows = Dim("rows", min=1, max=capacity - 1)
-    shapes = ({0: n}, {0: n}, {0: n, 1: n}, {0: rows}, {0: past}, tuple(None for _ in keys + values))
+    shapes = (({0: n}, {0: n}, {0: n, 1: n}, {0: rows}, {0: past}, *(None for _ in keys + values)),)
     example = _example(target, 5, min(37, capacity - 6))
-    # sizes 0 and 1 are not special-cased: one program for a single token and for a tree
-    from torch.fx.experimental import _config as fx_config
-
-    with torch.no_grad(), fx_config.patch(backed_size_oblivious=True):
-        exported = torch.export.export(program, (*example, *keys, *values), dynamic_shapes=shapes, strict=False)
+    exported = export(OnBuffers(TargetStep(target), 4).eval(), (*example, *keys, *values), shapes)
     log(f"compiling (AOTInductor, weights frozen) ... {time.perf_counter() - t0:.0f} s")
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
     try:
-        with torch.no_grad(), torch._inductor.config.patch({"freezing": True, "cpp.enable_concat_linear": True}):
-            torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp / PACKAGE))
-        step = CompiledStep(tmp, capacity)
-        check(step, target)
-        meta = {"program": PROGRAM_VERSION, "capacity": capacity, "torch": torch.__version__,
-                "threads": torch.get_num_threads(), "verify_s": measure(step, target),
-                "build_s": round(time.perf_counter() - t0, 1)}
-        (tmp / META).write_text(json.dumps(meta, indent=1))
-        shutil.rmtree(out, ignore_errors=True)
-        os.replace(tmp, out)
+        with building(out) as tmp:
+            compile_package(exported, tmp / PACKAGE)
+            step = CompiledStep(tmp, capacity)
+            check(step, target)
+            meta = {"program": PROGRAM_VERSION, "capacity": capacity, "torch": torch.__version__,
+                    "threads": torch.get_num_threads(), "verify_s": measure(step, target),
+                    "build_s": round(time.perf_counter() - t0, 1)}
+            (tmp / META).write_text(json.dumps(meta, indent=1))
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
         target.cache.truncate(0)
     return meta
 
@@ -256,7 +344,7 @@ def measure(step: "CompiledStep", target, repeats: int = 7) -> dict[str, float]:
     keys, values = target.cache.buffers()
     cache = TreeKVCache.over(keys, values, 0)
     out = {}
-    for n in COST_SIZES:
+    for n in SIZES:
         past = min(200, step.capacity - n)
         tokens, positions, tree, _, _ = _example(target, n, past, seed=n)
         cache.length = past
@@ -272,42 +360,225 @@ def measure(step: "CompiledStep", target, repeats: int = 7) -> dict[str, float]:
 # ---------------------------------------------------------------------------------------------------------------
 # Running a package
 
+def fits(capacity: int, cache, n: int) -> bool:
+    """Whether a program built for `capacity` can write n new tokens into `cache`."""
+    return cache.capacity == capacity and cache.length + n < capacity and cache.buffers() is not None
+
+
+def _marker(past: int, memo: dict) -> torch.Tensor:
+    """The `past` input: a [past, 0] tensor (no data; its length is what counts), made once per length."""
+    marker = memo.get(past)
+    if marker is None:
+        marker = torch.empty(past, 0)
+        if len(memo) < 4096:
+            memo[past] = marker
+    return marker
+
+
+def padded_size(n: int) -> int:
+    """The size a step of n new tokens runs as (see SIZES)."""
+    for size in SIZES:
+        if size >= n:
+            return size
+    return -(-n // 64) * 64
+
+
 class CompiledStep:
     """A loaded package: call it like Target.forward, with the cache whose buffers it writes."""
 
     def __init__(self, path: Path, capacity: int):
         self.path = Path(path)
         self.capacity = capacity
-        self.package = torch._inductor.aoti_load_package(str(self.path / PACKAGE))
-        self.loader = self.package.loader
-        self._causal: dict[int, torch.Tensor] = {}
-        self._rows: dict[int, torch.Tensor] = {}
+        self.run = Program(self.path / PACKAGE)
+        self._inputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._past: dict[int, torch.Tensor] = {}
+        self._tril = torch.ones(SIZES[-1], SIZES[-1], dtype=torch.bool).tril()
 
     def fits(self, cache, n: int) -> bool:
-        return (cache.capacity == self.capacity and n < self.capacity and cache.length + n <= self.capacity
-                and cache.buffers() is not None)
+        return fits(self.capacity, cache, n)
+
+    def _causal(self, n: int) -> torch.Tensor:
+        if n <= SIZES[-1]:
+            return self._tril[:n, :n]
+        return torch.ones(n, n, dtype=torch.bool).tril()
+
+    def _scratch(self, size: int):
+        """Input buffers of one padded size: tokens, positions, tree mask, rows (made once, reused)."""
+        bufs = self._inputs.get(size)
+        if bufs is None:
+            bufs = self._inputs[size] = (torch.zeros(size, dtype=torch.long), torch.zeros(size, dtype=torch.long),
+                                         torch.ones(size, size, dtype=torch.bool).tril(), torch.arange(size))
+        return bufs
 
     @torch.inference_mode()
     def __call__(self, cache, tokens, positions, tree_mask, logits_for):
         n, past = tokens.numel(), cache.length
-        if tree_mask is None:
-            tree_mask = self._causal.get(n)
-            if tree_mask is None:
-                tree_mask = self._causal[n] = torch.ones(n, n, dtype=torch.bool).tril()
-        rows = self._rows.get(n)
-        if rows is None:
-            rows = self._rows[n] = torch.arange(n)
-        if logits_for is not None:
-            rows = rows[logits_for]
-        marker = self._past.get(past)
-        if marker is None:
-            marker = torch.empty(past, 0)
-            if len(self._past) < 4096:
-                self._past[past] = marker
+        size = padded_size(n)
+        if past + size >= self.capacity:
+            size = n  # no room to pad (the last steps of a full context): its own size
+        tok, pos, tree, rows = self._scratch(size)
+        tok[:n] = tokens
+        pos[:n] = positions
+        # Rows of real tokens: their tree, nothing of the padding. Padding rows keep whatever they hold (valid token
+        # ids, positions and masks of an earlier step): they see the committed tokens, so nothing is NaN, and nothing
+        # reads their outputs or the keys they write after the committed ones.
+        tree[:n].zero_()
+        tree[:n, :n] = tree_mask if tree_mask is not None else self._causal(n)
+        rows = rows[:n] if logits_for is None else rows[:n][logits_for]
         keys, values = cache.buffers()
-        pre, logits = self.loader.boxed_run([tokens, positions, tree_mask, rows, marker, *keys, *values])
-        return pre, logits
+        pre, logits = self.run(tok, pos, tree, rows, _marker(past, self._past), *keys, *values)
+        return pre[:n], logits
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The draft heads' programs
+
+HEADS_PACKAGES = {"clover": ("augment.pt2", "level0.pt2", "level.pt2"), "medusa": ("levels.pt2",)}
+MAX_LEVEL_ROWS = 64  # nodes a Clover level can expand at once in the compiled program
+
+
+class HeadsPrograms:
+    """The compiled twins of a heads drafter's per-step modules (drafters/heads.py): for Clover-2 the augmenting
+    block (`augment`, with the heads' own cache) and the first and later levels (`levels`); for Medusa all heads at
+    once (`levels`). Same inputs and outputs as the eager modules."""
+
+    def __init__(self, path: Path, kind: str, capacity: int):
+        self.path, self.kind, self.capacity = Path(path), kind, capacity
+        programs = [Program(self.path / name) for name in HEADS_PACKAGES[kind]]
+        self._past: dict[int, torch.Tensor] = {}
+        if kind == "clover":
+            self._augment, level0, level = programs
+            self.levels = (lambda states, tokens: tuple(level0(states.contiguous(), tokens)),
+                           lambda states, tokens: tuple(level(states.contiguous(), tokens)))
+        else:
+            self.levels = lambda hidden: tuple(programs[0](hidden.contiguous()))
+
+    def fits(self, cache, n: int) -> bool:
+        return fits(self.capacity, cache, n)
+
+    @torch.inference_mode()
+    def augment(self, hidden, tokens, positions, cache):
+        """States of the n new positions. Run as padded_size(n) rows (the block is causal: rows after the real ones
+        change nothing before them, and the keys they write lie past the committed ones)."""
+        n = tokens.numel()
+        size = padded_size(n)
+        if cache.length + size < self.capacity and size != n:
+            hidden = torch.cat([hidden, hidden.new_zeros(size - n, hidden.shape[1])])
+            tokens = torch.cat([tokens, tokens.new_zeros(size - n)])
+            positions = torch.cat([positions, positions[-1:].expand(size - n)])
+        keys, values = cache.buffers()
+        return self._augment(hidden.contiguous(), tokens, positions, _marker(cache.length, self._past), *keys,
+                             *values)[0][:n]
+
+
+def find_heads(d: Path | None) -> dict | None:
+    """The metadata of complete heads' programs built into `d`, or None."""
+    if d is None:
+        return None
+    try:
+        meta = json.loads((Path(d) / META).read_text())
+    except (OSError, ValueError):
+        return None
+    names = HEADS_PACKAGES.get(meta.get("kind"), ())
+    if meta.get("program") != PROGRAM_VERSION or not names or not all((Path(d) / n).is_file() for n in names):
+        return None
+    return meta
+
+
+def heads_dir(step_dir: Path, heads_path: Path, topk: int) -> Path:
+    """Where the programs of these heads (for the model whose step package is `step_dir`) are built."""
+    digest = hashlib.sha256(json.dumps([_fingerprint_files(Path(heads_path)), str(Path(heads_path).resolve()),
+                                        topk]).encode()).hexdigest()[:12]
+    return step_dir.with_name(f"{step_dir.name}-heads-{digest}")
+
+
+def heads_kind(drafter) -> str | None:
+    from .drafters.heads import CloverDrafter, MedusaDrafter
+
+    return {CloverDrafter: "clover", MedusaDrafter: "medusa"}.get(type(drafter))
+
+
+def build_heads_for(drafter, capacity: int, out: Path, log=print) -> dict:
+    """Export, compile and check the programs of a heads drafter (on an eager target); write them to `out`."""
+    t0 = time.perf_counter()
+    kind = heads_kind(drafter)
+    H = drafter.heads.cfg.hidden_size
+    dev = drafter.target.device
+    Dim = torch.export.Dim
+    exported = {}
+    if kind == "clover":
+        drafter.cache.grow_to(capacity)
+        drafter.reset(0)
+        drafter.observe(torch.zeros(1, H, device=dev), torch.zeros(1, dtype=torch.long, device=dev))
+        drafter._catch_up()  # allocates the heads' cache buffers at full capacity
+        drafter.reset(0)
+        keys, values = drafter.cache.buffers()
+        n, past, rows = Dim("n", min=1, max=capacity - 1), Dim("past", min=0, max=capacity - 2), \
+            Dim("rows", min=1, max=MAX_LEVEL_ROWS)
+        example = (torch.randn(5, H), torch.arange(5), torch.arange(20, 25), torch.empty(20, 0))
+        exported["augment.pt2"] = export(OnBuffers(drafter.augment_block, 3).eval(), (*example, *keys, *values),
+                                         (({0: n}, {0: n}, {0: n}, {0: past}, *(None for _ in keys + values)),))
+        exported["level0.pt2"] = export(drafter.levels[0].eval(), (torch.randn(1, H), torch.tensor([3])), None)
+        exported["level.pt2"] = export(drafter.levels[1].eval(), (torch.randn(3, H), torch.tensor([3, 4, 5])),
+                                       ({0: rows}, {0: rows}))
+    else:
+        exported["levels.pt2"] = export(drafter.levels.eval(), (torch.randn(1, H),), None)
+    log(f"compiling the {kind} heads' programs ... {time.perf_counter() - t0:.0f} s")
+    with building(out) as tmp:
+        for name, program in exported.items():
+            compile_package(program, tmp / name)
+        check_heads(HeadsPrograms(tmp, kind, capacity), drafter)
+        meta = {"program": PROGRAM_VERSION, "kind": kind, "capacity": capacity, "topk": drafter.grower.topk,
+                "build_s": round(time.perf_counter() - t0, 1)}
+        (tmp / META).write_text(json.dumps(meta, indent=1))
+    drafter.reset(0)
+    return meta
+
+
+@torch.inference_mode()
+def check_heads(programs: HeadsPrograms, drafter, tolerance: float = 1e-3):
+    """The heads' programs must compute what their eager modules compute, on random states and tokens."""
+    g = torch.Generator().manual_seed(2)
+    H = drafter.heads.cfg.hidden_size
+    vocab = drafter.target.config.vocab_size
+
+    def close(a, b, what):
+        worst = float((a - b).abs().max()) / max(1.0, float(b.abs().max()))
+        if not worst <= tolerance:
+            raise CloverError(f"the compiled {programs.kind} heads disagree with the eager ones ({what}: relative "
+                              f"error {worst:.2g})")
+
+    def same_top(compiled, eager, what):
+        (cp, ci), (ep, ei) = compiled, eager
+        close(cp, ep, what)
+        distinct = (ep[..., :-1] - ep[..., 1:]).abs() > 1e-4  # ranks of near-equal probabilities may swap
+        if not torch.equal(ci[..., :-1][distinct], ei[..., :-1][distinct]):
+            raise CloverError(f"the compiled {programs.kind} heads rank tokens differently ({what})")
+
+    if programs.kind == "medusa":
+        hidden = torch.randn(1, H, generator=g)
+        same_top(programs.levels(hidden), drafter.levels(hidden), "levels")
+        return
+    keys, values = drafter.cache.buffers()
+    for n, past in ((1, 0), (6, 17)):
+        for buf in keys + values:
+            buf.copy_(torch.randn(buf.shape, generator=g) * 0.5)
+        hidden = torch.randn(n, H, generator=g)
+        tokens = torch.randint(0, vocab, (n,), generator=g)
+        positions = torch.arange(past, past + n)
+        mine = type(drafter.cache).over([k.clone() for k in keys], [v.clone() for v in values], past)
+        drafter.cache.length = past
+        close(programs.augment(hidden, tokens, positions, mine),
+              drafter.augment_block(hidden, tokens, positions, drafter.cache), f"augment {n} after {past}")
+        for a, b in zip(mine.buffers()[0] + mine.buffers()[1], keys + values):
+            close(a[:, :, past:past + n], b[:, :, past:past + n], "the heads' cache")
+    for first, rows in ((True, 1), (False, 1), (False, 5)):
+        states, tokens = torch.randn(rows, H, generator=g), torch.randint(0, vocab, (rows,), generator=g)
+        compiled = programs.levels[0 if first else 1](states, tokens)
+        eager = drafter.levels[0 if first else 1](states, tokens)
+        close(compiled[0], eager[0], "level states")
+        same_top(compiled[1:], eager[1:], f"level of {rows}")
+    drafter.cache.length = 0
 
 
 @dataclass
@@ -351,6 +622,7 @@ class StepCompiler:
         self.verify_s: dict[int, float] | None = None  # the package's measured costs, once active
         self.listeners: list = []  # called with verify_s when the compiled step becomes active
         self.just_activated = False  # set when poll() swapped the step in; the chat notes it and clears it
+        self.heads = self.heads_path = self.heads_out = None  # the drafter's heads (use_drafter) and their programs
         self.out = package_dir(self.model_path, dtype, self.capacity)
         why = None if mode == "off" else unsupported(target.model, device, dtype, load_in_8bit)
         self.state, self.reason = "off", "--compile off"
@@ -366,32 +638,64 @@ class StepCompiler:
         return self.state == "active"
 
     def describe(self) -> str:
-        return {"active": "compiled step active", "building": "compiled step building in the background "
-                "(eager until it is ready)"}.get(self.state, f"eager ({self.reason})")
+        if self.state == "building":
+            return "compiled step building in the background (eager until it is ready)"
+        if self.state != "active":
+            return f"eager ({self.reason})"
+        if self.heads is None or self.heads_out is None:
+            return "compiled step active"
+        if self.heads.programs is not None:
+            return "compiled step and heads active"
+        return "compiled step active; heads " + ("building in the background" if self.builder else "eager")
+
+    def use_drafter(self, drafter, heads_path) -> None:
+        """The session's drafter (again after a switch): its heads' programs are attached when they are built."""
+        heads = getattr(drafter, "first", drafter)  # the default drafter merges the heads with lookup
+        self.heads = heads if heads_kind(heads) else None
+        self.heads_path = Path(heads_path) if heads_path is not None and self.heads is not None else None
+        self.heads_out = None
+        if self.heads_path is not None and self.state not in ("off", "eager"):
+            self.heads_out = heads_dir(self.out, self.heads_path, self.heads.grower.topk)
+            self._activate_heads()
+
+    def job(self) -> Job:
+        return Job(self.model_path, self.out, self.capacity, self.trust_remote_code, self.allow_pickle,
+                   self.heads_path if self.heads_out else None, self.heads_out,
+                   self.heads.grower.topk if self.heads is not None else 8)
 
     def start(self, background: bool) -> None:
-        """Build the package when none is cached: wait for it (mode on), or go on while it builds (background)."""
-        if self.state != "missing" or (self.mode == "auto" and not background):
+        """Build what is not cached (the step, the heads' programs): wait for it (mode on), or go on while it builds
+        in the background (mode auto, background)."""
+        step, heads = self.job().missing() if self.state in ("missing", "active") else (False, False)
+        step = step and self.state == "missing"
+        if self.builder is not None or not (step or heads) or (self.mode == "auto" and not background):
             return
-        self.builder = Builder(self.model_path, self.out, self.capacity, self.trust_remote_code, self.allow_pickle)
-        self.state, self.reason = "building", "building"
+        self.builder = Builder(self.job())
+        if step:
+            self.state, self.reason = "building", "building"
         if self.mode == "on":
-            print(f"clover: compiling the step of {self.model_path.name} (once per model and machine; "
-                  f"`clover compile` does it ahead) …", file=sys.stderr)
+            print(f"clover: compiling the {'step' if step else 'heads'} of {self.model_path.name} (once per model and "
+                  f"machine; `clover compile` does it ahead) …", file=sys.stderr)
             self.builder.wait()
             self.poll()
             self.just_activated = False
 
     def poll(self) -> bool:
-        """Swap the compiled step in if its build has finished; True when it just became active."""
-        if self.state != "building" or not self.builder.done():
+        """Swap in what a finished build made; True when the compiled step just became active."""
+        if self.builder is None or not self.builder.done():
             return False
-        if self._activate():
-            self.just_activated = True
-            return True
-        self.state, self.reason = "failed", self.builder.error()
-        self.warn(f"no compiled step ({self.reason}); running eager")
-        return False
+        builder, self.builder = self.builder, None
+        became = False
+        if self.state == "building":
+            became = self._activate()
+            if not became and self.state == "building":
+                self.state, self.reason = "failed", builder.error()
+                self.warn(f"no compiled step ({self.reason}); running eager")
+        if self.heads_out is not None and self.heads.programs is None and not self._activate_heads() \
+                and self.state == "active":
+            self.warn(f"no compiled heads ({builder.error()}); they run eager")
+        self.just_activated = self.just_activated or became
+        return became
 
     def _activate(self) -> bool:
         pkg = Package.find(self.out)
@@ -407,7 +711,19 @@ class StepCompiler:
         self.verify_s = pkg.verify_s
         self.state, self.reason = "active", "active"
         for listener in self.listeners:
-            listener(dict(pkg.verify_s))
+            listener(dict(pkg.verify_s), padded=True)
+        return True
+
+    def _activate_heads(self) -> bool:
+        meta = find_heads(self.heads_out)
+        if meta is None or meta.get("kind") != heads_kind(self.heads) or meta.get("topk") != self.heads.grower.topk:
+            return False
+        try:
+            programs = HeadsPrograms(self.heads_out, meta["kind"], int(meta["capacity"]))
+        except Exception as e:
+            self.warn(f"no compiled heads (cannot load {self.heads_out}: {type(e).__name__}); they run eager")
+            return False
+        self.heads.attach_programs(programs)
         return True
 
 
@@ -420,8 +736,13 @@ class StepCosts:
         self.model_path, self.device, self.dtype, self.compiler = Path(model_path), device, dtype, compiler
         self.threads = torch.get_num_threads()
 
+    @property
+    def padded(self) -> bool:
+        """The compiled step runs a tree as the next of its SIZES: costs are steps between the table's sizes."""
+        return self.compiler is not None and self.compiler.active
+
     def _path(self) -> Path:
-        step = "compiled" if self.compiler is not None and self.compiler.active else "eager"
+        step = "compiled" if self.padded else "eager"
         name = package_key(self.model_path, self.dtype, 0)
         dev = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         from .packed import supported
@@ -464,21 +785,19 @@ class Builder:
     """A `python -m clover_cli.compiled` child building a package while the caller goes on (eager). When another
     process is already building the same package, it waits for that one instead of starting a second build."""
 
-    def __init__(self, model_path: Path, out: Path, capacity: int, trust_remote_code: bool = False,
-                 allow_pickle: bool = False):
+    def __init__(self, job: Job):
+        out = Path(job.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         self.out = out
         self.log_path = Path(str(out) + ".log")
         self.proc = None
         if _lock_holder(out) is not None:
             return
-        cmd = [sys.executable, "-m", "clover_cli.compiled", str(model_path), "--capacity", str(capacity),
-               "--out", str(out)]
-        cmd += ["--trust-remote-code"] * trust_remote_code + ["--allow-pickle"] * allow_pickle
         with open(self.log_path, "w") as log:
             # its own session: Ctrl-C in the chat does not reach it, and a build under way finishes (into the
             # cache) even when the chat ends first
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            self.proc = subprocess.Popen([sys.executable, "-m", "clover_cli.compiled", *job.argv()],
+                                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)
 
     def done(self) -> bool:
@@ -501,9 +820,9 @@ class Builder:
         return last[:300] or "the build stopped without a package"
 
 
-def build_locked(model_path: Path, out: Path, capacity: int, trust_remote_code: bool, allow_pickle: bool,
-                 log=print) -> dict | None:
-    """build() under a lock file beside `out`; None when another live process holds it."""
+def build_locked(job: Job, log=print) -> dict | None:
+    """build() under a lock file beside the step's package; None when another live process holds it."""
+    out = Path(job.out)
     lock = Path(str(out) + ".lock")
     out.parent.mkdir(parents=True, exist_ok=True)
     for _ in range(2):
@@ -519,7 +838,7 @@ def build_locked(model_path: Path, out: Path, capacity: int, trust_remote_code: 
     try:
         os.write(fd, str(os.getpid()).encode())
         os.close(fd)
-        return build(model_path, out, capacity, trust_remote_code, allow_pickle, log)
+        return build(job, log)
     finally:
         lock.unlink(missing_ok=True)
 
@@ -534,23 +853,29 @@ def main(argv=None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m clover_cli.compiled",
-                                description="Build the compiled step package of a model (what `clover compile` runs).")
+                                description="Build the compiled step of a model and its heads' programs (what "
+                                            "`clover compile` runs; chat runs it in the background).")
     p.add_argument("model", help="local model directory")
     p.add_argument("--capacity", type=int, required=True)
     p.add_argument("--out", required=True)
+    p.add_argument("--heads")
+    p.add_argument("--heads-out")
+    p.add_argument("--topk", type=int, default=8)
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--allow-pickle", action="store_true")
-    args = p.parse_args(argv)
+    p.add_argument("--force", action="store_true")
+    a = p.parse_args(argv)
+    job = Job(Path(a.model), Path(a.out), a.capacity, a.trust_remote_code, a.allow_pickle,
+              Path(a.heads) if a.heads else None, Path(a.heads_out) if a.heads_out else None, a.topk, a.force)
     try:
-        meta = build_locked(Path(args.model), Path(args.out), args.capacity, args.trust_remote_code,
-                            args.allow_pickle, log=lambda s: print(s, flush=True))
+        built = build_locked(job, log=lambda text: print(text, flush=True))
     except CloverError as e:
         print(f"clover: {e}", flush=True)
         return 2
     except Exception as e:
         print(f"clover: {failure_line(e)}", flush=True)
         return 1
-    if meta is None:
+    if built is None:
         print("another process is building this package", flush=True)
     return 0
 

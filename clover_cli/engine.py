@@ -132,6 +132,7 @@ class CostModel:
     mode: float | None = None  # the sampling mode `calibration` belongs to
     rate: float = 0.0  # recent tokens per second of whole steps
     refreshed: bool = False  # verify_s changed since it was loaded or measured
+    padded: bool = False  # the step runs n tokens as the next size of verify_s (compiled): costs are steps
 
     def use_mode(self, mode):
         """Switch to the calibration learned under `mode` (e.g. the temperature), keeping the current one."""
@@ -146,6 +147,8 @@ class CostModel:
             return self.verify_s[sizes[0]]
         for a, b in zip(sizes, sizes[1:]):
             if n <= b:
+                if self.padded:
+                    return self.verify_s[b]
                 return self.verify_s[a] + (self.verify_s[b] - self.verify_s[a]) * (n - a) / (b - a)
         a, b = sizes[-2], sizes[-1]
         return self.verify_s[b] + (self.verify_s[b] - self.verify_s[a]) * (n - b) / (b - a)
@@ -174,11 +177,18 @@ class CostModel:
             self.verify_s[n] = prev = max(self.verify_s[n], prev * 1.001)
 
     def refresh(self, n: int, seconds: float):
-        """Fold the time of a real forward over n tokens into the table (sizes the table holds)."""
-        if n in self.verify_s and seconds > 0:
-            self.verify_s[n] = 0.8 * self.verify_s[n] + 0.2 * seconds
-            self.monotone()
-            self.refreshed = True
+        """Fold the time of a real forward over n tokens into the table (sizes the table holds). A forward over
+        twice the table's time is left out: a one-time cost (a kernel built for a new size) or the machine busy
+        for a moment, not what this size costs."""
+        old = self.verify_s.get(n)
+        if old is None or not 0 < seconds < 2 * old:
+            return
+        if seconds < 0.5 * old:  # a table measured while the machine was busy: every size was slowed alike
+            self.verify_s = {k: v * seconds / old for k, v in self.verify_s.items()}
+        else:
+            self.verify_s[n] = 0.8 * old + 0.2 * seconds
+        self.monotone()
+        self.refreshed = True
 
     def observe_step(self, tokens: int, seconds: float):
         if seconds > 0:
@@ -208,10 +218,10 @@ class Engine:
         self.costs = costs  # a store of measured verify costs (load() -> {n: s} or None, save(table)), if any
         self.context: list[int] = []  # exactly the tokens in the target's KV cache
 
-    def use_verify_costs(self, table: dict[int, float]):
+    def use_verify_costs(self, table: dict[int, float], padded: bool = False):
         """Size trees from these verify costs from now on (the step changed, e.g. the compiled one came in)."""
         if self.cost is not None:
-            self.cost.verify_s = dict(table)
+            self.cost.verify_s, self.cost.padded = dict(table), padded
             self.cost.monotone()
 
     def _device_sync(self):
@@ -223,7 +233,7 @@ class Engine:
         a second on a CPU) and stored for the next process."""
         stored = self.costs.load() if self.costs is not None else None
         if stored:
-            self.cost = CostModel(verify_s=stored)
+            self.cost = CostModel(verify_s=stored, padded=self.costs.padded)
             self.cost.monotone()
             return
         sizes = sorted({1, 2, 4, 8, 16, 32, 64, 128} & set(range(1, self.budget + 2)) | {self.budget + 1})

@@ -85,6 +85,7 @@ class Session:
         self.engine = Engine(self.target, self.drafter, budget=budget, auto_budget=auto,
                              costs=StepCosts(self.resolved.path, self.device, self.dtype, self.compiler))
         self.compiler.listeners.append(self.engine.use_verify_costs)
+        self.compiler.use_drafter(self.drafter, self.heads_path)
         self.eos_ids = self._eos_ids()
         # the tokenizer's own template has no known stop strings; an alias names the template it follows
         self.stop_strings = STOP_STRINGS.get(self.template_name) or STOP_STRINGS.get(spec.template if spec else "", [])
@@ -143,6 +144,7 @@ class Session:
         self.opts = opts
         self.engine.drafter = self.drafter
         self.engine.reset()
+        self.compiler.use_drafter(self.drafter, self.heads_path)
 
     def _eos_ids(self) -> set[int]:
         ids = set()

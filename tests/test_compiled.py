@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from clover_cli import compiled
-from clover_cli.compiled import CompiledStep, Package, StepCompiler, build_for
+from clover_cli.compiled import CompiledStep, HeadsPrograms, Package, StepCompiler, build_for, build_heads_for
+from clover_cli.drafters.heads import CloverDrafter, MedusaDrafter
 from clover_cli.engine import Engine, Sampling, StopCheck
 from clover_cli.target import Target
 from helpers import hf_greedy, run_engine
-from test_lossless import drafter_for, make_model
+from test_lossless import drafter_for, make_model, random_heads
 
 FAMILIES = ("llama", "mistral", "qwen2")  # GQA; a sliding window shorter than the conversations; attention bias
 
@@ -137,8 +138,8 @@ def test_program_serves_only_what_fits(programs):
     target.forward(torch.tensor([5]))
     target.reset(0)
     assert step.fits(target.cache, 1) and step.fits(target.cache, step.capacity - 1)
-    assert not step.fits(target.cache, step.capacity)  # one token more than the program was built for
-    target.cache.length = step.capacity - 4
+    assert not step.fits(target.cache, step.capacity)  # the buffer full: the program is built for less
+    target.cache.length = step.capacity - 5
     assert step.fits(target.cache, 4) and not step.fits(target.cache, 5)
     # near the end of the context the engine's last steps run eager, and the output stays exact
     target.cache.length = 0
@@ -289,3 +290,68 @@ def test_package_lookup_ignores_incomplete_builds(tmp_path):
     (d / compiled.PACKAGE).write_bytes(b"")
     (d / compiled.META).write_text(json.dumps({"program": compiled.PROGRAM_VERSION - 1, "capacity": 8}))
     assert Package.find(d) is None  # built by an older clover
+
+
+DRAFTERS = {"clover": (CloverDrafter, "clover2"), "medusa": (MedusaDrafter, "medusa")}
+
+
+@pytest.fixture(scope="module")
+def heads_programs(programs, tmp_path_factory):
+    """kind -> (heads, programs directory, metadata): random heads of the llama model, their programs built."""
+    model, _, capacity = programs["llama"]
+    root = tmp_path_factory.mktemp("heads_programs")
+    out = {}
+    for kind, (cls, arch) in DRAFTERS.items():
+        heads = random_heads(model, arch, seed=3, num_heads=4, num_layers=1)
+        if kind == "clover":  # a draft-vocabulary shortlist, mapped back to token ids inside the program
+            heads.draft_vocab = torch.randperm(96, generator=torch.Generator().manual_seed(0))[:40]
+        meta = build_heads_for(cls(heads, Target(model)), capacity, root / kind, log=lambda text: None)
+        assert meta["kind"] == kind and meta["topk"] == 8 and meta["capacity"] == capacity
+        out[kind] = (heads, root / kind, meta)
+    return out
+
+
+@pytest.mark.parametrize("kind", DRAFTERS)
+@pytest.mark.parametrize("seed", range(3))
+def test_compiled_heads_propose_what_eager_heads_propose(programs, heads_programs, kind, seed):
+    """The heads' programs draft the same trees as their eager modules, and decoding with both compiled (the step
+    and the heads) stays identical to transformers' greedy generate."""
+    rng = random.Random(seed)
+    model, target = compiled_target(programs, "llama")
+    heads, path, meta = heads_programs[kind]
+    cls = DRAFTERS[kind][0]
+    eager, compiled_drafter = cls(heads, Target(model)), cls(heads, target)
+    compiled_drafter.attach_programs(HeadsPrograms(path, kind, meta["capacity"]))
+    for _ in range(3):
+        prompt = [rng.randrange(3, 96) for _ in range(rng.randint(2, 25))]
+        context = prompt + [rng.randrange(3, 96)]
+        target.reset(0)
+        with torch.inference_mode():
+            hidden, _ = target.forward(torch.tensor(prompt))
+        target.cache.append(len(prompt))
+        for d in (eager, compiled_drafter):
+            d.reset(0)
+            d.observe(hidden, torch.tensor(context[1:]))
+        a, b = eager.propose(context, 24), compiled_drafter.propose(context, 24)
+        assert (a.tokens, a.parents) == (b.tokens, b.parents) and len(a) > 1
+        assert a.scores == pytest.approx(b.scores, rel=1e-3, abs=1e-6)
+        target.reset(0)
+        n = rng.randint(5, 40)
+        reference = hf_greedy(model, prompt, n)
+        engine = Engine(target, compiled_drafter, budget=rng.choice([4, 16, 40]), auto_budget=False)
+        out, _ = run_engine(engine, prompt, StopCheck(n))
+        assert out == reference
+
+
+def test_wrong_heads_programs_are_caught_before_they_are_written(programs, tmp_path, monkeypatch):
+    model, _, capacity = programs["llama"]
+    heads = random_heads(model, "clover2", seed=4, num_heads=2, num_layers=1)
+    real = HeadsPrograms.augment
+
+    def off_by_a_bit(self, *args):
+        return real(self, *args) + 0.01
+
+    monkeypatch.setattr(HeadsPrograms, "augment", off_by_a_bit)
+    with pytest.raises(compiled.CloverError, match="heads disagree"):
+        build_heads_for(CloverDrafter(heads, Target(model)), capacity, tmp_path / "bad", log=lambda text: None)
+    assert not (tmp_path / "bad").exists()

@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from clover_cli.drafters.ngram import NgramDrafter
-from clover_cli.engine import Engine, Sampling, StopCheck, accept, warp
+from clover_cli.engine import CostModel, Engine, Sampling, StopCheck, accept, warp
 from clover_cli.target import Target
 from clover_cli.tree import DraftTree, TreeBuilder
 from helpers import OracleDrafter, hf_greedy, run_engine
@@ -315,3 +315,25 @@ def test_cost_model_min_score_follows_speed_and_calibration():
     assert cost.min_score() == pytest.approx(400 * per_node)
     cost.calibration = 0.5  # the drafter's scores are worth half what they claim: a higher bar
     assert cost.min_score() == pytest.approx(800 * per_node)
+
+
+def test_cost_table_refresh_skips_one_time_costs_and_rescales_a_busy_table():
+    cost = CostModel(verify_s={1: 1.0, 4: 1.2, 16: 2.0})
+    cost.refresh(4, 5.0)  # e.g. a kernel built for a new size: not what the size costs
+    cost.refresh(3, 1.0)  # not a size of the table
+    assert cost.verify_s == {1: 1.0, 4: 1.2, 16: 2.0} and not cost.refreshed
+    cost.refresh(4, 1.0)
+    assert cost.verify_s[4] == pytest.approx(0.8 * 1.2 + 0.2 * 1.0) and cost.refreshed
+    cost.refresh(16, 0.2)  # the table was measured on a busy machine: every size scaled down alike
+    assert cost.verify_s[16] == pytest.approx(0.2) and cost.verify_s[1] == pytest.approx(0.1)
+    for _ in range(30):  # a plain step grown slower than a 4-token tree was: bigger trees never look cheaper
+        cost.refresh(1, 0.19)
+    assert cost.verify_s[1] > 0.18 and cost.verify_s[4] >= cost.verify_s[1] and cost.verify_s[16] >= cost.verify_s[4]
+
+
+def test_padded_costs_are_steps():
+    """The compiled step runs n tokens as the next size of its table: a tree between two sizes costs the larger."""
+    table = {1: 1.0, 4: 2.0, 8: 3.0}
+    assert CostModel(verify_s=table).verify(6) == pytest.approx(2.5)
+    assert CostModel(verify_s=table, padded=True).verify(6) == 3.0
+    assert CostModel(verify_s=table, padded=True).verify(4) == 2.0

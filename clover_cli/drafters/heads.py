@@ -38,18 +38,13 @@ class _TreeGrower:
     def start(self):
         self.paths = {0: ()}
 
-    def expand(self, builder: TreeBuilder, level: list[int], logits: torch.Tensor, budget: int,
-               token_ids: torch.Tensor | None = None, min_score: float = 0.0) -> list[int]:
-        """Add the children of the nodes in `level` (rows of logits); return the next level's nodes.
+    def expand(self, builder: TreeBuilder, level: list[int], top_p: list, top_i: list, budget: int,
+               min_score: float = 0.0) -> list[int]:
+        """Add the children of the nodes in `level` (rows of top_p/top_i: each node's best candidate tokens and
+        their head probabilities, best first); return the next level's nodes.
 
-        token_ids maps logit columns to token ids when the heads draft from a shortlist of the vocabulary.
         A dynamic tree gets no child scored below min_score (one not worth verifying).
         """
-        probs = torch.softmax(logits.float(), dim=-1)
-        top_p, top_i = probs.topk(min(self.topk, probs.shape[-1]), dim=-1)
-        if token_ids is not None:
-            top_i = token_ids[top_i]
-        top_p, top_i = top_p.tolist(), top_i.tolist()
         children = []
         for row, parent in enumerate(level):
             base, best, mass = builder.scores[parent], top_p[row][0], 0.0
@@ -74,6 +69,16 @@ class _TreeGrower:
         return children[: self.width]
 
 
+def top_tokens(logits: torch.Tensor, k: int, token_ids: torch.Tensor | None = None):
+    """(probabilities, token ids) of the k most likely tokens of each row of `logits` [r, V], best first.
+    token_ids maps logit columns to token ids when the heads draft from a shortlist of the vocabulary."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    top_p, top_i = probs.topk(min(k, probs.shape[-1]), dim=-1)
+    if token_ids is not None:
+        top_i = token_ids[top_i]
+    return top_p, top_i
+
+
 class DraftProjection:
     """The target's frozen lm_head, restricted to the heads' draft vocabulary when they have one.
 
@@ -94,13 +99,77 @@ class DraftProjection:
                 self.shortlist.bias = torch.nn.Parameter(bias.detach()[self.token_ids], requires_grad=False)
             pack_linears(self.shortlist)
 
+    @property
+    def linear(self) -> torch.nn.Module:
+        return self.lm_head if self.token_ids is None else self.shortlist
+
     def __call__(self, out: torch.Tensor) -> torch.Tensor:
         if self.token_ids is None:
             return self.lm_head(out)
         return self.shortlist(out.to(self.shortlist.weight.dtype))
 
 
+class CloverAugment(torch.nn.Module):
+    """What a Clover-2 proposal first catches up on: the augmenting block over the newly committed positions,
+    (target hidden [n, H], next tokens [n], positions [n], the heads' cache) -> states [n, H]. Run eager, or exported
+    and compiled (clover_cli/compiled.py) with the cache made over its buffers."""
+
+    def __init__(self, heads, target: Target):
+        super().__init__()
+        self.heads, self.embed, self.rotary = heads, target.embed_tokens, target.base.rotary_emb
+        self.dtype = next(heads.parameters()).dtype
+
+    def forward(self, hidden, tokens, positions, cache):
+        x = hidden.to(self.dtype)[None]
+        emb = self.embed(tokens)[None].to(self.dtype)
+        return self.heads.augment(x, emb, self.rotary(x, positions[None]), positions[None], cache=cache)[0]
+
+
+class CloverLevel(torch.nn.Module):
+    """One depth of Clover-2 heads over a level of tree nodes: (states [r, H], the nodes' tokens [r]) -> (next states,
+    probabilities [r, k] and token ids [r, k] of each node's k best children). The first depth (head 0) reads the
+    state alone; later depths share one set of weights and also read the embedding of the node's token."""
+
+    def __init__(self, heads, target: Target, project: DraftProjection, first: bool, k: int):
+        super().__init__()
+        self.heads, self.embed, self.out = heads, target.embed_tokens, project.linear
+        self.first, self.k = first, k
+        self.dtype = next(heads.parameters()).dtype
+        self.token_ids = project.token_ids
+        self.project = project
+
+    def forward(self, states, tokens):
+        if self.first:
+            states, out = self.heads.step(0, states)
+        else:
+            states, out = self.heads.step(1, states, self.embed(tokens).to(self.dtype))
+        top_p, top_i = top_tokens(self.project(out), self.k, self.token_ids)
+        return states, top_p, top_i
+
+
+class MedusaLevels(torch.nn.Module):
+    """Every Medusa head at once on the last hidden state: (pre-norm hidden [1, H]) -> probabilities [D, k] and token
+    ids [D, k], head d's k best tokens for depth d."""
+
+    def __init__(self, heads, target: Target, project: DraftProjection, k: int):
+        super().__init__()
+        self.heads, self.out, self.k = heads, project.linear, k
+        self.norm = getattr(target.base, "norm", None)
+        self.dtype = next(heads.parameters()).dtype
+        self.token_ids = project.token_ids
+        self.project = project
+
+    def forward(self, hidden):
+        post = self.norm(hidden) if self.norm is not None else hidden
+        outs = torch.cat(self.heads.outputs(post.to(self.dtype)))  # [D, H]
+        return top_tokens(self.project(outs), self.k, self.token_ids)
+
+
 class CloverDrafter:
+    """Clover-2 heads growing a dynamic (or static) tree. Per proposal: the augmenting block catches up on what the
+    target committed since the last one (CloverAugment), then one CloverLevel per depth. Each of those runs eager,
+    or compiled once `attach_programs` gives their compiled twins (same inputs, same outputs)."""
+
     name = "clover"
 
     def __init__(self, heads, target: Target, **grow):
@@ -111,12 +180,21 @@ class CloverDrafter:
         pack_linears(heads)
         self.project = DraftProjection(target.lm_head, getattr(heads, "draft_vocab", None))
         self.cache = TreeKVCache(heads.cfg.num_layers, 256, target.max_context)
+        self.augment_block = CloverAugment(heads, target)
+        self.levels = (CloverLevel(heads, target, self.project, True, self.grower.topk),
+                       CloverLevel(heads, target, self.project, False, self.grower.topk))
+        self.programs = None  # compiled twins of (augment_block, levels[0], levels[1]), once attached
         self.state = None
         # what observe() was given and the augmenting block has not run over yet: it runs once, over all of it,
         # when a proposal needs the state (a step whose tree comes from lookup alone skips the heads)
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.max_depth = heads.cfg.num_heads
         self.min_score = 0.0  # set by the engine: nodes scored below it do not pay for their verification
+
+    def attach_programs(self, programs) -> None:
+        """Run the compiled twins from now on (clover_cli.compiled.CloverPrograms); the cache takes their capacity."""
+        self.cache.grow_to(programs.capacity)
+        self.programs = programs
 
     def reset(self, length: int) -> None:
         keep = length - self.cache.length
@@ -149,13 +227,12 @@ class CloverDrafter:
         n = next_tokens.numel()
         self.cache.reserve(n)
         start = self.cache.length
-        pos = torch.arange(start, start + n, device=hidden.device)[None]
-        x = hidden.to(self.dtype)[None]
-        rope = self.target.base.rotary_emb(x, pos)
-        emb = self.target.embed_tokens(next_tokens)[None].to(self.dtype)
-        state = self.heads.augment(x, emb, rope, pos, cache=self.cache)
+        pos = torch.arange(start, start + n, device=hidden.device)
+        compiled = self.programs is not None and self.programs.fits(self.cache, n)
+        block = self.programs.augment if compiled else self.augment_block
+        state = block(hidden, next_tokens, pos, self.cache)
         self.cache.append(n)
-        self.state = state[0, -1]
+        self.state = state[-1]
 
     @torch.inference_mode()
     @packed_linears()
@@ -167,24 +244,25 @@ class CloverDrafter:
         self._catch_up()
         if self.state is None:
             return builder.build(0)
+        levels = self.programs.levels if self.programs is not None else self.levels
         level, states = [0], self.state[None]
+        tokens = torch.tensor(context[-1:], device=states.device)
         for depth in range(self.heads.cfg.num_heads):
-            prev = None
-            if depth:
-                prev = self.target.embed_tokens(
-                    torch.tensor([builder.tokens[i] for i in level], device=states.device)).to(self.dtype)
-            new_states, out = self.heads.step(depth, states, prev)
-            children = self.grower.expand(builder, level, self.project(out), budget, self.project.token_ids,
-                                          self.min_score)
+            new_states, top_p, top_i = levels[min(depth, 1)](states, tokens)
+            children = self.grower.expand(builder, level, top_p.tolist(), top_i.tolist(), budget, self.min_score)
             if not children:
                 break
             row_of = {node: row for row, node in enumerate(level)}
             states = new_states[[row_of[builder.parents[c]] for c in children]]
             level = children
+            tokens = torch.tensor([builder.tokens[i] for i in level], device=states.device)
         return builder.build(budget)
 
 
 class MedusaDrafter:
+    """Medusa heads: every head reads the last hidden state (MedusaLevels, eager or compiled); head d proposes the
+    tokens at depth d for every node of the level above."""
+
     name = "medusa"
 
     def __init__(self, heads, target: Target, **grow):
@@ -194,10 +272,14 @@ class MedusaDrafter:
         self.dtype = next(heads.parameters()).dtype
         pack_linears(heads)
         self.project = DraftProjection(target.lm_head, getattr(heads, "draft_vocab", None))
-        self.norm = getattr(target.base, "norm", None)
+        self.levels = MedusaLevels(heads, target, self.project, self.grower.topk)
+        self.programs = None  # the compiled twin of `levels`, once attached
         self.last = None  # the last observed hidden state; the heads run on it when a proposal needs them
         self.max_depth = heads.cfg.num_heads
         self.min_score = 0.0  # set by the engine: nodes scored below it do not pay for their verification
+
+    def attach_programs(self, programs) -> None:
+        self.programs = programs
 
     def reset(self, length: int) -> None:
         self.last = None
@@ -212,13 +294,13 @@ class MedusaDrafter:
         self.grower.start()
         if budget <= 0 or self.last is None:
             return builder.build(0)
-        post = self.norm(self.last) if self.norm is not None else self.last
-        outs = self.heads.outputs(post.to(self.dtype))
-        logits = [self.project(o).float() for o in outs]  # head i: [1, V or the draft vocabulary]
+        levels = self.programs.levels if self.programs is not None else self.levels
+        top_p, top_i = levels(self.last)
+        top_p, top_i = top_p.tolist(), top_i.tolist()
         level = [0]
-        for depth, head_logits in enumerate(logits):
-            children = self.grower.expand(builder, level, head_logits.expand(len(level), -1), budget,
-                                          self.project.token_ids, self.min_score)
+        for depth in range(len(top_p)):
+            children = self.grower.expand(builder, level, [top_p[depth]] * len(level), [top_i[depth]] * len(level),
+                                          budget, self.min_score)
             if not children:
                 break
             level = children
