@@ -100,12 +100,23 @@ class StopCheck:
         self.decode = decode
         self.window = max((len(s) for s in self.stop_strings), default=0) + 8
         self.out: list[int] = []
+        self._ends = {s[-1] for s in self.stop_strings}
+        self._may_end: dict[int, bool] = {}  # token -> its text holds the last character of a stop string
+
+    def _may_complete(self, token: int) -> bool:
+        """A stop string that appears only now ends inside this token's text, so that text holds its last
+        character (a token that is part of a multi-byte character is always checked)."""
+        known = self._may_end.get(token)
+        if known is None:
+            text = self.decode([token])
+            known = self._may_end[token] = "\ufffd" in text or any(c in text for c in self._ends)
+        return known
 
     def push(self, token: int) -> str | None:
         self.out.append(token)
         if token in self.eos_ids:
             return "eos"
-        if self.stop_strings and self.decode is not None:
+        if self.stop_strings and self.decode is not None and self._may_complete(token):
             tail = self.decode(self.out[-self.window:])
             if any(s in tail for s in self.stop_strings):
                 return "stop"

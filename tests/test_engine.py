@@ -337,3 +337,22 @@ def test_padded_costs_are_steps():
     assert CostModel(verify_s=table).verify(6) == pytest.approx(2.5)
     assert CostModel(verify_s=table, padded=True).verify(6) == 3.0
     assert CostModel(verify_s=table, padded=True).verify(4) == 2.0
+
+
+def test_stop_strings_are_checked_only_when_a_token_can_complete_one():
+    """A stop string that appears only now ends inside the new token's text: tokens without the last character of
+    any stop string skip the decode, and every stop is still found, also across token boundaries."""
+    pieces = {1: "Hel", 2: "lo U", 3: "SE", 4: "R", 5: ":", 6: " x", 7: "\ufffd"}
+    calls = []
+
+    def decode(ids):
+        calls.append(len(ids))
+        return "".join(pieces[i] for i in ids)
+
+    stop = StopCheck(100, stop_strings=["USER:"], decode=decode)
+    assert [stop.push(t) for t in (1, 2, 3, 4)] == [None] * 4
+    assert [c for c in calls if c > 1] == []  # no token so far holds ':': the window was never decoded
+    assert stop.push(5) == "stop"  # "Hello USER" + ":"
+    assert StopCheck(100, stop_strings=["USER:"], decode=decode).push(6) is None
+    again = StopCheck(100, stop_strings=["USER:"], decode=decode)
+    assert [again.push(t) for t in (2, 3, 4, 7)] == [None] * 4 and len([c for c in calls if c > 1]) == 2
