@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import CloverError
+
 INSTALL_HINT = "pip install 'clover-cli[llama]'"
 WRITER_VERSION = 1  # part of the cache key: bump when the GGUF this module writes changes
 
@@ -33,6 +35,9 @@ def why_unavailable(model, tokenizer, device, dtype) -> str | None:
             __import__(module)
         except ImportError:
             return f"{package} is not installed ({INSTALL_HINT})"
+        except Exception as e:  # e.g. llama.cpp's shared library fails to load
+            first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            return f"{package} does not load ({first_line}); reinstall it: {INSTALL_HINT}"
     if str(device) != "cpu" or str(dtype) != "torch.float32":
         return f"llama.cpp runs the target's float32 weights on the CPU, and this target is " \
                f"{str(dtype).replace('torch.', '')} on {device} (use --device cpu --dtype float32)"
@@ -119,7 +124,7 @@ def write_gguf(model, tokenizer, path: Path, name: str):
         for hf_name, param in model.named_parameters():  # a tied lm_head is the embedding: listed once
             gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
             if gguf_name is None:
-                raise ValueError(f"no GGUF name for the tensor {hf_name}")
+                raise CloverError(f"cannot write a GGUF of this model: llama.cpp has no name for its tensor {hf_name}")
             data = param.detach().float().cpu().numpy()
             if hf_name.endswith("self_attn.q_proj.weight"):
                 data = rotary_to_interleaved(data, cfg.num_attention_heads)
@@ -172,19 +177,35 @@ def _add_vocab(writer, tokenizer, n_vocab: int):
 
 
 def gguf_for(resolved, model, tokenizer, cache: Path, quiet: bool = False) -> Path:
-    """The cached GGUF of this model, written first when missing (keyed by path, revision and the files' sizes and
-    modification times)."""
-    files = sorted(f for f in Path(resolved.path).iterdir() if f.is_file())
-    key = json.dumps([WRITER_VERSION, str(Path(resolved.path).resolve()), resolved.revision,
-                      [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]])
-    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", resolved.name).strip("-.") or "model"
-    path = cache / "gguf" / f"{stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}-f32.gguf"
-    if not path.is_file():
+    """The cached GGUF of this model, written first when missing. It is named after the model's directory and
+    keyed by its revision and its weight, config and tokenizer files' sizes and modification times; a new key
+    replaces the directory's older GGUF (a float32 GGUF is as large as the model in float32)."""
+    source = Path(resolved.path).resolve()
+    files = sorted(f for f in source.iterdir() if f.is_file() and f.suffix in (".safetensors", ".bin", ".json"))
+    key = json.dumps([WRITER_VERSION, resolved.revision, [(f.name, f.stat().st_size, f.stat().st_mtime_ns)
+                                                         for f in files]])
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", resolved.name).strip("-.") or "model"
+    prefix = f"{name}-{_digest(str(source))}-"
+    path = cache / "gguf" / f"{prefix}{_digest(key)}-f32.gguf"
+    if path.is_file():
+        return path
+    size_gb = sum(p.numel() for p in model.parameters()) * 4 / 1e9
+    if not quiet:
+        print(f"clover: writing {resolved.name} as a float32 GGUF for llama.cpp ({size_gb:.2f} GB, once): {path}",
+              file=sys.stderr)
+    try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        if not quiet:
-            print(f"clover: writing {resolved.name} as a float32 GGUF for llama.cpp (once): {path}", file=sys.stderr)
         write_gguf(model, tokenizer, path, resolved.name)
+    except OSError as e:
+        raise CloverError(f"cannot write the GGUF {path}: {e.strerror or e}")
+    for old in path.parent.glob(f"{prefix}*-f32.gguf"):
+        if old != path:
+            old.unlink(missing_ok=True)
     return path
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 # ---- running it ----
@@ -200,10 +221,13 @@ class LlamaCppRunner:
         # KV cache in float32 too (llama.cpp's default is float16), so both sides compute in the same precision.
         # Drafting keeps every position's logits; logits_all=True must be said too, or llama-cpp-python sizes that
         # buffer for n_batch positions only and fails once a prompt and its reply pass n_batch tokens.
-        self.llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_batch=min(n_batch, n_ctx), n_threads=threads,
-                                   n_threads_batch=threads, n_gpu_layers=0, type_k=llama_cpp.GGML_TYPE_F32,
-                                   type_v=llama_cpp.GGML_TYPE_F32, draft_model=draft, logits_all=draft is not None,
-                                   verbose=False)
+        try:
+            self.llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_batch=min(n_batch, n_ctx), n_threads=threads,
+                                       n_threads_batch=threads, n_gpu_layers=0, type_k=llama_cpp.GGML_TYPE_F32,
+                                       type_v=llama_cpp.GGML_TYPE_F32, draft_model=draft,
+                                       logits_all=draft is not None, verbose=False)
+        except (ValueError, RuntimeError) as e:  # llama-cpp-python's "failed to load model" / context errors
+            raise CloverError(f"llama.cpp cannot load {path}: {e}")
 
     def generate(self, ids: list[int], max_new_tokens: int, eos_ids) -> tuple[list[int], float, float]:
         """(new token ids, seconds after the first new token, seconds in all). Stops after an EOS token (kept)."""

@@ -198,22 +198,28 @@ def test_gguf_reads_back(llama_model, tmp_path):
 def test_gguf_is_cached_and_rewritten_when_the_weights_change(llama_model, llama_dir, tmp_path, monkeypatch):
     pytest.importorskip("gguf")
     from clover_cli import llamacpp
+    from clover_cli.errors import CloverError
     from clover_cli.hub import ResolvedModel
 
     model, tok = llama_model
     resolved = ResolvedModel(name="some/model", path=llama_dir, spec=None)
     first = llamacpp.gguf_for(resolved, model, tok, tmp_path, quiet=True)
     assert first.is_file() and first.parent == tmp_path / "gguf" and first.name.startswith("some-model-")
-    written = []
-    monkeypatch.setattr(llamacpp, "write_gguf", lambda *a: written.append(a))
-    assert llamacpp.gguf_for(resolved, model, tok, tmp_path, quiet=True) == first and written == []
+    write = llamacpp.write_gguf
+    monkeypatch.setattr(llamacpp, "write_gguf", lambda *a: pytest.fail("the cached GGUF was written again"))
+    assert llamacpp.gguf_for(resolved, model, tok, tmp_path, quiet=True) == first
+    monkeypatch.setattr(llamacpp, "write_gguf", write)
     weights = llama_dir / "model.safetensors"
     stat = weights.stat()
     try:
         os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
-        assert llamacpp.gguf_for(resolved, model, tok, tmp_path, quiet=True) != first and len(written) == 1
+        second = llamacpp.gguf_for(resolved, model, tok, tmp_path, quiet=True)
     finally:
         os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert second != first and list((tmp_path / "gguf").iterdir()) == [second]  # the stale one is gone
+    (tmp_path / "blocked").write_text("")
+    with pytest.raises(CloverError, match="cannot write the GGUF"):
+        llamacpp.gguf_for(resolved, model, tok, tmp_path / "blocked", quiet=True)
 
 
 # ------------------------------------------------------------------------------------------------ running it
