@@ -261,3 +261,13 @@ def test_runner_stops_at_eos_and_after_max_tokens(llama_model, tmp_path, lookup)
     stop = new[5]
     cut, _, _ = runner.generate(ids, 12, eos_ids={stop})
     assert cut == new[:new.index(stop) + 1]  # the run ends on the first EOS, which it keeps
+
+
+def test_binaries_script_needs_the_built_binaries(tmp_path):
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "llamacpp_binaries.py"
+    p = subprocess.run([sys.executable, str(script), "--bin", str(tmp_path)], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 1 and "no llama-lookup in" in p.stderr and "build it first" in p.stderr, p.stderr
