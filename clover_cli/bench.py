@@ -199,7 +199,7 @@ class BenchSession:
         from .llamacpp import why_unavailable
 
         s = self.session
-        return why_unavailable(s.model, s.tokenizer, s.device, s.dtype)
+        return why_unavailable(s.model, s.tokenizer, s.device, s.dtype, s.load_in_8bit)
 
     def llama(self, method: str):
         """The llama.cpp runner of a method, made on first use (the GGUF is written once per model, then cached)."""
