@@ -1,8 +1,9 @@
 """`clover bench`: every decoding method on the same prompts, interleaved, with speed, τ and output identity.
 
 Methods: hf (transformers greedy generate), hf-lookup (its prompt-lookup assisted generation), hf-assisted (a
-smaller assistant model, when given), and our engine with plain / ngram / medusa / clover drafting. One model
-load serves every method. Each prompt is run by every method in turn (so drift on the machine hits all alike),
+smaller assistant model, when given), our engine with plain / ngram / medusa / clover drafting, and llama.cpp
+(plain and with prompt lookup) on a GGUF of the same weights (clover_cli/llamacpp.py). One model load serves
+every method. Each prompt is run by every method in turn (so drift on the machine hits all alike),
 after one untimed warm-up run of each method. Our engine starts every run from an empty cache (no reuse of a
 previous run's prefix) with a fresh drafter, so no method sees another run's output.
 """
@@ -22,9 +23,10 @@ import torch
 
 from .errors import CloverError
 
-ALL_METHODS = ("hf", "hf-lookup", "hf-assisted", "plain", "ngram", "medusa", "clover", "clover+ngram")
+LLAMA_METHODS = ("llama.cpp", "llama.cpp-lookup")
+ALL_METHODS = ("hf", "hf-lookup", "hf-assisted", "plain", "ngram", "medusa", "clover", "clover+ngram", *LLAMA_METHODS)
 BUILTIN_PROMPTS = Path(__file__).parent / "bench_prompts.jsonl"
-LOOKUP_TOKENS = 10
+LOOKUP_TOKENS = 10  # tokens proposed per prompt-lookup match, for hf-lookup and llama.cpp-lookup alike
 
 
 @dataclass
@@ -119,8 +121,12 @@ def choose_methods(spec: str | None, session, cfg: BenchConfig) -> list[str]:
             raise CloverError("the clover method needs Clover-2 heads: pass --heads")
         if "medusa" in methods and session.medusa_heads is None:
             raise CloverError("the medusa method needs Medusa heads: pass --medusa-heads")
-        if cfg.temperature > 0 and any(m.startswith("hf-") for m in methods):
-            raise CloverError("hf-lookup and hf-assisted run greedy only; use --temperature 0")
+        if cfg.temperature > 0 and any(m.startswith("hf-") or m in LLAMA_METHODS for m in methods):
+            raise CloverError("hf-lookup, hf-assisted and llama.cpp run greedy only; use --temperature 0")
+        peers = [m for m in methods if m in LLAMA_METHODS]
+        why = session.llama_unavailable() if peers else None
+        if why:
+            raise CloverError(f"{peers[0]} cannot run: {why}")
         return methods
     methods = ["hf", "hf-lookup"]
     if cfg.assistant:
@@ -132,6 +138,10 @@ def choose_methods(spec: str | None, session, cfg: BenchConfig) -> list[str]:
         methods += ["clover", "clover+ngram"]  # the heads alone, and the default drafter (heads + lookup)
     if cfg.temperature > 0:
         methods = [m for m in methods if not m.startswith("hf-")]
+    elif why := session.llama_unavailable():
+        print(f"clover bench: no llama.cpp rows: {why}", file=sys.stderr)
+    else:
+        methods += LLAMA_METHODS
     return methods
 
 
@@ -185,6 +195,28 @@ class BenchSession:
 
         self.budget, self.auto = parse_budget(cfg.tree_budget)
         self.engines = {}
+        self.quiet = cfg.json_out
+        self.llama_runners, self.llama_ctx, self.llama_gguf = {}, s.max_context, None
+        self.llama_threads = torch.get_num_threads()
+
+    def llama_unavailable(self) -> str | None:
+        from .llamacpp import why_unavailable
+
+        s = self.session
+        return why_unavailable(s.model, s.tokenizer, s.device, s.dtype, s.load_in_8bit)
+
+    def llama(self, method: str):
+        """The llama.cpp runner of a method, made on first use (the GGUF is written once per model, then cached)."""
+        if method not in self.llama_runners:
+            from .llamacpp import LlamaCppRunner, gguf_for
+            from .stats import cache_dir
+
+            s = self.session
+            if self.llama_gguf is None:
+                self.llama_gguf = gguf_for(s.resolved, s.model, s.tokenizer, cache_dir(), quiet=self.quiet)
+            lookup = LOOKUP_TOKENS if method == "llama.cpp-lookup" else 0
+            self.llama_runners[method] = LlamaCppRunner(self.llama_gguf, self.llama_ctx, self.llama_threads, lookup)
+        return self.llama_runners[method]
 
     def engine(self, method: str):
         """A fresh drafter every run; the engine (and its measured cost model) is kept per method."""
@@ -221,6 +253,9 @@ class BenchSession:
 
         s = self.session
         n = min(cfg.max_new_tokens, s.max_context - len(ids))
+        if method in LLAMA_METHODS:
+            new, decode_s, total_s = self.llama(method).generate(ids, n, s.eos_ids)
+            return new, decode_s, total_s, None
         if method.startswith("hf"):
             model = s.model
             model.set_attn_implementation("sdpa")
@@ -288,6 +323,8 @@ def run_bench(cfg: BenchConfig):
         if len(ids) >= s.max_context - 1:
             raise CloverError(f"prompt {p['id']} is {len(ids)} tokens, longer than the model's context")
         encoded.append(ids)
+    # llama.cpp sizes its context (and its KV cache) up front: room for the longest prompt, reply and draft
+    bs.llama_ctx = min(s.max_context, max(map(len, encoded)) + cfg.max_new_tokens + LOOKUP_TOKENS + 1)
 
     rows = {m: Row(m) for m in methods}
     progress = _progress(cfg, len(prompts) * cfg.repeats * len(methods) + len(methods))
@@ -349,7 +386,7 @@ def make_report(cfg, bs, methods, rows, prompts) -> dict:
             "mismatches": mismatches,
             "new_tokens": row.new_tokens,
         })
-    return {
+    report = {
         "model": s.resolved.name, "device": str(s.device), "dtype": str(s.dtype).replace("torch.", ""),
         "prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
         "repeats": cfg.repeats, "tree_budget": cfg.tree_budget, "compiled": s.compiler.active,
@@ -357,6 +394,12 @@ def make_report(cfg, bs, methods, rows, prompts) -> dict:
         "machine": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} threads".strip(),
         "torch": torch.__version__, "date": date.today().isoformat(), "methods": out,
     }
+    if any(m in LLAMA_METHODS for m in methods):
+        import llama_cpp
+
+        report["llama_cpp"] = {"version": llama_cpp.__version__, "threads": bs.llama_threads, "weights": "float32",
+                               "kv_cache": "float32", "lookup_tokens": LOOKUP_TOKENS, "gguf": str(bs.llama_gguf)}
+    return report
 
 
 def print_table(report: dict):
@@ -377,6 +420,10 @@ def print_table(report: dict):
                   "-" if r["speedup_vs_plain"] is None else f"{r['speedup_vs_plain']:.2f}x", ident)
     console = Console() if sys.stdout.isatty() else Console(width=150)
     console.print(t)
+    if "llama_cpp" in report:
+        peer = report["llama_cpp"]
+        console.print(f"llama.cpp: llama-cpp-python {peer['version']}, {peer['threads']} threads, float32 weights "
+                      f"and KV cache, lookup {peer['lookup_tokens']} tokens; GGUF {peer['gguf']}", soft_wrap=True)
     for r in report["methods"]:
         if r["mismatches"]:
             console.print(f"[red]{r['method']}: output differs from hf greedy on {', '.join(r['mismatches'])}[/]")

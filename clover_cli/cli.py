@@ -355,9 +355,10 @@ def bench(
     prompts: Optional[str] = typer.Option(None, "--prompts", help="Directory of .txt files or a JSONL file with "
                                                                   "a 'prompt' field. Default: built-in set."),
     methods: Optional[str] = typer.Option(None, "--methods", help="Comma-separated: hf,hf-lookup,hf-assisted,"
-                                                                  "plain,ngram,medusa,clover,clover+ngram "
-                                                                  "(default: all that can run; clover+ngram is "
-                                                                  "what --draft auto uses)."),
+                                                                  "plain,ngram,medusa,clover,clover+ngram,"
+                                                                  "llama.cpp,llama.cpp-lookup (default: all that "
+                                                                  "can run; clover+ngram is what --draft auto "
+                                                                  "uses; llama.cpp needs the [llama] extra)."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="Tokens per prompt."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy (outputs are compared)."),
     repeats: int = typer.Option(1, "--repeats", help="Timed runs per prompt and method."),

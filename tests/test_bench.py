@@ -9,6 +9,15 @@ import pytest
 from clover_cli.heads import HeadsConfig, build_heads, save_heads
 
 
+def llama_cpp_importable() -> bool:
+    try:
+        import gguf  # noqa: F401
+        import llama_cpp  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
 @pytest.fixture(scope="module")
 def model_with_heads(llama_dir, tmp_path_factory):
     """The llama fixture plus random Clover-2 and Medusa heads (random heads still must be lossless)."""
@@ -35,7 +44,8 @@ def prompts_file(tmp_path):
     return p
 
 
-def test_bench_json_all_methods_identical(model_with_heads, prompts_file, run_cli, tmp_path):
+def test_bench_json_all_methods_identical(model_with_heads, prompts_file, run_cli, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # where the llama.cpp GGUF goes
     model, heads = model_with_heads
     png = tmp_path / "bench.png"
     code, out, err = run_cli("bench", str(model), "--heads", str(heads["clover2"]), "--medusa-heads",
@@ -44,7 +54,8 @@ def test_bench_json_all_methods_identical(model_with_heads, prompts_file, run_cl
     assert code == 0, err
     report = json.loads(out)
     rows = {r["method"]: r for r in report["methods"]}
-    assert list(rows) == ["hf", "hf-lookup", "plain", "ngram", "medusa", "clover", "clover+ngram"]
+    peers = ["llama.cpp", "llama.cpp-lookup"] if llama_cpp_importable() else []  # the rows when the extra is here
+    assert list(rows) == ["hf", "hf-lookup", "plain", "ngram", "medusa", "clover", "clover+ngram"] + peers
     for name, r in rows.items():
         assert r["identical"] is True and r["mismatches"] == [], name
         assert r["tokens_per_s"] > 0 and r["new_tokens"] == 3 * 24
