@@ -238,6 +238,9 @@ class BenchSession:
                 from .session import auto_drafter
 
                 drafter = auto_drafter(drafter)  # exactly what --draft auto runs
+        if method in ("medusa", "clover", "clover+ngram"):  # the heads' compiled programs, when the step is
+            heads_drafter = getattr(drafter, "first", drafter)
+            s.compiler.ready_heads(heads_drafter, self.medusa_path if method == "medusa" else self.clover_path)
         if method not in self.engines:
             self.engines[method] = Engine(s.target, drafter, budget=self.budget, auto_budget=self.auto,
                                           costs=s.engine.costs)

@@ -39,7 +39,7 @@ import torch
 
 from .errors import CloverError
 
-PROGRAM_VERSION = 1  # bump when the program's inputs, outputs or semantics change: old packages are not reused
+PROGRAM_VERSION = 4  # bump when the program's inputs, outputs or semantics change: old packages are not reused
 MAX_CAPACITY = 8192  # KV buffers of the compiled program (tokens); longer contexts run eager past this point
 MAX_LINEAR_BYTES = 4 << 30  # the package holds a frozen copy of the weights: larger models stay eager
 MODES = ("auto", "on", "off")
@@ -48,7 +48,12 @@ MODES = ("auto", "on", "off")
 # it (about 4 ms a size here): a few sizes keep that one-time cost small, and cost almost nothing per step, since
 # a product over a few rows more reads the same weights.
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 80)
-PACKAGE = "step.pt2"
+# One program per range of step sizes, each compiled for its rows: (file, fewest, most (None: the capacity), the
+# example size it is tuned at, autotuned). Up to 4 rows (plain decoding, short drafts) inductor's own C++
+# matrix-vector kernels, timed on this machine at build, read the weights faster than oneDNN's; above that oneDNN's,
+# whose prepacked layout is chosen for the example size (one program for 1-80 rows is 10-25% slower in the middle).
+PROGRAMS = (("step-small.pt2", 1, 4, 2, True), ("step-medium.pt2", 5, 16, 8, False),
+            ("step.pt2", 17, None, 32, False))
 META = "meta.json"
 
 
@@ -236,9 +241,29 @@ def export(module: torch.nn.Module, args: tuple, shapes) -> "torch.export.Export
         return torch.export.export(module, args, dynamic_shapes=shapes, strict=False)
 
 
-def compile_package(exported, path: Path) -> None:
-    """AOTInductor, the weights frozen into the program (on a CPU: prepacked for oneDNN; q/k/v and gate/up fused)."""
-    with torch.no_grad(), torch._inductor.config.patch({"freezing": True, "cpp.enable_concat_linear": True}):
+def input_ranges(exported, dims: dict[str, tuple[int, int]]) -> dict[str, list[int]]:
+    """The sizes an exported program accepts, as export worked them out: name -> [least, most] for the sizes named
+    in `dims` (name -> (input index, dimension))."""
+    inputs = [node for node in exported.graph.nodes if node.op == "placeholder"
+              if node.name in set(exported.graph_signature.user_inputs)]
+    out = {}
+    for name, (index, dim) in dims.items():
+        size = inputs[index].meta["val"].shape[dim]
+        if isinstance(size, int):
+            out[name] = [size, size]
+            continue
+        bounds = exported.range_constraints[size.node.expr]
+        out[name] = [int(bounds.lower), int(bounds.upper)]
+    return out
+
+
+def compile_package(exported, path: Path, autotune: bool = False) -> None:
+    """AOTInductor, the weights frozen into the program (on a CPU: prepacked for oneDNN; q/k/v and gate/up fused).
+    autotune: inductor also times its own C++ matrix-product kernels on this machine and keeps what is fastest."""
+    config = {"freezing": True, "cpp.enable_concat_linear": True}
+    if autotune:
+        config.update({"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"})
+    with torch.no_grad(), torch._inductor.config.patch(config):
         torch._inductor.aoti_compile_and_package(exported, package_path=str(path))
 
 
@@ -279,19 +304,25 @@ def build_for(target, out: Path, log=print) -> dict:
         target.forward(torch.tensor([0], device=target.device))
     keys, values = target.cache.buffers()
     Dim = torch.export.Dim
-    # past + n < capacity: with a full buffer a few sizes coincide and the program would have to tell them apart
-    n, past = Dim("n", min=1, max=capacity - 1), Dim("past", min=0, max=capacity - 2)
-    rows = Dim("rows", min=1, max=capacity - 1)
-    shapes = (({0: n}, {0: n}, {0: n, 1: n}, {0: rows}, {0: past}, *(None for _ in keys + values)),)
-    example = _example(target, 5, min(37, capacity - 6))
-    exported = export(OnBuffers(TargetStep(target), 4).eval(), (*example, *keys, *values), shapes)
+    program = OnBuffers(TargetStep(target), 4).eval()
+    exported, ranges = {}, {}
+    for name, lo, hi, example_n, autotune in PROGRAMS:
+        hi = min(hi or capacity - 1, capacity - 1)
+        # how many committed tokens a program takes is for export to work out (past + n < capacity at least; some
+        # models need more): the ranges it finds are kept and a step outside them runs another program or eager
+        n, rows = Dim("n", min=lo, max=hi), Dim("rows", min=1, max=hi)
+        shapes = (({0: n}, {0: n}, {0: n, 1: n}, {0: rows}, {0: Dim.DYNAMIC}, *(None for _ in keys + values)),)
+        example = _example(target, example_n, min(max(37, capacity // 2), capacity - example_n - 1))
+        exported[name] = (export(program, (*example, *keys, *values), shapes), autotune)
+        ranges[name] = input_ranges(exported[name][0], {"n": (0, 0), "past": (4, 0)})
     log(f"compiling (AOTInductor, weights frozen) ... {time.perf_counter() - t0:.0f} s")
     try:
         with building(out) as tmp:
-            compile_package(exported, tmp / PACKAGE)
-            step = CompiledStep(tmp, capacity)
+            for name, (program, autotune) in exported.items():
+                compile_package(program, tmp / name, autotune)
+            step = CompiledStep(tmp, capacity, ranges)
             check(step, target)
-            meta = {"program": PROGRAM_VERSION, "capacity": capacity, "torch": torch.__version__,
+            meta = {"program": PROGRAM_VERSION, "capacity": capacity, "ranges": ranges, "torch": torch.__version__,
                     "threads": torch.get_num_threads(), "verify_s": measure(step, target),
                     "build_s": round(time.perf_counter() - t0, 1)}
             (tmp / META).write_text(json.dumps(meta, indent=1))
@@ -317,8 +348,12 @@ def check(step: "CompiledStep", target, tolerance: float = 1e-3):
 def _compare(step, target, keys, values, g, tolerance):
     from .target import TreeKVCache
 
-    for n, past in ((1, 0), (1, 9), (7, 23), (16, 40)):
-        past = min(past, step.capacity - n)
+    served = 0
+    for n, past in ((1, 0), (1, 9), (3, 12), (7, 23), (16, 40), (20, 3), (2, 300), (9, 200), (33, 150)):
+        past = min(past, step.capacity - n - 1)
+        if step._route(n, past) is None:
+            continue  # a step the program does not take runs eager
+        served += 1
         for buf in keys + values:
             buf.copy_(torch.randn(buf.shape, generator=g) * 0.5)
         tokens, positions, tree, rows, _ = _example(target, n, past, seed=n)
@@ -334,6 +369,8 @@ def _compare(step, target, keys, values, g, tolerance):
         if not worst <= tolerance:  # also catches NaN
             raise CloverError(f"the compiled step disagrees with the eager one (relative error {worst:.2g} "
                               f"with {n} new tokens after {past})")
+    if served < 5:
+        raise CloverError("the compiled step takes too few of the step sizes it was built for")
 
 
 @torch.inference_mode()
@@ -345,7 +382,9 @@ def measure(step: "CompiledStep", target, repeats: int = 7) -> dict[str, float]:
     cache = TreeKVCache.over(keys, values, 0)
     out = {}
     for n in SIZES:
-        past = min(200, step.capacity - n)
+        past = min(200, step.capacity - n - 1)
+        if step._route(n, past) is None:
+            continue
         tokens, positions, tree, _, _ = _example(target, n, past, seed=n)
         cache.length = past
         best = float("inf")
@@ -386,16 +425,28 @@ def padded_size(n: int) -> int:
 class CompiledStep:
     """A loaded package: call it like Target.forward, with the cache whose buffers it writes."""
 
-    def __init__(self, path: Path, capacity: int):
+    def __init__(self, path: Path, capacity: int, ranges: dict[str, dict[str, list[int]]]):
         self.path = Path(path)
         self.capacity = capacity
-        self.run = Program(self.path / PACKAGE)
+        # (new tokens from, to, committed tokens from, to, program) for each program, fewest rows first
+        self.programs = [(*ranges[name]["n"], *ranges[name]["past"], Program(self.path / name))
+                         for name, *_ in PROGRAMS]
         self._inputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._past: dict[int, torch.Tensor] = {}
         self._tril = torch.ones(SIZES[-1], SIZES[-1], dtype=torch.bool).tril()
 
     def fits(self, cache, n: int) -> bool:
-        return fits(self.capacity, cache, n)
+        return fits(self.capacity, cache, n) and self._route(n, cache.length) is not None
+
+    def _route(self, n: int, past: int):
+        """(size to run, program) for n new tokens after `past`: the padded size when a program takes it, else n
+        itself (no room to pad at the end of the buffers); None when no program takes either."""
+        for size in (padded_size(n), n):
+            if past + size < self.capacity:
+                for lo, hi, past_lo, past_hi, program in self.programs:
+                    if lo <= size <= hi and past_lo <= past <= past_hi:
+                        return size, program
+        return None
 
     def _causal(self, n: int) -> torch.Tensor:
         if n <= SIZES[-1]:
@@ -413,9 +464,7 @@ class CompiledStep:
     @torch.inference_mode()
     def __call__(self, cache, tokens, positions, tree_mask, logits_for):
         n, past = tokens.numel(), cache.length
-        size = padded_size(n)
-        if past + size >= self.capacity:
-            size = n  # no room to pad (the last steps of a full context): its own size
+        size, run = self._route(n, past)
         tok, pos, tree, rows = self._scratch(size)
         tok[:n] = tokens
         pos[:n] = positions
@@ -426,7 +475,7 @@ class CompiledStep:
         tree[:n, :n] = tree_mask if tree_mask is not None else self._causal(n)
         rows = rows[:n] if logits_for is None else rows[:n][logits_for]
         keys, values = cache.buffers()
-        pre, logits = self.run(tok, pos, tree, rows, _marker(past, self._past), *keys, *values)
+        pre, logits = run(tok, pos, tree, rows, _marker(past, self._past), *keys, *values)
         return pre[:n], logits
 
 
@@ -442,8 +491,9 @@ class HeadsPrograms:
     block (`augment`, with the heads' own cache) and the first and later levels (`levels`); for Medusa all heads at
     once (`levels`). Same inputs and outputs as the eager modules."""
 
-    def __init__(self, path: Path, kind: str, capacity: int):
+    def __init__(self, path: Path, kind: str, capacity: int, augment_ranges: dict | None = None):
         self.path, self.kind, self.capacity = Path(path), kind, capacity
+        self.augment_ranges = augment_ranges  # {"n": [least, most], "past": [least, most]} the augment takes
         programs = [Program(self.path / name) for name in HEADS_PACKAGES[kind]]
         self._past: dict[int, torch.Tensor] = {}
         if kind == "clover":
@@ -454,7 +504,9 @@ class HeadsPrograms:
             self.levels = lambda hidden: tuple(programs[0](hidden.contiguous()))
 
     def fits(self, cache, n: int) -> bool:
-        return fits(self.capacity, cache, n)
+        r = self.augment_ranges
+        return (fits(self.capacity, cache, padded_size(n)) and r is not None
+                and r["n"][0] <= n and padded_size(n) <= r["n"][1] and r["past"][0] <= cache.length <= r["past"][1])
 
     @torch.inference_mode()
     def augment(self, hidden, tokens, positions, cache):
@@ -462,7 +514,7 @@ class HeadsPrograms:
         change nothing before them, and the keys they write lie past the committed ones)."""
         n = tokens.numel()
         size = padded_size(n)
-        if cache.length + size < self.capacity and size != n:
+        if size != n:
             hidden = torch.cat([hidden, hidden.new_zeros(size - n, hidden.shape[1])])
             tokens = torch.cat([tokens, tokens.new_zeros(size - n)])
             positions = torch.cat([positions, positions[-1:].expand(size - n)])
@@ -513,23 +565,24 @@ def build_heads_for(drafter, capacity: int, out: Path, log=print) -> dict:
         drafter._catch_up()  # allocates the heads' cache buffers at full capacity
         drafter.reset(0)
         keys, values = drafter.cache.buffers()
-        n, past, rows = Dim("n", min=1, max=capacity - 1), Dim("past", min=0, max=capacity - 2), \
-            Dim("rows", min=1, max=MAX_LEVEL_ROWS)
+        n, past, rows = Dim("n", min=1, max=capacity - 1), Dim.DYNAMIC, Dim("rows", min=1, max=MAX_LEVEL_ROWS)
         example = (torch.randn(5, H), torch.arange(5), torch.arange(20, 25), torch.empty(20, 0))
         exported["augment.pt2"] = export(OnBuffers(drafter.augment_block, 3).eval(), (*example, *keys, *values),
                                          (({0: n}, {0: n}, {0: n}, {0: past}, *(None for _ in keys + values)),))
+        ranges = input_ranges(exported["augment.pt2"], {"n": (0, 0), "past": (3, 0)})
         exported["level0.pt2"] = export(drafter.levels[0].eval(), (torch.randn(1, H), torch.tensor([3])), None)
         exported["level.pt2"] = export(drafter.levels[1].eval(), (torch.randn(3, H), torch.tensor([3, 4, 5])),
                                        ({0: rows}, {0: rows}))
     else:
         exported["levels.pt2"] = export(drafter.levels.eval(), (torch.randn(1, H),), None)
+        ranges = None
     log(f"compiling the {kind} heads' programs ... {time.perf_counter() - t0:.0f} s")
     with building(out) as tmp:
         for name, program in exported.items():
             compile_package(program, tmp / name)
-        check_heads(HeadsPrograms(tmp, kind, capacity), drafter)
+        check_heads(HeadsPrograms(tmp, kind, capacity, ranges), drafter)
         meta = {"program": PROGRAM_VERSION, "kind": kind, "capacity": capacity, "topk": drafter.grower.topk,
-                "build_s": round(time.perf_counter() - t0, 1)}
+                "augment_ranges": ranges, "build_s": round(time.perf_counter() - t0, 1)}
         (tmp / META).write_text(json.dumps(meta, indent=1))
     drafter.reset(0)
     return meta
@@ -560,7 +613,12 @@ def check_heads(programs: HeadsPrograms, drafter, tolerance: float = 1e-3):
         same_top(programs.levels(hidden), drafter.levels(hidden), "levels")
         return
     keys, values = drafter.cache.buffers()
-    for n, past in ((1, 0), (6, 17)):
+    served = 0
+    for n, past in ((1, 0), (6, 17), (3, 100), (9, 40)):
+        drafter.cache.length = past
+        if not programs.fits(drafter.cache, n):
+            continue
+        served += 1
         for buf in keys + values:
             buf.copy_(torch.randn(buf.shape, generator=g) * 0.5)
         hidden = torch.randn(n, H, generator=g)
@@ -572,6 +630,8 @@ def check_heads(programs: HeadsPrograms, drafter, tolerance: float = 1e-3):
               drafter.augment_block(hidden, tokens, positions, drafter.cache), f"augment {n} after {past}")
         for a, b in zip(mine.buffers()[0] + mine.buffers()[1], keys + values):
             close(a[:, :, past:past + n], b[:, :, past:past + n], "the heads' cache")
+    if served < 2:
+        raise CloverError(f"the compiled {programs.kind} heads take too few of the sizes they were built for")
     for first, rows in ((True, 1), (False, 1), (False, 5)):
         states, tokens = torch.randn(rows, H, generator=g), torch.randint(0, vocab, (rows,), generator=g)
         compiled = programs.levels[0 if first else 1](states, tokens)
@@ -586,6 +646,7 @@ class Package:
     path: Path
     capacity: int
     verify_s: dict[int, float]
+    ranges: dict
 
     @staticmethod
     def find(d: Path) -> "Package | None":
@@ -594,12 +655,14 @@ class Package:
             meta = json.loads((d / META).read_text())
         except (OSError, ValueError):
             return None
-        if meta.get("program") != PROGRAM_VERSION or not (d / PACKAGE).is_file():
+        if (meta.get("program") != PROGRAM_VERSION or not all((d / p[0]).is_file() for p in PROGRAMS)
+                or set(meta.get("ranges", {})) != {p[0] for p in PROGRAMS}):
             return None
-        return Package(d, int(meta["capacity"]), {int(k): float(v) for k, v in meta.get("verify_s", {}).items()})
+        return Package(d, int(meta["capacity"]), {int(k): float(v) for k, v in meta.get("verify_s", {}).items()},
+                       meta["ranges"])
 
     def load(self) -> CompiledStep:
-        return CompiledStep(self.path, self.capacity)
+        return CompiledStep(self.path, self.capacity, self.ranges)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -623,6 +686,7 @@ class StepCompiler:
         self.listeners: list = []  # called with verify_s when the compiled step becomes active
         self.just_activated = False  # set when poll() swapped the step in; the chat notes it and clears it
         self.heads = self.heads_path = self.heads_out = None  # the drafter's heads (use_drafter) and their programs
+        self._loaded: dict[Path, HeadsPrograms] = {}  # heads' programs loaded so far, by directory
         self.out = package_dir(self.model_path, dtype, self.capacity)
         why = None if mode == "off" else unsupported(target.model, device, dtype, load_in_8bit)
         self.state, self.reason = "off", "--compile off"
@@ -715,16 +779,39 @@ class StepCompiler:
         return True
 
     def _activate_heads(self) -> bool:
-        meta = find_heads(self.heads_out)
-        if meta is None or meta.get("kind") != heads_kind(self.heads) or meta.get("topk") != self.heads.grower.topk:
-            return False
-        try:
-            programs = HeadsPrograms(self.heads_out, meta["kind"], int(meta["capacity"]))
-        except Exception as e:
-            self.warn(f"no compiled heads (cannot load {self.heads_out}: {type(e).__name__}); they run eager")
-            return False
-        self.heads.attach_programs(programs)
+        return self._attach_heads(self.heads, self.heads_out)
+
+    def _attach_heads(self, drafter, out: Path) -> bool:
+        """Attach the heads' programs built into `out` to `drafter` (loaded once per session, shared)."""
+        programs = self._loaded.get(out)
+        if programs is None:
+            meta = find_heads(out)
+            if meta is None or meta.get("kind") != heads_kind(drafter) or meta.get("topk") != drafter.grower.topk:
+                return False
+            try:
+                programs = self._loaded[out] = HeadsPrograms(out, meta["kind"], int(meta["capacity"]),
+                                                             meta.get("augment_ranges"))
+            except Exception as e:
+                self.warn(f"no compiled heads (cannot load {out}: {type(e).__name__}); they run eager")
+                return False
+        drafter.attach_programs(programs)
         return True
+
+    def ready_heads(self, drafter, heads_path: Path) -> bool:
+        """Attach compiled programs to another heads drafter (clover bench makes one per run), building them first
+        (waiting) when they are not cached yet. False when the compiled step is not in use or the build failed."""
+        if self.state != "active" or heads_kind(drafter) is None:
+            return False
+        out = heads_dir(self.out, Path(heads_path), drafter.grower.topk)
+        if out not in self._loaded and find_heads(out) is None:
+            job = Job(self.model_path, self.out, self.capacity, self.trust_remote_code, self.allow_pickle,
+                      Path(heads_path), out, drafter.grower.topk)
+            builder = Builder(job)
+            builder.wait()
+            if find_heads(out) is None:
+                self.warn(f"no compiled heads ({builder.error()}); they run eager")
+                return False
+        return self._attach_heads(drafter, out)
 
 
 class StepCosts:

@@ -126,6 +126,7 @@ class StopCheck:
 
 
 PROBE_NODES = 4  # drafted nodes a retry verifies after drafting has been skipped
+REFRESH_WINDOW = 9  # forwards per tree size whose median refreshes the stored cost table
 
 
 @dataclass
@@ -143,6 +144,7 @@ class CostModel:
     mode: float | None = None  # the sampling mode `calibration` belongs to
     rate: float = 0.0  # recent tokens per second of whole steps
     refreshed: bool = False  # verify_s changed since it was loaded or measured
+    recent: dict = field(default_factory=dict)  # size -> its last forward times (refresh)
     padded: bool = False  # the step runs n tokens as the next size of verify_s (compiled): costs are steps
 
     def use_mode(self, mode):
@@ -188,16 +190,22 @@ class CostModel:
             self.verify_s[n] = prev = max(self.verify_s[n], prev * 1.001)
 
     def refresh(self, n: int, seconds: float):
-        """Fold the time of a real forward over n tokens into the table (sizes the table holds). A forward over
-        twice the table's time is left out: a one-time cost (a kernel built for a new size) or the machine busy
-        for a moment, not what this size costs."""
-        old = self.verify_s.get(n)
-        if old is None or not 0 < seconds < 2 * old:
+        """Fold the time of a real forward over n tokens into the table (sizes the table holds): a size's cost
+        becomes the median of its last REFRESH_WINDOW forwards (once there are 3), which a one-time cost (a kernel
+        built on first use) or a moment the machine was busy does not move. When that median comes in under half
+        the table's value, the table was measured on a busy machine: every size is scaled down alike."""
+        if n not in self.verify_s or seconds <= 0:
             return
-        if seconds < 0.5 * old:  # a table measured while the machine was busy: every size was slowed alike
-            self.verify_s = {k: v * seconds / old for k, v in self.verify_s.items()}
+        seen = self.recent.setdefault(n, [])
+        seen.append(seconds)
+        del seen[:-REFRESH_WINDOW]
+        if len(seen) < 3:
+            return
+        median, old = sorted(seen)[len(seen) // 2], self.verify_s[n]
+        if median < 0.5 * old:
+            self.verify_s = {k: v * median / old for k, v in self.verify_s.items()}
         else:
-            self.verify_s[n] = 0.8 * old + 0.2 * seconds
+            self.verify_s[n] = median
         self.monotone()
         self.refreshed = True
 

@@ -43,7 +43,7 @@ def programs(tmp_path_factory):
 def compiled_target(programs, family) -> tuple:
     model, path, capacity = programs[family]
     target = Target(model)
-    target.attach_program(CompiledStep(path, capacity))
+    target.attach_program(Package.find(path).load())
     return model, target
 
 
@@ -108,7 +108,7 @@ def test_eager_and_compiled_steps_mix_in_one_generation(programs, family):
         for i, ev in enumerate(engine.generate(prompt * 2, StopCheck(60))):
             out += ev.tokens
             if i == swap_after:
-                target.attach_program(CompiledStep(path, capacity))
+                target.attach_program(Package.find(path).load())
         assert out == reference
         assert target.program is not None
 
@@ -285,10 +285,16 @@ def test_package_lookup_ignores_incomplete_builds(tmp_path):
     d = tmp_path / "pkg"
     d.mkdir()
     assert Package.find(d) is None  # no metadata
-    (d / compiled.META).write_text(json.dumps({"program": compiled.PROGRAM_VERSION, "capacity": 8}))
-    assert Package.find(d) is None  # no package file
-    (d / compiled.PACKAGE).write_bytes(b"")
-    (d / compiled.META).write_text(json.dumps({"program": compiled.PROGRAM_VERSION - 1, "capacity": 8}))
+    ranges = {name: {"n": [1, 4], "past": [0, 3]} for name, *_ in compiled.PROGRAMS}
+    (d / compiled.META).write_text(json.dumps({"program": compiled.PROGRAM_VERSION, "capacity": 8, "ranges": ranges}))
+    assert Package.find(d) is None  # no program files
+    for name, *_ in compiled.PROGRAMS[:-1]:
+        (d / name).write_bytes(b"")
+    assert Package.find(d) is None  # one missing
+    (d / compiled.PROGRAMS[-1][0]).write_bytes(b"")
+    assert Package.find(d) is not None
+    (d / compiled.META).write_text(json.dumps({"program": compiled.PROGRAM_VERSION - 1, "capacity": 8,
+                                               "ranges": ranges}))
     assert Package.find(d) is None  # built by an older clover
 
 
@@ -321,7 +327,7 @@ def test_compiled_heads_propose_what_eager_heads_propose(programs, heads_program
     heads, path, meta = heads_programs[kind]
     cls = DRAFTERS[kind][0]
     eager, compiled_drafter = cls(heads, Target(model)), cls(heads, target)
-    compiled_drafter.attach_programs(HeadsPrograms(path, kind, meta["capacity"]))
+    compiled_drafter.attach_programs(HeadsPrograms(path, kind, meta["capacity"], meta["augment_ranges"]))
     for _ in range(3):
         prompt = [rng.randrange(3, 96) for _ in range(rng.randint(2, 25))]
         context = prompt + [rng.randrange(3, 96)]
