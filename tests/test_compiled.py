@@ -151,10 +151,14 @@ def test_program_serves_only_what_fits(programs):
     assert out == reference
 
 
-def test_a_wrong_program_is_caught_before_it_is_written(programs, tmp_path, monkeypatch):
-    """build_for checks the package against the eager forward: one that computes something else is refused."""
-    model, _, _ = programs["llama"]
+def test_a_wrong_program_is_refused(programs, monkeypatch):
+    """build_for checks a package against the eager forward before writing it: one that computes something else is
+    refused (here a built package whose logits are made slightly off)."""
+    model, path, _ = programs["llama"]
     target = Target(model)
+    target.forward(torch.tensor([5]))  # the buffers the check writes into
+    step = Package.find(path).load()
+    compiled.check(step, target)
     real = compiled.CompiledStep.__call__
 
     def off_by_a_bit(self, *args):
@@ -163,8 +167,18 @@ def test_a_wrong_program_is_caught_before_it_is_written(programs, tmp_path, monk
 
     monkeypatch.setattr(compiled.CompiledStep, "__call__", off_by_a_bit)
     with pytest.raises(compiled.CloverError, match="disagrees with the eager one"):
-        build_for(target, tmp_path / "bad", log=lambda text: None)
-    assert not (tmp_path / "bad").exists() and not list(tmp_path.glob("bad.tmp*"))
+        compiled.check(step, target)
+
+
+def test_a_failed_build_leaves_nothing(tmp_path):
+    with pytest.raises(RuntimeError):
+        with compiled.building(tmp_path / "pkg") as tmp:
+            (tmp / "half.pt2").write_bytes(b"x")
+            raise RuntimeError("the compiler failed")
+    assert list(tmp_path.iterdir()) == []
+    with compiled.building(tmp_path / "pkg") as tmp:
+        (tmp / "whole.pt2").write_bytes(b"x")
+    assert [p.name for p in (tmp_path / "pkg").iterdir()] == ["whole.pt2"]
 
 
 def test_stored_costs_spare_the_calibration(programs, tmp_path, monkeypatch):
@@ -349,15 +363,16 @@ def test_compiled_heads_propose_what_eager_heads_propose(programs, heads_program
         assert out == reference
 
 
-def test_wrong_heads_programs_are_caught_before_they_are_written(programs, tmp_path, monkeypatch):
-    model, _, capacity = programs["llama"]
-    heads = random_heads(model, "clover2", seed=4, num_heads=2, num_layers=1)
+def test_wrong_heads_programs_are_refused(programs, heads_programs, monkeypatch):
+    model, _, _ = programs["llama"]
+    heads, path, meta = heads_programs["clover"]
+    drafter = CloverDrafter(heads, Target(model))
+    drafter.cache.grow_to(meta["capacity"])
+    drafter.observe(torch.zeros(1, model.config.hidden_size), torch.zeros(1, dtype=torch.long))
+    drafter._catch_up()  # the heads' cache buffers
+    programs_ = HeadsPrograms(path, "clover", meta["capacity"], meta["augment_ranges"])
+    compiled.check_heads(programs_, drafter)
     real = HeadsPrograms.augment
-
-    def off_by_a_bit(self, *args):
-        return real(self, *args) + 0.01
-
-    monkeypatch.setattr(HeadsPrograms, "augment", off_by_a_bit)
+    monkeypatch.setattr(HeadsPrograms, "augment", lambda self, *args: real(self, *args) + 0.01)
     with pytest.raises(compiled.CloverError, match="heads disagree"):
-        build_heads_for(CloverDrafter(heads, Target(model)), capacity, tmp_path / "bad", log=lambda text: None)
-    assert not (tmp_path / "bad").exists()
+        compiled.check_heads(programs_, drafter)
