@@ -195,6 +195,7 @@ class BenchSession:
 
         self.budget, self.auto = parse_budget(cfg.tree_budget)
         self.engines = {}
+        self.choices = {}  # method -> ChoiceStats of its merged drafters
         self.quiet = cfg.json_out
         self.llama_runners, self.llama_ctx, self.llama_gguf = {}, s.max_context, None
         self.llama_threads = torch.get_num_threads()
@@ -220,7 +221,7 @@ class BenchSession:
 
     def engine(self, method: str):
         """A fresh drafter every run; the engine (and its measured cost model) is kept per method."""
-        from .drafters import NoDrafter
+        from .drafters import ChoiceStats, NoDrafter
         from .drafters.heads import CloverDrafter, MedusaDrafter
         from .drafters.ngram import NgramDrafter
         from .engine import Engine
@@ -237,7 +238,9 @@ class BenchSession:
             if method == "clover+ngram":
                 from .session import auto_drafter
 
-                drafter = auto_drafter(drafter)  # exactly what --draft auto runs
+                # exactly what --draft auto runs; what it learns about when the heads pay carries over between runs,
+                # as in a chat session
+                drafter = auto_drafter(drafter, self.choices.setdefault(method, ChoiceStats()))
         if method in ("medusa", "clover", "clover+ngram"):  # the heads' compiled programs, when the step is
             heads_drafter = getattr(drafter, "first", drafter)
             s.compiler.ready_heads(heads_drafter, self.medusa_path if method == "medusa" else self.clover_path)

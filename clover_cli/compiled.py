@@ -271,7 +271,11 @@ class Program:
     """A compiled package: called with its flat tensor inputs, returns its flat outputs."""
 
     def __init__(self, path: Path):
-        self.loader = torch._inductor.aoti_load_package(str(path)).loader
+        # Loading checks that the package suits this CPU's vector instructions; inductor's check of what the CPU
+        # supports compiles and loads a probe library for each instruction set (about a second, every process).
+        # The CPU's own flags answer it here: the package key already names the CPU's capability.
+        with torch._inductor.config.patch({"cpp.vec_isa_ok": True}):
+            self.loader = torch._inductor.aoti_load_package(str(path)).loader
 
     def __call__(self, *inputs):
         return self.loader.boxed_run(list(inputs))
@@ -687,6 +691,7 @@ class StepCompiler:
         self.just_activated = False  # set when poll() swapped the step in; the chat notes it and clears it
         self.heads = self.heads_path = self.heads_out = None  # the drafter's heads (use_drafter) and their programs
         self._loaded: dict[Path, HeadsPrograms] = {}  # heads' programs loaded so far, by directory
+        self._threads = 0  # torch's thread count to restore when a background build ends (0: none changed)
         self.out = package_dir(self.model_path, dtype, self.capacity)
         why = None if mode == "off" else unsupported(target.model, device, dtype, load_in_8bit)
         self.state, self.reason = "off", "--compile off"
@@ -696,6 +701,8 @@ class StepCompiler:
                 self.warn(f"no compiled step: {why}; running eager")
         elif mode != "off" and not self._activate():
             self.state, self.reason = "missing", "not built yet"
+            if _lock_holder(self.out) is not None:  # another clover process is building it: use it when it is done
+                self._watch(Builder(self.job()), step=True)
 
     @property
     def active(self) -> bool:
@@ -730,13 +737,14 @@ class StepCompiler:
     def start(self, background: bool) -> None:
         """Build what is not cached (the step, the heads' programs): wait for it (mode on), or go on while it builds
         in the background (mode auto, background)."""
-        step, heads = self.job().missing() if self.state in ("missing", "active") else (False, False)
-        step = step and self.state == "missing"
-        if self.builder is not None or not (step or heads) or (self.mode == "auto" and not background):
-            return
-        self.builder = Builder(self.job())
-        if step:
-            self.state, self.reason = "building", "building"
+        if self.builder is None:
+            step, heads = self.job().missing() if self.state in ("missing", "active") else (False, False)
+            step = step and self.state == "missing"
+            if not (step or heads) or (self.mode == "auto" and not background):
+                return
+            self._watch(Builder(self.job()), step)
+        else:
+            step = self.state == "building"
         if self.mode == "on":
             print(f"clover: compiling the {'step' if step else 'heads'} of {self.model_path.name} (once per model and "
                   f"machine; `clover compile` does it ahead) …", file=sys.stderr)
@@ -744,11 +752,24 @@ class StepCompiler:
             self.poll()
             self.just_activated = False
 
+    def _watch(self, builder: Builder, step: bool) -> None:
+        self.builder = builder
+        if step:
+            self.state, self.reason = "building", "building"
+        if self.mode == "auto" and not self._threads and torch.get_num_threads() > 1:
+            # Replies run meanwhile. Several threads of ours would wait on each other at every operator whenever the
+            # build takes one of their cores (a reply 20-30x slower on two cores): one thread until it is done.
+            self._threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+
     def poll(self) -> bool:
         """Swap in what a finished build made; True when the compiled step just became active."""
         if self.builder is None or not self.builder.done():
             return False
         builder, self.builder = self.builder, None
+        if self._threads:
+            torch.set_num_threads(self._threads)
+            self._threads = 0
         became = False
         if self.state == "building":
             became = self._activate()
@@ -858,6 +879,13 @@ class StepCosts:
 # ---------------------------------------------------------------------------------------------------------------
 # Building in a child process
 
+def _lowest_priority():
+    try:
+        os.nice(19)
+    except OSError:
+        pass
+
+
 def _lock_holder(out: Path) -> int | None:
     """The pid of a live process building `out`, if any (a stale lock is ignored)."""
     try:
@@ -882,10 +910,11 @@ class Builder:
             return
         with open(self.log_path, "w") as log:
             # its own session: Ctrl-C in the chat does not reach it, and a build under way finishes (into the
-            # cache) even when the chat ends first
+            # cache) even when the chat ends first. At the lowest priority: the replies meanwhile run eager on the
+            # same cores, and must not wait on it.
             self.proc = subprocess.Popen([sys.executable, "-m", "clover_cli.compiled", *job.argv()],
                                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+                                         start_new_session=True, preexec_fn=_lowest_priority)
 
     def done(self) -> bool:
         if self.proc is None:  # another process's build: done when its lock is gone

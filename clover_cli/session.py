@@ -196,12 +196,15 @@ class Session:
 LOOKUP_ENOUGH = 3.0  # measured on the bundled model, CPU: 1.98x vs 1.83x plain without the skip (docs/BENCHMARKS.md)
 
 
-def auto_drafter(heads_drafter) -> MergedDrafter:
-    """The default drafter when there are heads: the heads, and n-gram lookup for what already occurred; lookup
-    alone when it already expects LOOKUP_ENOUGH accepted tokens (a repeat), skipping the heads' step."""
+def auto_drafter(heads_drafter, choices=None) -> MergedDrafter:
+    """The default drafter when there are heads: the heads, and n-gram lookup for what already occurred. Whether a
+    step runs the heads is learned from the tokens per second steps gave with and without them (`choices`, shared
+    by the drafters of one session or bench method); before that, lookup alone when it already expects
+    LOOKUP_ENOUGH accepted tokens (a repeat)."""
+    from .drafters import ChoiceStats
     from .drafters.ngram import NgramDrafter
 
-    return MergedDrafter(heads_drafter, NgramDrafter(), enough=LOOKUP_ENOUGH)
+    return MergedDrafter(heads_drafter, NgramDrafter(), enough=LOOKUP_ENOUGH, choices=choices or ChoiceStats())
 
 
 def heads_target_mismatch(made_for: str | None, repo: str | None) -> str | None:

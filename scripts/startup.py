@@ -33,7 +33,7 @@ def chat_timings(model: list[str], env: dict, message: str) -> dict:
     t0 = time.perf_counter()
     child = pexpect.spawn(clover()[0], clover()[1:] + ["chat", *model, "--stats-file", "off", "--no-color"],
                           env=env, encoding="utf-8", timeout=300, dimensions=(40, 160))
-    child.expect(">>> ")
+    child.expect(">>>")
     to_prompt = time.perf_counter() - t0
     banner = child.before
     step = next((ln.strip() for ln in banner.splitlines() if "step" in ln or "eager" in ln), "")
@@ -41,7 +41,7 @@ def chat_timings(model: list[str], env: dict, message: str) -> dict:
     child.sendline(message)
     child.expect(r"tok/s")
     reply = time.perf_counter() - t1
-    child.expect(">>> ")
+    child.expect(">>>")
     stats = re.findall(r"(\d+) tokens .*? ([\d.]+) tok/s", child.before + child.after)
     child.sendline("/exit")
     child.expect(pexpect.EOF)

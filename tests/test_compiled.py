@@ -257,13 +257,17 @@ def test_background_build_swaps_in_and_the_cli_reuses_it(llama_dir, tmp_path, mo
 
     s = Session(Options(model=str(llama_dir), draft="ngram", compile="auto"), quiet=True)
     assert s.compiler.state == "missing"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
     s.compiler.start(background=True)
     assert s.compiler.state == "building" and s.target.program is None
+    assert torch.get_num_threads() == 1  # replies meanwhile: one thread, not two waiting on the build's core
     prompt = s.encode_raw("The quick brown fox")
     eager_out = [t for ev in s.generate(prompt, 20, Sampling()) for t in ev.tokens]
     s.compiler.builder.wait(300)
-    assert s.compiler.poll() and s.compiler.active and s.target.program is not None, s.compiler.builder.error()
-    assert s.compiler.just_activated
+    assert s.compiler.poll() and s.compiler.active and s.target.program is not None
+    assert s.compiler.just_activated and torch.get_num_threads() == 2
+    torch.set_num_threads(threads)
     compiled_out = [t for ev in s.generate(prompt, 20, Sampling()) for t in ev.tokens]
     assert compiled_out == eager_out == hf_greedy(s.model, prompt, 20, eos=sorted(s.eos_ids)[0])[:len(eager_out)]
 

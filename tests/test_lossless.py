@@ -280,3 +280,42 @@ def test_clover_drafter_catches_up_lazily_across_resets():
         assert d.cache.length == 20 and not d.pending
         assert torch.allclose(d.state, plain.state, atol=1e-5), spans
         assert got.tokens == want.tokens and got.parents == want.parents, spans
+
+
+def test_merged_drafter_learns_when_its_first_drafter_pays(monkeypatch):
+    """With ChoiceStats the merged drafter runs its first drafter where steps with it gave more tokens per second,
+    timed from one proposal to the next, and notices when that changes."""
+    import time as time_module
+
+    from clover_cli.drafters import ChoiceStats
+    from clover_cli.tree import DraftTree
+
+    class Fixed(NoDrafter):
+        def __init__(self, n):
+            self.n = n
+
+        def propose(self, context, budget):
+            tree = DraftTree([context[-1]] + list(range(5, 5 + self.n)), [-1] + list(range(self.n)))
+            tree.scores = [1.0] + [0.3] * self.n  # the second alone expects 0.3-0.6 tokens: the prior runs the first
+            return tree
+
+    clock = {"t": 0.0}
+    monkeypatch.setattr(time_module, "perf_counter", lambda: clock["t"])
+    choices = ChoiceStats()
+    merged = MergedDrafter(Fixed(2), Fixed(1), enough=3.0, choices=choices)
+
+    def run(steps, with_first, without_first):
+        ran = []
+        for _ in range(steps):
+            tree = merged.propose([1, 2], 16)
+            first = len(tree) > 2
+            ran.append(first)
+            tokens, seconds = with_first if first else without_first
+            clock["t"] += seconds
+            merged.observe(None, torch.zeros(tokens))
+        return ran
+
+    ran = run(40, (3, 3.0), (2, 1.0))  # the first drafter costs more than it brings: 1 vs 2 tokens/s
+    assert ran[:2] == [True, False] and sum(ran[10:]) <= 30 // ChoiceStats.EXPLORE + 1
+    ran = run(80, (6, 1.0), (2, 1.0))  # now it pays (6 vs 2 tokens/s): after the decayed sums turn, it runs
+    assert sum(ran[-30:]) >= 30 - 30 // ChoiceStats.EXPLORE - 1
