@@ -446,6 +446,7 @@ def plot(report: dict, path: Path):
     names = [r["method"] for r in rows]
     a.bar(names, [r["speedup_vs_hf"] or 0 for r in rows], color="#3b7dd8")
     a.axhline(1.0, color="gray", lw=0.8)
+    a.tick_params(axis="x", labelrotation=35)
     a.set_ylabel("speedup vs hf (decode tok/s)")
     a.set_title(f"{report['model']} · {report['device']}")
     for r in rows:

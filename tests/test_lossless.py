@@ -316,6 +316,6 @@ def test_merged_drafter_learns_when_its_first_drafter_pays(monkeypatch):
         return ran
 
     ran = run(40, (3, 3.0), (2, 1.0))  # the first drafter costs more than it brings: 1 vs 2 tokens/s
-    assert ran[:2] == [True, False] and sum(ran[10:]) <= 30 // ChoiceStats.EXPLORE + 1
+    assert ran[:2] == [True, False] and sum(ran[10:]) <= 30 // ChoiceStats.EXPLORE_FAR + 1  # 2x slower: rarely
     ran = run(80, (6, 1.0), (2, 1.0))  # now it pays (6 vs 2 tokens/s): after the decayed sums turn, it runs
     assert sum(ran[-30:]) >= 30 - 30 // ChoiceStats.EXPLORE - 1

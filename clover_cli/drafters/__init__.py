@@ -53,8 +53,9 @@ class ChoiceStats:
 
     BINS = (0.5, 1.0, 2.0, 4.0)
     DECAY = 0.9
-    EXPLORE = 8  # every EXPLORE-th decision in a bin goes the other way: a change (the text starting to repeat,
-    # the compiled step coming in) is noticed
+    # Every EXPLORE-th decision in a bin goes the other way, so that a change (the text starting to repeat, the
+    # compiled step coming in) is noticed; every EXPLORE_FAR-th when that way was more than FAR times slower.
+    EXPLORE, EXPLORE_FAR, FAR = 8, 32, 1.3
 
     def __init__(self):
         self.sums: dict[tuple[int, bool], list[float]] = {}
@@ -70,7 +71,7 @@ class ChoiceStats:
 
     def choose(self, b: int, prior: bool) -> bool:
         """Run the first drafter? The way with the better measured rate; each way is tried first (the prior
-        first), and every EXPLORE-th decision tries the way the rates do not favour."""
+        first), and now and then the way the rates do not favour."""
         n = self.decisions[b] = self.decisions.get(b, 0) + 1
         seen = {way: self.sums.get((b, way)) for way in (prior, not prior)}
         for way, s in seen.items():
@@ -78,7 +79,8 @@ class ChoiceStats:
                 return way
         rate = {way: s[0] / max(s[1], 1e-9) for way, s in seen.items()}
         best = max(rate, key=lambda way: (rate[way], way == prior))
-        return (not best) if n % self.EXPLORE == 0 else best
+        every = self.EXPLORE_FAR if rate[best] > self.FAR * rate[not best] else self.EXPLORE
+        return (not best) if n % every == 0 else best
 
 
 class MergedDrafter:
