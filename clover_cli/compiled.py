@@ -1,23 +1,29 @@
-"""The compiled target step: the target's own forward, exported once with symbolic sizes and compiled ahead of time.
+"""The compiled step: the target's own forward (and the draft heads' per-step modules), exported with symbolic sizes
+and compiled ahead of time.
 
-One program serves every step of a model: n new tokens (1 up to the KV capacity) after any number of committed ones,
-a tree mask, and the rows whose logits are wanted. It is the stock transformers forward with our attention function
-and cache (`Target.run`), traced by torch.export and compiled by AOTInductor with the weights frozen into it (on a
-CPU: prepacked for oneDNN, the q/k/v and gate/up projections each concatenated into one product). It reads and writes
-the live cache's own buffers, so eager and compiled steps can follow each other in one conversation. Per step there
-is no Python between the operators, no guard to evaluate and one call into the compiled library.
+The target's step is three programs, one per range of new-token counts (1-4, 5-16, 17 and more: plain decoding,
+draft trees, prefills), each taking any number of committed tokens export found it can, a tree mask, and the rows
+whose logits are wanted. They are the stock transformers forward with our attention function and cache
+(`Target.run`), traced by torch.export and compiled by AOTInductor with the weights frozen into them (on a CPU:
+prepacked for oneDNN, the q/k/v and gate/up projections each concatenated into one product; 1-4 rows with
+inductor's own autotuned matrix-vector kernels). They read and write the live cache's own buffers, so eager and
+compiled steps can follow each other in one conversation. Per step there is no Python between the operators, no
+guard to evaluate and one call into the compiled library.
 
     inputs   tokens [n] long, positions [n] long, tree [n, n] bool (which new tokens each one sees),
              rows [r] long (the tokens whose logits are wanted), past [past, 0] (only its length counts: the
              committed tokens), then every layer's key buffer and every layer's value buffer [1, Hkv, capacity, D]
     outputs  pre-norm hidden [n, H], logits [r, V]; the new keys and values are written at past..past+n-1
 
-Building takes 15-30 s on two cores, so it runs in a child process (`python -m clover_cli.compiled`), never in
-front of a reply; the package lands in the user cache keyed by everything it depends on (model files, dtype,
-capacity, torch/transformers/clover versions, CPU instruction set) and loads in tens of milliseconds afterwards.
-Before a package is written, the builder checks it against the eager forward (same logits, hidden states and
-cache writes on a random tree) and times it per tree size: the engine sizes its trees from those timings instead
-of measuring its own forwards on every start.
+The heads' programs (HeadsPrograms) are the compiled twins of the modules in drafters/heads.py: Clover-2's
+augmenting block (with the heads' own cache, the same way) and levels, Medusa's heads.
+
+Building takes one to two minutes on two cores, so it runs in a child process (`python -m clover_cli.compiled`),
+never in front of a reply; the packages land in the user cache keyed by everything they depend on (model and heads
+files, dtype, capacity, torch/transformers/clover versions, CPU instruction set) and load in tens of milliseconds
+afterwards. Before a package is written, the builder checks it against the eager modules (logits, hidden states
+and cache writes on random trees; the heads' states and ranked tokens) and times the step per tree size: the engine
+sizes its trees from those timings instead of measuring its own forwards on every start (StepCosts).
 
 CPU only for now: on a GPU the eager path (with the Triton kernels) runs.
 """
@@ -41,7 +47,7 @@ from .errors import CloverError
 
 PROGRAM_VERSION = 4  # bump when the program's inputs, outputs or semantics change: old packages are not reused
 MAX_CAPACITY = 8192  # KV buffers of the compiled program (tokens); longer contexts run eager past this point
-MAX_LINEAR_BYTES = 4 << 30  # the package holds a frozen copy of the weights: larger models stay eager
+MAX_WEIGHT_BYTES = 4 << 30  # the package holds a frozen copy of the weights: larger models stay eager
 MODES = ("auto", "on", "off")
 # A step of n new tokens runs as the smallest of these sizes >= n (beyond them: the next multiple of 64), the extra
 # rows padding that no real token sees. oneDNN builds its kernels for every new row count the first time it meets
@@ -75,7 +81,7 @@ def unsupported(model, device: torch.device, dtype: torch.dtype, load_in_8bit: b
     if dtype != torch.float32:
         return "the compiled step is built for float32 weights"
     size = sum(p.numel() * p.element_size() for p in model.parameters())
-    if size > MAX_LINEAR_BYTES:
+    if size > MAX_WEIGHT_BYTES:
         return f"the model's weights ({size / 2**30:.1f} GiB) are too large to freeze into a compiled package"
     if not torch.backends.mkldnn.is_available():
         return "this torch build has no oneDNN"
@@ -842,7 +848,6 @@ class StepCosts:
 
     def __init__(self, model_path: Path, device: torch.device, dtype: torch.dtype, compiler: StepCompiler | None):
         self.model_path, self.device, self.dtype, self.compiler = Path(model_path), device, dtype, compiler
-        self.threads = torch.get_num_threads()
 
     @property
     def padded(self) -> bool:
@@ -855,7 +860,8 @@ class StepCosts:
         dev = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         from .packed import supported
 
-        tag = hashlib.sha256(f"{dev}|{self.threads}|{step}|{supported()}".encode()).hexdigest()[:10]
+        # the threads in use now (one while a build runs beside us)
+        tag = hashlib.sha256(f"{dev}|{torch.get_num_threads()}|{step}|{supported()}".encode()).hexdigest()[:10]
         return cache_root() / "costs" / f"{name}-{step}-{tag}.json"
 
     def load(self) -> dict[int, float] | None:

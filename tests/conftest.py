@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
@@ -90,6 +91,15 @@ def models_dir(tmp_path_factory):
     """One directory per family, built once."""
     root = tmp_path_factory.mktemp("models")
     return {fam: build_model(root / fam, fam, seed=i + 1) for i, fam in enumerate(("llama", "mistral", "qwen2"))}
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    """Three bench prompts as a JSONL file (`clover bench --prompts`)."""
+    p = tmp_path / "prompts.jsonl"
+    p.write_text("\n".join(json.dumps({"prompt": t}) for t in [
+        "Tell me about the fox and the dog.", "What is 2 + 3?", "Hello! How can I help you today?"]) + "\n")
+    return p
 
 
 @pytest.fixture

@@ -36,14 +36,6 @@ def model_with_heads(llama_dir, tmp_path_factory):
     return llama_dir, paths
 
 
-@pytest.fixture
-def prompts_file(tmp_path):
-    p = tmp_path / "prompts.jsonl"
-    p.write_text("\n".join(json.dumps({"prompt": t}) for t in [
-        "Tell me about the fox and the dog.", "What is 2 + 3?", "Hello! How can I help you today?"]) + "\n")
-    return p
-
-
 def test_bench_json_all_methods_identical(model_with_heads, prompts_file, run_cli, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # where the llama.cpp GGUF goes
     model, heads = model_with_heads

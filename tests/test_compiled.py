@@ -20,7 +20,7 @@ from clover_cli.drafters.heads import CloverDrafter, MedusaDrafter
 from clover_cli.engine import Engine, Sampling, StopCheck
 from clover_cli.target import Target
 from helpers import hf_greedy, run_engine
-from test_lossless import drafter_for, make_model, random_heads
+from test_lossless import check_prompts_and_follow_ups, drafter_for, make_model, random_heads
 
 FAMILIES = ("llama", "mistral", "qwen2")  # GQA; a sliding window shorter than the conversations; attention bias
 
@@ -75,21 +75,7 @@ def test_compiled_greedy_matches_transformers(programs, family, kind, seed):
     rng = random.Random(zlib.crc32(f"compiled-{family}-{kind}-{seed}".encode()))
     model, target = compiled_target(programs, family)
     calls = counting(target)
-    for _ in range(3):
-        base = [rng.randrange(3, 96) for _ in range(rng.randint(2, 12))]
-        prompt = (base * rng.randint(1, 3))[: rng.randint(1, 30)] or [5]
-        n = rng.randint(1, 40)
-        reference = hf_greedy(model, prompt, n)
-        drafter = drafter_for(kind, model, target, rng, reference, len(prompt))
-        engine = Engine(target, drafter, budget=rng.choice([1, 4, 16, 40]), auto_budget=False)
-        out, events = run_engine(engine, prompt, StopCheck(n))
-        assert out == reference, f"prompt {prompt} n={n}"
-        follow = prompt + reference + [rng.randrange(3, 96)]  # the next request reuses the cache
-        ref2 = hf_greedy(model, follow, 10)
-        if kind == "oracle":
-            engine.drafter = drafter_for(kind, model, target, rng, ref2, len(follow))
-        out2, _ = run_engine(engine, follow, StopCheck(10))
-        assert out2 == ref2
+    check_prompts_and_follow_ups(model, target, kind, rng)
     assert calls["n"] >= 6  # prefills and steps ran compiled, not eager
 
 

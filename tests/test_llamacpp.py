@@ -23,14 +23,6 @@ def importable(module: str) -> bool:
 
 
 @pytest.fixture
-def prompts_file(tmp_path):
-    p = tmp_path / "prompts.jsonl"
-    p.write_text("\n".join(json.dumps({"prompt": t}) for t in [
-        "Tell me about the fox and the dog.", "What is 2 + 3?", "Hello! How can I help you today?"]) + "\n")
-    return p
-
-
-@pytest.fixture
 def cache_home(tmp_path, monkeypatch):
     """clover's cache (where the GGUF goes) inside the test's directory."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))

@@ -78,13 +78,12 @@ CASES = [(fam, kind, seed) for fam in FAMILIES
          for kind in ("clover", "medusa", "ngram", "oracle", "none", "merged") for seed in range(10)]
 
 
-@pytest.mark.parametrize("family,kind,seed", CASES)
-def test_greedy_matches_transformers(family, kind, seed):
-    rng = random.Random(zlib.crc32(f"{family}-{kind}-{seed}".encode()))
-    model = make_model(family, seed=seed % 4)
-    target = Target(model)
+def check_prompts_and_follow_ups(model, target, kind: str, rng: random.Random):
+    """Three random prompts (repeating, so that n-gram lookup finds matches), each decoded with a `kind` drafter and
+    a random tree budget, then extended by a follow-up request that reuses the cache: every output identical to
+    transformers' own greedy generate."""
     prompts = []
-    for _ in range(3):  # several prompts per model, with repetition so that n-gram lookup finds matches
+    for _ in range(3):
         base = [rng.randrange(3, 96) for _ in range(rng.randint(2, 12))]
         prompts.append((base * rng.randint(1, 3))[: rng.randint(1, 30)] or [5])
     for prompt in prompts:
@@ -95,13 +94,19 @@ def test_greedy_matches_transformers(family, kind, seed):
         out, events = run_engine(engine, prompt, StopCheck(n))
         assert out == reference, f"prompt {prompt} n={n}"
         assert sum(len(e.tokens) for e in events) == n
-        # A second request that extends the first conversation reuses the cache: still identical.
         follow = prompt + reference + [rng.randrange(3, 96)]
         ref2 = hf_greedy(model, follow, 10)
         if kind == "oracle":
             engine.drafter = drafter_for(kind, model, target, rng, ref2, len(follow))
         out2, _ = run_engine(engine, follow, StopCheck(10))
         assert out2 == ref2
+
+
+@pytest.mark.parametrize("family,kind,seed", CASES)
+def test_greedy_matches_transformers(family, kind, seed):
+    rng = random.Random(zlib.crc32(f"{family}-{kind}-{seed}".encode()))
+    model = make_model(family, seed=seed % 4)
+    check_prompts_and_follow_ups(model, Target(model), kind, rng)
 
 
 @pytest.mark.parametrize("seed", range(8))
