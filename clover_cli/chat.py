@@ -744,6 +744,8 @@ def _banner(session, out: Out, load_s: float, chat: Chat, history_path, interact
              f"8-bit {'on' if session.load_in_8bit else 'off'} · loaded in {load_s:.1f}s", "bold")
     out.note(f"drafter {session.draft_name} · {_heads_source(session)}")
     out.note(session.compiler.describe())
+    if session.template_notice:
+        out.note(session.template_notice, "yellow")
     extra = []
     if chat.stats_path:
         extra.append(f"stats → {chat.stats_path}")

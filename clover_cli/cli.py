@@ -192,6 +192,8 @@ def generate(
     if raw:
         ids = session.encode_raw(text)
     else:
+        if session.template_notice and not json_out:
+            typer.echo(f"clover: {session.template_notice} (--raw feeds the prompt as is)", err=True)
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
         ids = session.encode_chat(messages)
     session.check_fits(ids, max_new_tokens)  # a prompt too long fails here, before any output or stats record

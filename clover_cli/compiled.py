@@ -45,7 +45,7 @@ import torch
 
 from .errors import CloverError
 
-PROGRAM_VERSION = 4  # bump when the program's inputs, outputs or semantics change: old packages are not reused
+PROGRAM_VERSION = 5  # bump when the program's inputs, outputs or semantics change: old packages are not reused
 MAX_CAPACITY = 8192  # KV buffers of the compiled program (tokens); longer contexts run eager past this point
 MAX_WEIGHT_BYTES = 4 << 30  # the package holds a frozen copy of the weights: larger models stay eager
 MODES = ("auto", "on", "off")

@@ -22,6 +22,7 @@ projected by the same frozen lm_head (for tok_{t+2+i}); heads do not see each ot
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -123,7 +124,25 @@ class GatedFusion(nn.Module):
 
 
 def _layer_class(target_model):
-    return type(target_model.base_model.layers[-1])
+    from .target import decoder_layers, rotary_embedding
+
+    layers = decoder_layers(target_model.base_model)
+    problem = None
+    if layers is None:
+        problem = "no decoder layer stack"
+    elif rotary_embedding(target_model.base_model) is None:
+        problem = "no rotary embedding"
+    else:
+        params = inspect.signature(type(layers[-1]).forward).parameters
+        required = [name for name, p in list(params.items())[2:] if p.default is p.empty
+                    and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if "position_embeddings" not in params or required:
+            problem = f"a decoder layer that takes {', '.join(required) or 'no position_embeddings'}"
+    if problem:
+        raise CloverError(f"Clover-2 heads copy the target's last decoder layer and its rotary position embedding; "
+                          f"{target_model.config.model_type} models have {problem}, which clover cannot drive "
+                          f"(Medusa heads work: --arch medusa)")
+    return type(layers[-1])
 
 
 def _draft_config(target_config):
@@ -152,10 +171,12 @@ class Clover2Heads(nn.Module):
 
     def init_from_target(self, target_model):
         """Augmenting layers start as copies of the target's last decoder layer; norms from its final norm."""
-        last = target_model.base_model.layers[-1].state_dict()
+        from .target import decoder_layers, find_final_norm
+
+        last = decoder_layers(target_model.base_model)[-1].state_dict()
         for layer in self.layers:
             layer.load_state_dict(last)
-        final_norm = getattr(target_model.base_model, "norm", None)
+        final_norm = find_final_norm(target_model.base_model)
         if final_norm is not None and hasattr(final_norm, "weight"):
             with torch.no_grad():
                 self.norm.weight.copy_(final_norm.weight.float())
@@ -229,7 +250,8 @@ ARCHITECTURES = {"clover2": Clover2Heads, "medusa": MedusaHeads}
 def build_heads(cfg: HeadsConfig, target_model) -> nn.Module:
     if cfg.architecture not in ARCHITECTURES:
         raise CloverError(f"unknown heads architecture {cfg.architecture!r}")
-    heads = ARCHITECTURES[cfg.architecture](cfg, target_model.config, _layer_class(target_model))
+    layer_class = _layer_class(target_model) if cfg.architecture == "clover2" else None
+    heads = ARCHITECTURES[cfg.architecture](cfg, target_model.config, layer_class)
     heads.draft_vocab = None  # all of the target's vocabulary, unless train/load sets a shortlist
     return heads
 

@@ -14,7 +14,7 @@ from .engine import Engine, Sampling, StepEvent, StopCheck
 from .errors import CloverError
 from .hub import looks_like_repo, resolve_heads, resolve_model
 from .loading import load
-from .target import Target
+from .target import Target, check_exact
 from .templates import STOP_STRINGS, chat_template, render
 
 DRAFTS = ("auto", "clover", "medusa", "ngram", "none")
@@ -77,7 +77,12 @@ class Session:
         self.device, self.dtype, self.load_in_8bit = loaded.device, loaded.dtype, loaded.load_in_8bit
         spec = self.resolved.spec
         self.template_name, self.template = chat_template(self.tokenizer, spec.template if spec else None)
+        self.template_notice = None  # said where the template is used (chat, generate without --raw)
+        if self.template_name != "tokenizer" and not (spec and spec.template):
+            self.template_notice = (f"{self.resolved.name} has no chat template of its own: using the "
+                                    f"{self.template_name} template")
         self.target = Target(self.model, max_context=opts.max_context)
+        check_exact(self.target)  # a model clover would not run exactly is refused here, in one line
         self.compiler = StepCompiler(compile_mode(opts.compile), self.target, self.resolved.path, self.dtype,
                                      self.device, self.load_in_8bit, opts.trust_remote_code, opts.allow_pickle,
                                      warn=self._warn)

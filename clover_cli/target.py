@@ -8,6 +8,7 @@ keys the committed prefix plus the new tokens, and the mask (when given) says wh
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import torch
@@ -51,12 +52,15 @@ def tree_attention(module, query, key, value, attention_mask, scaling=None, drop
     may attend). A sliding window, when the model has one, is applied from the tokens' positions.
 
     With `clover_tree_bits` (the mask's tree part packed by Target.forward, which passes it only where the Triton
-    kernels run) and no active sliding window, the Triton tree-attention kernel runs instead of SDPA.
+    kernels run) and no active sliding window, the Triton tree-attention kernel runs instead of SDPA. `softcap`
+    (Gemma-2's attention logit soft-capping: scores -> softcap * tanh(scores / softcap)) runs the attention as plain
+    products, which SDPA cannot cap.
     """
     n, total = query.shape[2], key.shape[2]
     past = total - n
     bits = kwargs.get(TREE_BITS_KWARG)
-    if (bits is not None and attention_mask is not None and query.shape[0] == 1
+    softcap = kwargs.get("softcap")
+    if (bits is not None and softcap is None and attention_mask is not None and query.shape[0] == 1
             and not (module.training and dropout) and (sliding_window is None or total <= sliding_window)):
         kernels = triton_kernels(query.device)
         if kernels is not None:
@@ -79,11 +83,27 @@ def tree_attention(module, query, key, value, attention_mask, scaling=None, drop
             is_causal = True
         elif n > 1:
             mask = torch.ones(n, total, dtype=torch.bool, device=query.device).tril(past)
+    if softcap is not None:
+        if is_causal:
+            mask = torch.ones(n, total, dtype=torch.bool, device=query.device).tril(past)
+        return _softcapped_attention(query, key, value, mask, scaling, softcap).transpose(1, 2).contiguous(), None
     out = F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, is_causal=is_causal, scale=scaling,
         dropout_p=dropout if module.training else 0.0, enable_gqa=query.shape[1] != key.shape[1],
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _softcapped_attention(query, key, value, mask, scaling, softcap):
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    scores = torch.tanh(torch.matmul(query, key.transpose(-1, -2)) * scale / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(probs, value)
 
 
 AttentionInterface.register(ATTN_NAME, tree_attention)
@@ -223,9 +243,41 @@ def context_limit(config, max_context: int | None = None) -> int:
     return min(limit, max_context) if max_context else limit
 
 
-def _find_final_norm(base):
+def decoder_layers(base) -> torch.nn.ModuleList | None:
+    """The model's stack of decoder layers, wherever it lives (`layers`, `h`, `decoder.layers`, ...): the module
+    list with one entry per hidden layer."""
+    count = getattr(base.config, "num_hidden_layers", None)
+    stacks = [m for m in base.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == count and count]
+    return stacks[0] if stacks else None
+
+
+def rotary_embedding(base):
+    """A function (x, position_ids) -> the (cos, sin) the model's decoder layers take, from its shared rotary
+    embedding module (for models that keep one per layer type, e.g. Gemma-3, the last layer's type); None when the
+    model has no rotary embedding (learned or ALiBi positions)."""
+    rotary = getattr(base, "rotary_emb", None)
+    if not isinstance(rotary, torch.nn.Module):
+        found = [m for m in base.children() if "rotary" in type(m).__name__.lower()]
+        rotary = found[0] if found else None
+    if rotary is None:
+        return None
+    if "layer_type" in inspect.signature(rotary.forward).parameters:
+        layer_type = (getattr(base.config, "layer_types", None) or [None])[-1]
+        return lambda x, positions: rotary(x, positions, layer_type)
+    return rotary
+
+
+def find_final_norm(base):
+    """The norm the last decoder layer's output goes through before the lm_head (`norm`, `ln_f`,
+    `final_layer_norm`, ...): the last norm module of the base model outside its decoder layers."""
     norm = getattr(base, "norm", None)
-    return norm if isinstance(norm, torch.nn.Module) else None
+    if isinstance(norm, torch.nn.Module):
+        return norm
+    layers = decoder_layers(base)
+    inside = {id(m) for m in layers.modules()} if layers is not None else set()
+    norms = [m for m in base.modules() if id(m) not in inside and "norm" in type(m).__name__.lower()
+             and not isinstance(m, torch.nn.ModuleList)]
+    return norms[-1] if norms else None
 
 
 class Target:
@@ -238,8 +290,14 @@ class Target:
     def __init__(self, model, max_context: int | None = None, initial_capacity: int = 1024, pack: bool = True):
         self.model = model
         self.config = model.config
+        why = refusal(model)
+        if why:
+            raise CloverError(f"clover cannot run {self.config.model_type} models exactly: {why}")
         if model.config._attn_implementation != ATTN_NAME:
-            model.set_attn_implementation(ATTN_NAME)
+            try:
+                model.set_attn_implementation(ATTN_NAME)
+            except (ValueError, NotImplementedError):
+                pass  # a model that keeps its own attention: check_exact compares its numbers with clover's cache
         self.base = model.base_model
         self.lm_head = model.get_output_embeddings()
         self.embed_tokens = model.get_input_embeddings()
@@ -250,10 +308,13 @@ class Target:
         self.cache = TreeKVCache(self.config.num_hidden_layers, min(initial_capacity, self.max_context),
                                  self.max_context)
         self.program = None  # the compiled step, once attached
+        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._pre_norm = None
-        norm = _find_final_norm(self.base)
-        if norm is not None:
-            norm.register_forward_pre_hook(self._capture)
+        norm = find_final_norm(self.base)
+        if norm is None:
+            raise CloverError(f"clover cannot run {self.config.model_type} models: no final norm found (the drafters "
+                              f"read the hidden state before it)")
+        norm.register_forward_pre_hook(self._capture)
 
     def _capture(self, module, args):
         self._pre_norm = args[0]
@@ -294,18 +355,106 @@ class Target:
             return self.run(tokens, positions, mask, self.cache, logits_for, **extra)
 
     def run(self, tokens, positions, mask, cache, rows, **extra):
-        """The model's own forward over `tokens` with our cache: (pre-norm hidden [n, H], logits of `rows`, or of
-        all tokens when rows is None). Shared by the eager path and the compiled program."""
+        """The model's own forward over `tokens` with our cache: (pre-norm hidden [n, H], logits of `rows` (a slice
+        or index tensor; all tokens when None)). The logits are the model's own, after whatever it does past its
+        lm_head (Gemma-2's soft-capping, Granite's scaling): sampling draws from exactly the target's distribution.
+        Shared by the eager path and the compiled program."""
         self._pre_norm = None
-        out = self.base(input_ids=tokens[None], position_ids=positions[None], past_key_values=cache,
-                        attention_mask=mask, use_cache=True, **extra)
-        post = out.last_hidden_state[0]
-        pre = self._pre_norm[0] if self._pre_norm is not None else post
-        self._pre_norm = None
-        return pre, self.lm_head(post if rows is None else post[rows]).float()
+        keep = rows
+        if isinstance(rows, slice):
+            keep = 1 if rows == slice(-1, None) else torch.arange(tokens.shape[0], device=tokens.device)[rows]
+        args = dict(input_ids=tokens[None], position_ids=positions[None], past_key_values=cache,
+                    attention_mask=mask, use_cache=True, **extra)
+        if self._keeps_logits:
+            out = self.model(**args, logits_to_keep=0 if keep is None else keep)
+            logits = out.logits[0]
+        else:  # a model without logits_to_keep computes them all
+            logits = self.model(**args).logits[0]
+            logits = logits if rows is None else logits[rows]
+        pre, self._pre_norm = self._pre_norm[0], None
+        return pre, logits.float()
 
     def reset(self, length: int = 0):
         self.cache.truncate(length)
+
+
+RECURRENT_LAYERS = ("conv", "mamba", "linear", "recurrent", "ssm", "rwkv", "delta", "mlstm", "slstm")
+
+
+def refusal(model) -> str | None:
+    """Why clover cannot run this model exactly, found from its structure (None: nothing found; check_exact then
+    compares its numbers). A recurrent state (state-space or convolution layers) lives outside the key/value
+    cache: a rejected draft token would stay in it."""
+    config = model.config
+    alibi = getattr(config, "alibi", False) or getattr(getattr(config, "attn_config", None), "alibi", False)
+    if alibi or config.model_type == "bloom":
+        return ("it adds ALiBi position biases to attention, built from its own mask and not from the positions "
+                "of a draft tree")
+    kinds = [str(t).lower() for t in (getattr(config, "layer_types", None) or [])]
+    odd = sorted({t for t in kinds if any(r in t for r in RECURRENT_LAYERS) or "attention" not in t})
+    if odd or "cache_params" in inspect.signature(model.forward).parameters:
+        what = ", ".join(odd) if odd else "state-space"
+        return (f"its {what} layers keep a recurrent state outside the key/value cache, which clover's tree "
+                f"verification cannot roll back")
+    return None
+
+
+@torch.inference_mode()
+def check_exact(target: "Target", tolerance: float | None = None) -> None:
+    """Refuse, in one line, a model that clover's attention and cache do not run exactly: a prompt and a small
+    tree (two branches, depth 2) through Target.forward must give the logits the model's own forward gives on each
+    branch's whole sequence (its reference "eager" attention, no cache). Catches a model that ignores the attention
+    function it is given and builds its own mask (ALiBi), one whose cache holds more than keys and values, and
+    anything the model does differently from what clover assumes."""
+    model, config = target.model, target.config
+    why = refusal(model)  # a model that keeps its own attention (takes no attention function): the numbers decide
+    if why:
+        raise CloverError(f"clover cannot run {config.model_type} models exactly: {why}")
+    g = torch.Generator().manual_seed(0)
+    vocab = config.vocab_size
+    ids = torch.randint(min(3, vocab - 1), vocab, (8,), generator=g).tolist()
+    prefix, tree = ids[:5], [ids[5], ids[6], ids[7], ids[6]]  # root, two children, a grandchild
+    parents = [-1, 0, 0, 1]
+    paths = [[0], [0, 1], [0, 2], [0, 1, 3]]
+    dev = target.device
+    program, target.program = target.program, None  # the eager step is checked (the compiled one against it)
+    try:
+        target.reset(0)
+        target.forward(torch.tensor(prefix, device=dev))
+        target.cache.append(len(prefix))
+        from .tree import DraftTree
+
+        tokens, depths, mask = DraftTree(tree, parents).tensors(dev)
+        _, ours = target.forward(tokens, len(prefix) + depths, mask)
+        batch = torch.tensor([prefix + [tree[i] for i in path] + [0] * (3 - len(path)) for path in paths],
+                             device=dev)
+        own = config._attn_implementation
+        try:
+            if own == ATTN_NAME:
+                model.set_attn_implementation("eager")
+            reference = model(input_ids=batch, use_cache=False).logits.float()
+        finally:
+            if own == ATTN_NAME:
+                model.set_attn_implementation(ATTN_NAME)
+    except (CloverError, MemoryError, torch.cuda.OutOfMemoryError):
+        raise
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise CloverError(f"clover cannot run {config.model_type} models: its forward fails with clover's cache "
+                          f"and tree attention ({type(e).__name__}: {first})")
+    finally:
+        target.reset(0)
+        target.program = program
+    want = torch.stack([reference[row, len(prefix) + len(path) - 1] for row, path in enumerate(paths)])
+    got = ours[[path[-1] for path in paths]]
+    scale = max(1.0, float(want.abs().max()))
+    error = float((got - want).abs().max()) / scale
+    limit = tolerance if tolerance is not None else (1e-3 if ours.dtype == torch.float32 and
+                                                     next(model.parameters()).dtype == torch.float32 else 5e-2)
+    if not error <= limit:
+        raise CloverError(f"clover cannot run {config.model_type} models exactly: with clover's attention and cache "
+                          f"its logits differ from its own by {error:.2g} (relative); refusing rather than drafting "
+                          f"wrong tokens")
 
 
 def hidden_states(model, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -314,7 +463,7 @@ def hidden_states(model, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.T
     Right padding is harmless: with causal attention no real token sees the padding after it.
     """
     base = model.base_model
-    norm = _find_final_norm(base)
+    norm = find_final_norm(base)
     seen = {}
     handle = norm.register_forward_pre_hook(lambda m, a: seen.__setitem__("pre", a[0])) if norm else None
     try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..packed import pack_linears, packed_linears
-from ..target import Target, TreeKVCache
+from ..target import Target, TreeKVCache, find_final_norm, rotary_embedding
 from ..tree import DraftTree, TreeBuilder
 
 
@@ -116,7 +116,7 @@ class CloverAugment(torch.nn.Module):
 
     def __init__(self, heads, target: Target):
         super().__init__()
-        self.heads, self.embed, self.rotary = heads, target.embed_tokens, target.base.rotary_emb
+        self.heads, self.embed, self.rotary = heads, target.embed_tokens, rotary_embedding(target.base)
         self.dtype = next(heads.parameters()).dtype
 
     def forward(self, hidden, tokens, positions, cache):
@@ -154,7 +154,7 @@ class MedusaLevels(torch.nn.Module):
     def __init__(self, heads, target: Target, project: DraftProjection, k: int):
         super().__init__()
         self.heads, self.out, self.k = heads, project.linear, k
-        self.norm = getattr(target.base, "norm", None)
+        self.norm = find_final_norm(target.base)
         self.dtype = next(heads.parameters()).dtype
         self.token_ids = project.token_ids
         self.project = project
