@@ -165,7 +165,7 @@ class BenchSession:
 
     def __init__(self, cfg: BenchConfig):
         from .compiled import compile_mode
-        from .heads import load_heads
+        from .drafters.layouts import load as load_heads
         from .hub import resolve_heads
         from .session import Options, Session
 

@@ -120,7 +120,7 @@ def _options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, dev
 
 @app.command()
 def models():
-    """List model aliases with their chat template, Clover-2 heads and whether they are cached."""
+    """List model aliases with their chat template, draft heads and whether they are cached."""
     from rich import box
     from rich.console import Console
     from rich.table import Table
@@ -128,7 +128,8 @@ def models():
     from .hub import ALIASES, BUNDLED, is_cached
 
     table = Table(title="clover models", box=box.SIMPLE_HEAD, pad_edge=False,
-                  caption="heads: Clover-2 draft heads; 'none': none are published; make them with `clover train`. "
+                  caption="heads: the draft heads `clover chat ALIAS` downloads and uses (Clover-2 or Medusa, "
+                          "published by their authors); 'none': none are published, make them with `clover train`. "
                           "template 'own': the tokenizer's own chat template.")
     for col in ("alias", "repository", "template", "heads", "local"):
         table.add_column(col, no_wrap=col != "repository", overflow="fold")  # a long repo id folds, never cut
@@ -137,7 +138,7 @@ def models():
             repo, local = "(bundled in clover)", "yes" if (BUNDLED / "config.json").is_file() else "missing"
         else:
             repo, local = spec.repo, "cached" if is_cached(spec.repo) else "-"
-        heads = {"bundled": "bundled", None: "none"}.get(spec.heads, spec.heads)
+        heads = {"bundled": "bundled (Clover-2)", None: "none"}.get(spec.heads, f"{spec.heads} ({spec.heads_kind})")
         table.add_row(spec.alias, repo, spec.template or "own", heads, local)
     Console().print(table)
 

@@ -210,7 +210,7 @@ def build(job: Job, log=print) -> dict:
     """Load the model (CPU, float32) once and build what `job` still lacks. Returns {"step": meta, "heads": meta}
     for the parts built."""
     from .drafters.heads import CloverDrafter, MedusaDrafter
-    from .heads import load_heads
+    from .drafters.layouts import load as load_heads
     from .loading import load
     from .target import Target
 

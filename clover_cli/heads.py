@@ -11,12 +11,15 @@ Clover-2, as built here (our own code, after the paper and its reference impleme
     head i>0: s   = rnn(s, e(d_{i-1}))   (the same gated block)    -> o_i = head_norm(W [s; e(d_{i-1})])
               where d_{i-1} is the token drafted at depth i-1; logits lm_head(o_i), for tok_{t+2+i}
 
-`lm_head` and the embedding belong to the target: shared, frozen, never stored in the heads file. Each o_i is
+`lm_head` and the embedding belong to the target: shared, frozen, never stored in the heads file. Heads made by
+the Clover-2 authors' code embed the drafted tokens with the target's lm_head weight instead of its input embedding
+(`embed: "lm_head"`), and their augmenting layers use RoPE base 10000 whatever the target's (`rope_theta`). Each o_i is
 trained to match the target's post-norm hidden state one step further on, and its logits the target's
 distribution there.
 
-Medusa-1: head i is a residual SiLU block on the target's post-norm hidden state h_t, o_i = h_t + SiLU(W_i h_t + b_i),
-projected by the same frozen lm_head (for tok_{t+2+i}); heads do not see each other's tokens.
+Medusa-1: head i is a residual SiLU block on the target's post-norm hidden state h_t, o_i = h_t + SiLU(W_i h_t + b_i)
+(`blocks` of them in a row), projected by the same frozen lm_head (for tok_{t+2+i}), or by the head's own vocabulary
+projection (`lm_heads`, as Medusa's published heads have); heads do not see each other's tokens.
 """
 
 from __future__ import annotations
@@ -50,6 +53,13 @@ class HeadsConfig:
     num_gate_heads: int = 0  # heads of the regressive attention gates (the target's attention heads)
     rms_norm_eps: float = 1e-6
     draft_vocab_size: int = 0  # >0: heads draft only from this many of the target's most used tokens
+    embed: str = "input"  # Clover-2: drafted tokens embedded by the target's "input" embedding, its "lm_head" weight,
+    #                       or the heads' "own" table
+    rope_theta: float | None = None  # Clover-2: the augmenting layers' RoPE base; None: the target's
+    gate_eps: float = 1e-6  # Clover-2: the eps of the gates' cosine similarity
+    blocks: int = 1  # Medusa: residual SiLU blocks per head
+    lm_heads: bool = False  # Medusa: each head has its own vocabulary projection (else the target's lm_head)
+    layout: str = "clover"  # the file layout the heads were read from (clover's own, or a published one)
     target: dict = field(default_factory=dict)  # TARGET_KEYS of the target, plus its name and revision
     training: dict = field(default_factory=dict)  # what `clover train` measured and used
     format_version: int = FORMAT_VERSION
@@ -102,9 +112,9 @@ def _near_identity(linear: nn.Linear, in_block: int = 0):
 class GatedFusion(nn.Module):
     """Clover's regressive attention block: a per-head cosine gate between the state and a token embedding."""
 
-    def __init__(self, hidden: int, heads: int, eps: float):
+    def __init__(self, hidden: int, heads: int, eps: float, gate_eps: float = 1e-6):
         super().__init__()
-        self.heads = heads
+        self.heads, self.gate_eps = heads, gate_eps
         self.norm = RMSNorm(hidden, eps)
         self.q = nn.Linear(hidden, hidden)
         self.k = nn.Linear(hidden, hidden)
@@ -119,8 +129,19 @@ class GatedFusion(nn.Module):
         q = self.q(self.norm(state)).view(shape)
         k = self.k(emb).view(shape)
         v = self.v(emb).view(shape)
-        gate = F.cosine_similarity(q.float(), k.float(), dim=-1, eps=1e-6).to(v.dtype)
+        gate = F.cosine_similarity(q.float(), k.float(), dim=-1, eps=self.gate_eps).to(v.dtype)
         return state + (gate.unsqueeze(-1) * v).flatten(-2)
+
+
+class LmHeadEmbedding(nn.Module):
+    """The target's lm_head weight [V, H] read as an embedding table (row v embeds token v): shared, not copied."""
+
+    def __init__(self, lm_head: nn.Module):
+        super().__init__()
+        self.lm_head = lm_head
+
+    def forward(self, ids):
+        return F.embedding(ids, self.lm_head.weight)
 
 
 def _layer_class(target_model):
@@ -158,16 +179,19 @@ class Clover2Heads(nn.Module):
         super().__init__()
         self.cfg = cfg
         H, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.fuse = GatedFusion(H, cfg.num_gate_heads, eps)
+        self.fuse = GatedFusion(H, cfg.num_gate_heads, eps, cfg.gate_eps)
         dcfg = _draft_config(target_config)
         self.layers = nn.ModuleList(layer_class(dcfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(H, eps)
         self.head0 = nn.Linear(H, H)
-        self.rnn = GatedFusion(H, cfg.num_gate_heads, eps)
+        self.rnn = GatedFusion(H, cfg.num_gate_heads, eps, cfg.gate_eps)
         self.head_next = nn.Linear(2 * H, H)
         self.head_norm = RMSNorm(H, eps)
         _near_identity(self.head0)
         _near_identity(self.head_next)
+        if cfg.embed == "own":  # the heads' own frozen token table (a published file's that matches no table of
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, H)  # the target's)
+            self.embed_tokens.weight.requires_grad_(False)
 
     def init_from_target(self, target_model):
         """Augmenting layers start as copies of the target's last decoder layer; norms from its final norm."""
@@ -181,6 +205,27 @@ class Clover2Heads(nn.Module):
             with torch.no_grad():
                 self.norm.weight.copy_(final_norm.weight.float())
                 self.head_norm.weight.copy_(final_norm.weight.float())
+
+    def token_embedding(self, target_model) -> nn.Module:
+        """What embeds a token for the heads: the target's input embedding, or its lm_head weight read as one."""
+        if self.cfg.embed == "lm_head":
+            return LmHeadEmbedding(target_model.get_output_embeddings())
+        if self.cfg.embed == "own":
+            return self.embed_tokens
+        return target_model.get_input_embeddings()
+
+    def rotary(self, target_model) -> nn.Module:
+        """The augmenting layers' rotary embedding: the target's, or one of its class with base `rope_theta`."""
+        from .target import rotary_embedding
+
+        own = rotary_embedding(target_model.base_model)
+        theta = self.cfg.rope_theta
+        params = getattr(target_model.config, "rope_parameters", None) or {}
+        if theta is None or (params.get("rope_type", "default") == "default" and params.get("rope_theta") == theta):
+            return own
+        cfg = copy.deepcopy(target_model.config)
+        cfg.rope_parameters = {"rope_type": "default", "rope_theta": float(theta)}
+        return type(own)(cfg).to(own.inv_freq.device)
 
     def augment(self, hidden, next_emb, position_embeddings, position_ids, cache=None):
         """hidden, next_emb: [B, T, H]. Returns the augmented state [B, T, H] (causal over T, after the cache)."""
@@ -220,6 +265,9 @@ class Clover2Heads(nn.Module):
 
 
 class MedusaHeads(nn.Module):
+    """`blocks[i]` is head i's first residual block (the only one unless cfg.blocks > 1: then `more[i]` holds the
+    rest); `lm_heads[i]`, when cfg.lm_heads, projects head i's output to the vocabulary instead of the target's."""
+
     def __init__(self, cfg: HeadsConfig, target_config=None, layer_class=None):
         super().__init__()
         self.cfg = cfg
@@ -228,13 +276,30 @@ class MedusaHeads(nn.Module):
         for b in self.blocks:
             nn.init.zeros_(b.weight)
             nn.init.zeros_(b.bias)
+        if cfg.blocks > 1:
+            self.more = nn.ModuleList(nn.ModuleList(nn.Linear(H, H) for _ in range(cfg.blocks - 1))
+                                      for _ in range(cfg.num_heads))
+            for block in (b for head in self.more for b in head):
+                nn.init.zeros_(block.weight)
+                nn.init.zeros_(block.bias)
+        if cfg.lm_heads:
+            self.lm_heads = nn.ModuleList(nn.Linear(H, cfg.vocab_size, bias=False) for _ in range(cfg.num_heads))
 
     def init_from_target(self, target_model):
-        pass
+        if self.cfg.lm_heads:
+            with torch.no_grad():
+                for proj in self.lm_heads:
+                    proj.weight.copy_(target_model.get_output_embeddings().weight)
 
     def outputs(self, post_hidden):
         """post_hidden [..., H] -> list of head outputs [..., H] (head i predicts token t+2+i)."""
-        return [post_hidden + F.silu(b(post_hidden)) for b in self.blocks]
+        outs = []
+        for i, block in enumerate(self.blocks):
+            x = post_hidden + F.silu(block(post_hidden))
+            for b in (self.more[i] if self.cfg.blocks > 1 else ()):
+                x = x + F.silu(b(x))
+            outs.append(x)
+        return outs
 
     def forward_train(self, post_hidden):
         return self.outputs(post_hidden)
@@ -273,13 +338,10 @@ def save_heads(heads: nn.Module, out: Path, card: str):
 
 
 def is_heads_dir(path: Path) -> bool:
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        return False
-    try:
-        return "architecture" in json.loads((path / "config.json").read_text())
-    except (ValueError, OSError):
-        return False
+    """Whether `path` holds heads in a layout clover knows (its own or a published one: drafters/layouts.py)."""
+    from .drafters.layouts import detect
+
+    return detect(Path(path)) is not None
 
 
 def load_heads_config(path: Path) -> HeadsConfig:

@@ -2,7 +2,9 @@
 
 Downloads go to the standard cache (HF_HOME / HF_HUB_CACHE), honour HF_TOKEN, HF_ENDPOINT and HF_HUB_OFFLINE, resume
 after an interruption (huggingface_hub keeps partial files), and fetch only safetensors weights, configs, tokenizer
-and template files: pickled `.bin` weights only with --allow-pickle.
+and template files: a model's pickled `.bin` weights only with --allow-pickle. Heads repositories may hold pickled
+weights (Medusa's `medusa_lm_head.pt`): those are fetched when the repository has no safetensors, and read
+tensors-only (clover_cli/torchload.py).
 """
 
 from __future__ import annotations
@@ -28,14 +30,25 @@ class ModelSpec:
     heads: str | None  # a heads repository, "bundled", or None when none are published
     about: str = ""
 
+    @property
+    def heads_kind(self) -> str:
+        """What the heads are, as `clover models` shows it."""
+        if self.heads is None:
+            return ""
+        return "Medusa" if "medusa" in self.heads.lower() else "Clover-2"
+
 
 ALIASES = {
     s.alias: s
     for s in [
         ModelSpec("tiny", None, "vicuna_v1.1", "bundled", "bundled 9M-parameter ShareGPT chat model (offline)"),
-        ModelSpec("vicuna-7b", "lmsys/vicuna-7b-v1.5", "vicuna_v1.1", None, "Vicuna 7B v1.5"),
+        ModelSpec("vicuna-7b", "lmsys/vicuna-7b-v1.5", "vicuna_v1.1", "BinXiao/clover-2-vicuna-7b-v1.5",
+                  "Vicuna 7B v1.5, with the Clover-2 authors' heads"),
+        ModelSpec("vicuna-7b-v1.3", "lmsys/vicuna-7b-v1.3", "vicuna_v1.1", "FasterDecoding/medusa-vicuna-7b-v1.3",
+                  "Vicuna 7B v1.3, with Medusa's published heads"),
         ModelSpec("vicuna-13b", "lmsys/vicuna-13b-v1.5", "vicuna_v1.1", None, "Vicuna 13B v1.5"),
-        ModelSpec("llama3-8b", "meta-llama/Meta-Llama-3-8B-Instruct", "llama3", None, "Llama 3 8B Instruct (gated)"),
+        ModelSpec("llama3-8b", "meta-llama/Meta-Llama-3-8B-Instruct", "llama3", "BinXiao/clover-2-llama-3-8b-instruct",
+                  "Llama 3 8B Instruct (gated), with the Clover-2 authors' heads"),
         ModelSpec("qwen2.5-0.5b", "Qwen/Qwen2.5-0.5B-Instruct", "chatml", None, "Qwen2.5 0.5B Instruct"),
         ModelSpec("qwen2.5-7b", "Qwen/Qwen2.5-7B-Instruct", "chatml", None, "Qwen2.5 7B Instruct"),
         ModelSpec("mistral-7b", "mistralai/Mistral-7B-Instruct-v0.3", None, None, "Mistral 7B Instruct v0.3"),
@@ -111,13 +124,29 @@ def _rich_tqdm_class(progress):
     return RichTqdm
 
 
+def _has_safetensors(repo: str, revision: str | None) -> bool:
+    """Whether the repository holds safetensors weights (asked of the Hub; True when it cannot be asked, so that
+    nothing pickled is fetched on a guess)."""
+    from huggingface_hub import HfApi
+
+    try:
+        return any(f.endswith(".safetensors") for f in HfApi().list_repo_files(repo, revision=revision))
+    except Exception:
+        return True
+
+
 def download(repo: str, revision: str | None = None, allow_pickle: bool = False, what: str = "model",
-             quiet: bool = False) -> Path:
-    """Fetch a repository snapshot into the Hub cache (or find it there) and return its local path."""
+             quiet: bool = False, pickles_if_needed: bool = False) -> Path:
+    """Fetch a repository snapshot into the Hub cache (or find it there) and return its local path.
+
+    Pickled weights are fetched with `allow_pickle`, or with `pickles_if_needed` when the repository has no
+    safetensors (heads: read tensors-only)."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
                                         OfflineModeIsEnabled, RepositoryNotFoundError, RevisionNotFoundError)
 
+    if pickles_if_needed and not allow_pickle and not _offline():
+        allow_pickle = not _has_safetensors(repo, revision)
     patterns = SAFE_PATTERNS + (PICKLE_PATTERNS if allow_pickle else [])
     rev = f" at revision {revision}" if revision else ""
     try:
@@ -195,17 +224,19 @@ def resolve_heads(heads: str | None, model: ResolvedModel, revision: str | None 
         local = Path(heads).expanduser()
         if local.is_dir():
             if not is_heads_dir(local):
-                raise CloverError(f"{heads} is not a heads directory (no config.json with an 'architecture')")
+                raise CloverError(f"{heads} is not a heads directory in a layout clover reads (clover's own, the "
+                                  f"Clover-2 authors', Medusa's)")
             return local
         if local.exists() or not looks_like_repo(heads):
             raise CloverError(f"heads directory not found: {heads}")
-        path = download(heads, revision, what="heads", quiet=quiet)
+        path = download(heads, revision, what="heads", quiet=quiet, pickles_if_needed=True)
         if not is_heads_dir(path):
-            raise CloverError(f"{heads} is not a heads repository (no config.json with an 'architecture')")
+            raise CloverError(f"{heads} is not a heads repository in a layout clover reads (clover's own, the "
+                              f"Clover-2 authors', Medusa's)")
         return path
     own = model.path / HEADS_SUBDIR
     if is_heads_dir(own):
         return own
     if model.spec is not None and model.spec.heads not in (None, "bundled"):
-        return download(model.spec.heads, what="heads", quiet=quiet)
+        return download(model.spec.heads, what="heads", quiet=quiet, pickles_if_needed=True)
     return None

@@ -120,7 +120,7 @@ class Session:
             raise CloverError(f"no {opts.draft} heads for {self.resolved.name}: pass --heads DIR|REPO, "
                               f"or make them with `clover train`")
         from .drafters.heads import CloverDrafter, MedusaDrafter
-        from .heads import load_heads
+        from .drafters.layouts import load as load_heads
 
         heads = load_heads(self.heads_path, self.model)
         made_for = heads_target_mismatch(heads.cfg.target.get("name_or_path"), self.resolved.repo)

@@ -497,14 +497,13 @@ def _hidden(model, x):
 
 def heads_loss(heads, arch: str, model, x, mask, pre, post, cfg: TrainConfig):
     """Total loss and per-head (loss, top-1 agreement with the target, positions) for one batch."""
-    from .target import rotary_embedding
-
     B, T = x.shape
     lm_head = model.get_output_embeddings()
     if arch == "clover":
+        inner = getattr(heads, "module", heads)  # under DistributedDataParallel
         pos = torch.arange(T, device=x.device)[None].expand(B, T)
-        rope = rotary_embedding(model.base_model)(pre, pos)
-        outs = heads(pre, x, model.get_input_embeddings(), rope, pos)  # forward: a DDP wrapper syncs gradients
+        rope = inner.rotary(model)(pre, pos)
+        outs = heads(pre, x, inner.token_embedding(model), rope, pos)  # forward: a DDP wrapper syncs gradients
     else:
         outs = heads(post)
     # The target's distribution at every position whose next token is an assistant token, computed once and

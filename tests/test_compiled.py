@@ -326,9 +326,38 @@ def heads_programs(programs, tmp_path_factory):
 def test_compiled_heads_propose_what_eager_heads_propose(programs, heads_programs, kind, seed):
     """The heads' programs draft the same trees as their eager modules, and decoding with both compiled (the step
     and the heads) stays identical to transformers' greedy generate."""
+    check_compiled_heads(programs, heads_programs[kind], kind, seed)
+
+
+@pytest.fixture(scope="module")
+def published_programs(programs, tmp_path_factory):
+    """kind -> (heads, programs directory, metadata): heads in the Clover-2 authors' and Medusa's published layouts
+    (the lm_head as the token table, RoPE base 10000; two residual blocks and a vocabulary projection per head)."""
+    from clover_cli.drafters.layouts import load
+    from test_layouts import clover_authors_files, medusa_authors_files
+
+    model, _, capacity = programs["llama"]
+    root = tmp_path_factory.mktemp("published")
+    clover_authors_files(root / "clover", model, num_heads=4, num_layers=1)
+    medusa_authors_files(root / "medusa", model, num_heads=4, n_blocks=2)
+    out = {}
+    for kind in DRAFTERS:
+        heads = load(root / kind, model)
+        meta = build_heads_for(DRAFTERS[kind][0](heads, Target(model)), capacity, root / f"{kind}-programs",
+                               log=lambda text: None)
+        out[kind] = (heads, root / f"{kind}-programs", meta)
+    return out
+
+
+@pytest.mark.parametrize("kind", DRAFTERS)
+def test_compiled_published_heads_propose_what_eager_heads_propose(programs, published_programs, kind):
+    check_compiled_heads(programs, published_programs[kind], kind, seed=7)
+
+
+def check_compiled_heads(programs, entry, kind, seed):
     rng = random.Random(seed)
     model, target = compiled_target(programs, "llama")
-    heads, path, meta = heads_programs[kind]
+    heads, path, meta = entry
     cls = DRAFTERS[kind][0]
     eager, compiled_drafter = cls(heads, Target(model)), cls(heads, target)
     compiled_drafter.attach_programs(HeadsPrograms(path, kind, meta["capacity"], meta["augment_ranges"]))

@@ -6,6 +6,10 @@ The server mirrors four repositories, all built here:
   org/heads    Clover-2 heads (random) for that target
   org/binonly  a tiny Llama with pickled weights only
   TinyLlama/TinyLlama-1.1B-Chat-v1.0   a tiny Llama under the name of the `tinyllama` alias
+  lmsys/vicuna-7b-v1.5 + BinXiao/clover-2-vicuna-7b-v1.5     the `vicuna-7b` alias: a tiny Llama and heads in the
+               Clover-2 authors' layout (model.safetensors, and a pickled copy that must not be fetched)
+  lmsys/vicuna-7b-v1.3 + FasterDecoding/medusa-vicuna-7b-v1.3  the `vicuna-7b-v1.3` alias: heads in Medusa's layout,
+               pickled only (medusa_lm_head.pt, read tensors-only)
 
 `clover` runs as a subprocess with HF_ENDPOINT / HF_HOME in its environment (huggingface_hub reads them at import),
 exactly as a user runs it. Commands that import torch cost ~5 s each, so there are only four of them.
@@ -129,6 +133,29 @@ def hub(tmp_path_factory):
     _replace_files(alias, refs["v1"])
     _git(alias, "init", "-q", "-b", "main")
     _commit(alias, "tiny stand-in")
+
+    from test_layouts import clover_authors_files, medusa_authors_files
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(refs["v1"])
+    for model_repo, heads_repo, make in [
+            ("lmsys/vicuna-7b-v1.5", "BinXiao/clover-2-vicuna-7b-v1.5",
+             lambda out: clover_authors_files(out, target, num_heads=3, num_layers=1)),
+            ("lmsys/vicuna-7b-v1.3", "FasterDecoding/medusa-vicuna-7b-v1.3",
+             lambda out: medusa_authors_files(out, target))]:
+        repo = models / model_repo
+        repo.mkdir(parents=True)
+        _replace_files(repo, refs["v1"])
+        _git(repo, "init", "-q", "-b", "main")
+        _commit(repo, "tiny stand-in")
+        repo = models / heads_repo
+        make(repo)
+        if (repo / "model.safetensors").is_file():  # a pickled copy beside it: never fetched
+            from safetensors.torch import load_file
+
+            torch.save(load_file(str(repo / "model.safetensors")), repo / "pytorch_model.bin")
+        _git(repo, "init", "-q", "-b", "main")
+        _commit(repo, "published heads stand-in")
 
     for url in olah_server(root, "org/model"):
         yield Hub(root, url, refs, commits)
@@ -284,3 +311,26 @@ def test_models_shows_cached(hub):
     rows = model_rows(out)
     assert rows["tinyllama"][-1] == "cached"
     assert rows["vicuna-7b"][-1] == "-"
+
+
+@pytest.mark.parametrize("alias,heads_repo,draft", [
+    ("vicuna-7b", "BinXiao/clover-2-vicuna-7b-v1.5", "clover"),
+    ("vicuna-7b-v1.3", "FasterDecoding/medusa-vicuna-7b-v1.3", "medusa")])
+def test_alias_downloads_the_published_heads(hub, prompt_file, local_text, alias, heads_repo, draft):
+    """`clover generate ALIAS` with no other flag fetches the target and the heads published for it (in their
+    authors' layout) and decodes losslessly with them; a pickled file is fetched only where nothing else exists."""
+    code, out, err = hub.run("generate", alias, "--prompt", str(prompt_file), "--json", "-n", "12",
+                             "--stats-file", "off")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["draft"] == f"{draft}+ngram"
+    assert result["text"] == local_text["v1"]
+    assert Path(result["heads"]).parent.parent.name == "models--" + heads_repo.replace("/", "--")
+    names = {Path(f).name for f in hub.cache_files(heads_repo)}
+    if draft == "clover":
+        assert "model.safetensors" in names and "pytorch_model.bin" not in names
+    else:
+        assert "medusa_lm_head.pt" in names
+    code, out, err = hub.run("models")
+    assert code == 0, err
+    assert f"{heads_repo} ({'Medusa' if draft == 'medusa' else 'Clover-2'})" in " ".join(out.split())

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..packed import pack_linears, packed_linears
-from ..target import Target, TreeKVCache, find_final_norm, rotary_embedding
+from ..target import Target, TreeKVCache, find_final_norm
 from ..tree import DraftTree, TreeBuilder
 
 
@@ -116,7 +116,7 @@ class CloverAugment(torch.nn.Module):
 
     def __init__(self, heads, target: Target):
         super().__init__()
-        self.heads, self.embed, self.rotary = heads, target.embed_tokens, rotary_embedding(target.base)
+        self.heads, self.embed, self.rotary = heads, heads.token_embedding(target.model), heads.rotary(target.model)
         self.dtype = next(heads.parameters()).dtype
 
     def forward(self, hidden, tokens, positions, cache):
@@ -132,7 +132,7 @@ class CloverLevel(torch.nn.Module):
 
     def __init__(self, heads, target: Target, project: DraftProjection, first: bool, k: int):
         super().__init__()
-        self.heads, self.embed, self.out = heads, target.embed_tokens, project.linear
+        self.heads, self.embed, self.out = heads, heads.token_embedding(target.model), project.linear
         self.first, self.k = first, k
         self.dtype = next(heads.parameters()).dtype
         self.token_ids = project.token_ids
@@ -161,8 +161,11 @@ class MedusaLevels(torch.nn.Module):
 
     def forward(self, hidden):
         post = self.norm(hidden) if self.norm is not None else hidden
-        outs = torch.cat(self.heads.outputs(post.to(self.dtype)))  # [D, H]
-        return top_tokens(self.project(outs), self.k, self.token_ids)
+        outs = self.heads.outputs(post.to(self.dtype))  # D x [1, H]
+        if self.heads.cfg.lm_heads:  # each head's own vocabulary projection
+            logits = torch.cat([proj(out).to(outs[0].dtype) for proj, out in zip(self.heads.lm_heads, outs)])
+            return top_tokens(logits, self.k)
+        return top_tokens(self.project(torch.cat(outs)), self.k, self.token_ids)
 
 
 class CloverDrafter:
