@@ -74,9 +74,36 @@ class Row:
     def tau(self) -> float | None:
         return (self.new_tokens - self.runs) / self.steps if self.steps else None
 
+    def add(self, new: list[int], decode_s: float, total_s: float, stats) -> None:
+        """One generation's figures (stats: its RunStats, None for methods outside clover's engine)."""
+        self.new_tokens += len(new)
+        self.runs += 1
+        self.decode_s += decode_s
+        self.total_s += total_s
+        if stats is not None:
+            self.steps += stats.steps
+            for d, (h, t) in enumerate(zip(stats.depth_hits, stats.depth_tries)):
+                while len(self.depth_hits) <= d:
+                    self.depth_hits.append(0)
+                    self.depth_tries.append(0)
+                self.depth_hits[d] += h
+                self.depth_tries[d] += t
+
+
+def _prompt_text(obj) -> str | None:
+    """A JSONL line's prompt: {"prompt": ...}, or Spec-Bench's / MT-Bench's question.jsonl layout
+    ({"question_id", "category", "turns": [...]}: its first turn; later turns would need the model's replies)."""
+    if not isinstance(obj, dict):
+        return None
+    text = obj.get("prompt")
+    if text is None and isinstance(obj.get("turns"), list) and obj["turns"]:
+        text = obj["turns"][0]
+    return text if isinstance(text, str) and text.strip() else None
+
 
 def load_prompts(spec: str | None, limit: int | None) -> list[dict]:
-    """[{'id', 'category', 'messages'}] from a directory of .txt files, a JSONL file, or the built-in set."""
+    """[{'id', 'category', 'messages'}] from a directory of .txt files, a JSONL file (a 'prompt' per line, or
+    Spec-Bench's question.jsonl), or the built-in set."""
     rows = []
     if spec is None:
         rows = [json.loads(line) for line in BUILTIN_PROMPTS.read_text().split("\n") if line.strip()]
@@ -98,10 +125,13 @@ def load_prompts(spec: str | None, limit: int | None) -> list[dict]:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise CloverError(f"--prompts {spec}:{n}: malformed JSON ({e.msg})")
-                if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"].strip():
-                    raise CloverError(f"--prompts {spec}:{n}: each line needs a non-empty 'prompt' string")
-                rows.append({"id": str(obj.get("id", n)), "category": str(obj.get("category", "file")),
-                             "messages": [{"role": "user", "content": obj["prompt"]}]})
+                text = _prompt_text(obj)
+                if text is None:
+                    raise CloverError(f"--prompts {spec}:{n}: each line needs a non-empty 'prompt' string (or "
+                                      f"Spec-Bench's 'turns' list)")
+                rows.append({"id": str(obj.get("id", obj.get("question_id", n))),
+                             "category": str(obj.get("category", "file")),
+                             "messages": [{"role": "user", "content": text}]})
         else:
             raise CloverError(f"--prompts {spec}: no such file or directory")
     if not rows:
@@ -333,6 +363,7 @@ def run_bench(cfg: BenchConfig):
     bs.llama_ctx = min(s.max_context, max(map(len, encoded)) + cfg.max_new_tokens + LOOKUP_TOKENS + 1)
 
     rows = {m: Row(m) for m in methods}
+    by_category = {m: {} for m in methods}  # method -> category -> Row
     progress = _progress(cfg, len(prompts) * cfg.repeats * len(methods) + len(methods))
     with torch.inference_mode():
         for m in methods:  # warm-up: first-call costs (and the engine's cost measurement) stay out of the timings
@@ -342,24 +373,19 @@ def run_bench(cfg: BenchConfig):
             for i, ids in enumerate(encoded):
                 for m in methods:
                     new, decode_s, total_s, stats = bs.run(m, ids, cfg, seed=1000 * r + i)
-                    row = rows[m]
-                    row.new_tokens += len(new)
-                    row.runs += 1
-                    row.decode_s += decode_s
-                    row.total_s += total_s
-                    if r == 0:
-                        row.outputs[i] = new
-                    if stats is not None:
-                        row.steps += stats.steps
-                        for d, (h, t) in enumerate(zip(stats.depth_hits, stats.depth_tries)):
-                            while len(row.depth_hits) <= d:
-                                row.depth_hits.append(0)
-                                row.depth_tries.append(0)
-                            row.depth_hits[d] += h
-                            row.depth_tries[d] += t
+                    category = by_category[m].setdefault(prompts[i]["category"], Row(m))
+                    for row in (rows[m], category):
+                        row.add(new, decode_s, total_s, stats)
+                        if r == 0:
+                            row.outputs[i] = new
                     progress.advance(f"{m} · prompt {i + 1}/{len(encoded)}")
     progress.close()
     report = make_report(cfg, bs, methods, rows, prompts)
+    report["by_category"] = {
+        cat: {m: {"tokens_per_s": round(by_category[m][cat].tokens_per_s, 2),
+                  "tau": None if by_category[m][cat].tau is None else round(by_category[m][cat].tau, 3),
+                  "prompts": len(by_category[m][cat].outputs)} for m in methods}
+        for cat in dict.fromkeys(p["category"] for p in prompts)}
     if cfg.json_out:
         sys.stdout.write(json.dumps(report, ensure_ascii=False) + "\n")
     else:
@@ -430,6 +456,19 @@ def print_table(report: dict):
         peer = report["llama_cpp"]
         console.print(f"llama.cpp: llama-cpp-python {peer['version']}, {peer['threads']} threads, float32 weights "
                       f"and KV cache, lookup {peer['lookup_tokens']} tokens; GGUF {peer['gguf']}", soft_wrap=True)
+    cats = report.get("by_category", {})
+    if len(cats) > 1:
+        names = [r["method"] for r in report["methods"]]
+        ct = Table(title="by category: τ (tokens per step) · tok/s")
+        ct.add_column("category")
+        ct.add_column("prompts", justify="right")
+        for m in names:
+            ct.add_column(m, justify="right")
+        for cat, per in cats.items():
+            cells = [("-" if per[m]["tau"] is None else f"{per[m]['tau']:.2f}") + f" · {per[m]['tokens_per_s']:.1f}"
+                     for m in names]
+            ct.add_row(cat, str(per[names[0]]["prompts"]), *cells)
+        console.print(ct)
     for r in report["methods"]:
         if r["mismatches"]:
             console.print(f"[red]{r['method']}: output differs from hf greedy on {', '.join(r['mismatches'])}[/]")

@@ -73,6 +73,30 @@ def test_bench_prompt_directory_and_methods(model_with_heads, tmp_path, run_cli)
     assert report["methods"][0]["new_tokens"] == 2 * 2 * 8
 
 
+def test_bench_spec_bench_questions_by_category(model_with_heads, tmp_path, run_cli):
+    """Spec-Bench's question.jsonl layout (question_id, category, turns): the first turn of each is the prompt, and
+    the report splits τ and tokens/s by category, every prompt in one."""
+    model, _ = model_with_heads
+    q = tmp_path / "question.jsonl"
+    q.write_text("\n".join(json.dumps(row) for row in [
+        {"question_id": 81, "category": "writing", "turns": ["Write a short poem about rain.", "Now shorten it."]},
+        {"question_id": 82, "category": "writing", "turns": ["Write a haiku about snow."]},
+        {"question_id": 201, "category": "math_reasoning", "turns": ["What is 12 times 7?"]},
+    ]) + "\n")
+    code, out, err = run_cli("bench", str(model), "--prompts", str(q), "--methods", "plain,ngram", "-n", "10",
+                             "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    cats = report["by_category"]
+    assert list(cats) == ["writing", "math_reasoning"]
+    assert cats["writing"]["ngram"]["prompts"] == 2 and cats["math_reasoning"]["plain"]["prompts"] == 1
+    assert all(cats[c]["plain"]["tau"] == 1.0 for c in cats)  # plain decoding: one token per step
+    assert sum(cats[c]["ngram"]["prompts"] for c in cats) == report["prompts"] == 3
+    code, out, err = run_cli("bench", str(model), "--prompts", str(q), "--methods", "plain,ngram", "-n", "10")
+    assert code == 0, err
+    assert "by category" in out and "math_reasoning" in out
+
+
 def test_bench_table(model_with_heads, prompts_file, run_cli):
     model, _ = model_with_heads
     code, out, err = run_cli("bench", str(model), "--prompts", str(prompts_file), "--methods", "hf,plain",
