@@ -337,6 +337,9 @@ def train(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out directory."),
     push_to_hub: Optional[str] = typer.Option(None, "--push-to-hub", help="Upload the heads to this Hub repo."),
     seed: int = typer.Option(0, "--seed", help="Random seed."),
+    reg_weight: float = typer.Option(1.0, "--reg-weight", help="Weight of the hidden-state regression (SmoothL1) "
+                                                               "beside the soft cross-entropy; the Clover-2 "
+                                                               "authors' code uses 10."),
     device: str = Common.device, dtype: str = Common.dtype, revision: Optional[str] = Common.revision,
     trust_remote_code: bool = Common.trust_remote_code,
 ):
@@ -349,7 +352,7 @@ def train(
         max_conversations=max_conversations, regenerate=regenerate, regen_turns=regen_turns,
         regen_max_tokens=regen_max_tokens, draft_vocab=draft_vocab, cache_features=cache_features, resume=resume,
         overwrite=overwrite, push_to_hub=push_to_hub, seed=seed, device=device, dtype=dtype, revision=revision,
-        trust_remote_code=trust_remote_code))
+        trust_remote_code=trust_remote_code, reg_weight=reg_weight))
 
 
 @app.command()

@@ -103,6 +103,8 @@ def validate(cfg: TrainConfig):
         raise CloverError(f"--regen-turns must be between 1 and 64, not {cfg.regen_turns}")
     if not 1 <= cfg.regen_max_tokens < cfg.max_len:
         raise CloverError(f"--regen-max-tokens must be between 1 and --max-len - 1, not {cfg.regen_max_tokens}")
+    if not (math.isfinite(cfg.reg_weight) and 0 <= cfg.reg_weight <= 1000):
+        raise CloverError(f"--reg-weight must be between 0 and 1000, not {cfg.reg_weight}")
     if cfg.max_conversations is not None and cfg.max_conversations < 1:
         raise CloverError(f"--max-conversations must be at least 1, not {cfg.max_conversations}")
 
@@ -828,6 +830,7 @@ def _train(cfg, accelerator, device, log, resuming, resolved, model, tokenizer, 
         unwrapped.cfg.training = {"data": cfg.data, "steps": step, "regenerate": cfg.regenerate,
                                   "conversations": len(ids), "tokens_per_epoch": n_tokens, "lr": cfg.lr,
                                   "batch_tokens": cfg.batch_tokens, "max_len": cfg.max_len,
+                                  "reg_weight": cfg.reg_weight,
                                   "heldout_accuracy": final.get("heldout_accuracy"),
                                   "heldout_tau": final.get("heldout_tau"),
                                   "accept_by_depth": final.get("accept_by_depth"),
