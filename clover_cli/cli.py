@@ -45,7 +45,7 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 class Common:
     revision = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit) of the model.")
     heads = typer.Option(None, "--heads", help="Draft heads: a local directory or a Hub repo id.")
-    draft = typer.Option("auto", "--draft", help="Drafter: auto, clover, medusa, ngram or none. auto = the "
+    draft = typer.Option("auto", "--draft", help="Drafter: auto, clover, medusa, eagle, ngram or none. auto = the "
                                                  "model's heads merged with n-gram lookup when it has heads, "
                                                  "else ngram.")
     tree = typer.Option("dynamic", "--tree", help="Draft tree of the heads: dynamic (grown by probability) "
@@ -403,15 +403,16 @@ def compile_step(
     """Build the compiled target step of a model (and its draft heads' programs) ahead of time (CPU, float32).
 
     clover runs the target's forward as one program compiled by AOTInductor, its weights frozen into it: a step
-    costs a fraction of the eager one; the Clover-2 or Medusa heads' per-step work likewise. Building takes
-    15-60 s per model; the packages are cached under the user cache directory (keyed by model and heads files,
-    versions and CPU), so chat, generate and bench load them in milliseconds afterwards. Without this command, chat
-    builds them in the background on first use.
+    costs a fraction of the eager one; the Clover-2 or Medusa heads' per-step work likewise (EAGLE heads run
+    eager). Building takes 15-60 s per model; the packages are cached under the user cache directory (keyed by model
+    and heads files, versions and CPU), so chat, generate and bench load them in milliseconds afterwards. Without
+    this command, chat builds them in the background on first use.
     """
     import torch
     from transformers import AutoConfig
 
     from .compiled import Job, Package, build_locked, capacity_for, failure_line, find_heads, heads_dir, package_dir
+    from .drafters.layouts import family
     from .hub import resolve_heads, resolve_model
     from .target import context_limit
 
@@ -421,6 +422,10 @@ def compile_step(
     except Exception as e:
         raise CloverError(f"cannot read the model config in {resolved.path}: {str(e).splitlines()[0] if str(e) else e}")
     heads_path = None if no_heads else resolve_heads(heads, resolved)
+    if heads_path is not None and family(heads_path) == "eagle":
+        typer.echo("EAGLE heads run eager (they have no compiled programs): compiling the target's step only",
+                   err=True)
+        heads_path = None
     capacity = capacity_for(context_limit(config))
     out = package_dir(resolved.path, torch.float32, capacity)
     job = Job(resolved.path, out, capacity, trust_remote_code, allow_pickle, heads_path,

@@ -231,6 +231,8 @@ def build(job: Job, log=print) -> dict:
         log(f"compiled step ready in {time.perf_counter() - t0:.0f} s: {job.out}")
     if need_heads:
         heads = load_heads(Path(job.heads), model)
+        if heads.cfg.architecture not in ("clover2", "medusa"):  # EAGLE heads have no compiled programs
+            raise CloverError(f"{heads.cfg.architecture} heads run eager: they have no compiled programs")
         cls = CloverDrafter if heads.cfg.architecture == "clover2" else MedusaDrafter
         built["heads"] = build_heads_for(cls(heads, target, topk=job.topk), target.cache.capacity, job.heads_out,
                                          log)

@@ -1,4 +1,5 @@
-"""Draft heads: Clover-2 (arXiv 2408.00264) and Medusa-1, their config, and the heads directory format.
+"""Draft heads: Clover-2 (arXiv 2408.00264) and Medusa-1, their config, and the heads directory format (which also
+holds EAGLE heads: their module lives in clover_cli/drafters/eagle.py).
 
 Clover-2, as built here (our own code, after the paper and its reference implementation):
 
@@ -45,8 +46,8 @@ TARGET_KEYS = ("model_type", "hidden_size", "vocab_size", "num_attention_heads",
 
 @dataclass
 class HeadsConfig:
-    architecture: str = "clover2"  # or "medusa"
-    num_heads: int = 5
+    architecture: str = "clover2"  # or "medusa", "eagle"
+    num_heads: int = 5  # EAGLE: the depth of its draft tree (one model, run once per depth)
     num_layers: int = 2  # Clover-2 augmenting block depth
     hidden_size: int = 0
     vocab_size: int = 0
@@ -59,6 +60,9 @@ class HeadsConfig:
     gate_eps: float = 1e-6  # Clover-2: the eps of the gates' cosine similarity
     blocks: int = 1  # Medusa: residual SiLU blocks per head
     lm_heads: bool = False  # Medusa: each head has its own vocabulary projection (else the target's lm_head)
+    fc_bias: bool = True  # EAGLE: whether its fc (2H -> H) has a bias
+    layer: dict = field(default_factory=dict)  # EAGLE: its decoder layer's settings where they differ from the
+    #                                            target's (a published file's own attention heads, eps, ...)
     layout: str = "clover"  # the file layout the heads were read from (clover's own, or a published one)
     target: dict = field(default_factory=dict)  # TARGET_KEYS of the target, plus its name and revision
     training: dict = field(default_factory=dict)  # what `clover train` measured and used
@@ -81,8 +85,9 @@ class HeadsConfig:
         if (self.hidden_size, self.vocab_size) != (tc.get("hidden_size"), tc.get("vocab_size")):
             raise CloverError(f"heads {where} were made for hidden size {self.hidden_size} and vocabulary "
                               f"{self.vocab_size}; this model has {tc.get('hidden_size')} and {tc.get('vocab_size')}")
-        # Clover-2's augmenting layers are copies of the target's decoder layer: its shape must match too.
-        for key in TARGET_KEYS if self.architecture == "clover2" else ():
+        # Clover-2's augmenting layers and EAGLE's layer are copies of the target's decoder layer: its shape must
+        # match too.
+        for key in TARGET_KEYS if self.architecture in ("clover2", "eagle") else ():
             want, have = self.target.get(key), tc.get(key)
             if want is not None and want != have:
                 raise CloverError(f"heads {where} were made for a target with {key}={want}, this model has {have}")
@@ -144,7 +149,7 @@ class LmHeadEmbedding(nn.Module):
         return F.embedding(ids, self.lm_head.weight)
 
 
-def _layer_class(target_model):
+def _layer_class(target_model, what: str = "Clover-2 heads copy"):
     from .target import decoder_layers, rotary_embedding
 
     layers = decoder_layers(target_model.base_model)
@@ -160,18 +165,37 @@ def _layer_class(target_model):
         if "position_embeddings" not in params or required:
             problem = f"a decoder layer that takes {', '.join(required) or 'no position_embeddings'}"
     if problem:
-        raise CloverError(f"Clover-2 heads copy the target's last decoder layer and its rotary position embedding; "
+        raise CloverError(f"{what} the target's last decoder layer and its rotary position embedding; "
                           f"{target_model.config.model_type} models have {problem}, which clover cannot drive "
                           f"(Medusa heads work: --arch medusa)")
     return type(layers[-1])
 
 
-def _draft_config(target_config):
+def _draft_config(target_config, overrides: dict | None = None):
     from .target import ATTN_NAME
 
     cfg = copy.deepcopy(target_config)
     cfg._attn_implementation = ATTN_NAME
+    for key, value in (overrides or {}).items():
+        setattr(cfg, key, value)
     return cfg
+
+
+def rotary_for(target_model, theta: float | None, overrides: dict | None = None) -> nn.Module:
+    """The rotary embedding of draft layers: the target's own, or one of its class with base `theta` (and the draft
+    layer's own head size, `overrides`) when they differ from the target's."""
+    from .target import rotary_embedding
+
+    own = rotary_embedding(target_model.base_model)
+    params = getattr(target_model.config, "rope_parameters", None) or {}
+    default = params.get("rope_type", "default") == "default"
+    same_theta = theta is None or (default and params.get("rope_theta") == theta)
+    if same_theta and not overrides:
+        return own
+    cfg = _draft_config(target_model.config, overrides)
+    if theta is not None:
+        cfg.rope_parameters = {"rope_type": "default", "rope_theta": float(theta)}
+    return type(own)(cfg).to(own.inv_freq.device)
 
 
 class Clover2Heads(nn.Module):
@@ -216,16 +240,7 @@ class Clover2Heads(nn.Module):
 
     def rotary(self, target_model) -> nn.Module:
         """The augmenting layers' rotary embedding: the target's, or one of its class with base `rope_theta`."""
-        from .target import rotary_embedding
-
-        own = rotary_embedding(target_model.base_model)
-        theta = self.cfg.rope_theta
-        params = getattr(target_model.config, "rope_parameters", None) or {}
-        if theta is None or (params.get("rope_type", "default") == "default" and params.get("rope_theta") == theta):
-            return own
-        cfg = copy.deepcopy(target_model.config)
-        cfg.rope_parameters = {"rope_type": "default", "rope_theta": float(theta)}
-        return type(own)(cfg).to(own.inv_freq.device)
+        return rotary_for(target_model, self.cfg.rope_theta)
 
     def augment(self, hidden, next_emb, position_embeddings, position_ids, cache=None):
         """hidden, next_emb: [B, T, H]. Returns the augmented state [B, T, H] (causal over T, after the cache)."""
@@ -313,10 +328,17 @@ ARCHITECTURES = {"clover2": Clover2Heads, "medusa": MedusaHeads}
 
 
 def build_heads(cfg: HeadsConfig, target_model) -> nn.Module:
-    if cfg.architecture not in ARCHITECTURES:
+    from .drafters.eagle import EagleHead
+
+    architectures = {**ARCHITECTURES, "eagle": EagleHead}
+    if cfg.architecture not in architectures:
         raise CloverError(f"unknown heads architecture {cfg.architecture!r}")
-    layer_class = _layer_class(target_model) if cfg.architecture == "clover2" else None
-    heads = ARCHITECTURES[cfg.architecture](cfg, target_model.config, layer_class)
+    layer_class = None
+    if cfg.architecture == "clover2":
+        layer_class = _layer_class(target_model)
+    elif cfg.architecture == "eagle":
+        layer_class = _layer_class(target_model, "EAGLE heads copy")
+    heads = architectures[cfg.architecture](cfg, target_model.config, layer_class)
     heads.draft_vocab = None  # all of the target's vocabulary, unless train/load sets a shortlist
     return heads
 

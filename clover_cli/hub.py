@@ -225,14 +225,14 @@ def resolve_heads(heads: str | None, model: ResolvedModel, revision: str | None 
         if local.is_dir():
             if not is_heads_dir(local):
                 raise CloverError(f"{heads} is not a heads directory in a layout clover reads (clover's own, the "
-                                  f"Clover-2 authors', Medusa's)")
+                                  f"Clover-2 authors', Medusa's, EAGLE's)")
             return local
         if local.exists() or not looks_like_repo(heads):
             raise CloverError(f"heads directory not found: {heads}")
         path = download(heads, revision, what="heads", quiet=quiet, pickles_if_needed=True)
         if not is_heads_dir(path):
             raise CloverError(f"{heads} is not a heads repository in a layout clover reads (clover's own, the "
-                              f"Clover-2 authors', Medusa's)")
+                              f"Clover-2 authors', Medusa's, EAGLE's)")
         return path
     own = model.path / HEADS_SUBDIR
     if is_heads_dir(own):

@@ -17,7 +17,8 @@ from .loading import load
 from .target import Target, check_exact
 from .templates import STOP_STRINGS, chat_template, render
 
-DRAFTS = ("auto", "clover", "medusa", "ngram", "none")
+DRAFTS = ("auto", "clover", "medusa", "eagle", "ngram", "none")
+HEADS_DRAFTS = {"clover": "clover2", "medusa": "medusa", "eagle": "eagle"}  # drafter -> the heads it runs
 
 
 @dataclass
@@ -69,7 +70,7 @@ class Session:
         self.quiet = quiet
         self.resolved = resolve_model(opts.model, opts.revision, opts.allow_pickle, quiet=quiet)
         self.heads_path = None
-        if opts.draft in ("auto", "clover", "medusa"):
+        if opts.draft == "auto" or opts.draft in HEADS_DRAFTS:
             self.heads_path = resolve_heads(opts.heads, self.resolved, quiet=quiet)
         loaded = load(self.resolved.path, opts.device, opts.dtype, opts.load_in_8bit, opts.trust_remote_code,
                       opts.allow_pickle)
@@ -119,7 +120,6 @@ class Session:
                 return NgramDrafter()
             raise CloverError(f"no {opts.draft} heads for {self.resolved.name}: pass --heads DIR|REPO, "
                               f"or make them with `clover train`")
-        from .drafters.heads import CloverDrafter, MedusaDrafter
         from .drafters.layouts import load as load_heads
 
         heads = load_heads(self.heads_path, self.model)
@@ -128,12 +128,11 @@ class Session:
             print(f"clover: warning: heads {self.heads_path} were trained for {made_for}, not {self.resolved.name}: "
                   f"the output stays exact, but fewer drafted tokens may be accepted", file=sys.stderr)
         arch = heads.cfg.architecture
-        want = {"clover": "clover2", "medusa": "medusa"}.get(opts.draft, arch)
+        want = HEADS_DRAFTS.get(opts.draft, arch)
         if arch != want:
             raise CloverError(f"--draft {opts.draft} needs {want} heads, but {self.heads_path} holds {arch} heads")
         grow = {"static": True} if opts.tree == "static" else {}
-        cls = CloverDrafter if arch == "clover2" else MedusaDrafter
-        drafter = cls(heads, self.target, **grow)
+        drafter = drafter_for_heads(heads, self.target, **grow)
         return auto_drafter(drafter) if opts.draft == "auto" else drafter
 
     def switch_draft(self, name: str):
@@ -143,7 +142,7 @@ class Session:
         if name not in DRAFTS:
             raise CloverError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTS)}")
         opts = replace(self.opts, draft=name)
-        if name in ("auto", "clover", "medusa") and self.heads_path is None:
+        if (name == "auto" or name in HEADS_DRAFTS) and self.heads_path is None:
             self.heads_path = resolve_heads(opts.heads, self.resolved, quiet=True)
         self.drafter = self._drafter(opts)
         self.opts = opts
@@ -196,6 +195,15 @@ class Session:
         except torch.cuda.OutOfMemoryError:
             raise CloverError("out of GPU memory while generating; try a smaller --tree-budget, --load-in-8bit "
                               "or a shorter conversation")
+
+
+def drafter_for_heads(heads, target, **grow):
+    """The drafter that runs these heads: Clover-2's, Medusa's or EAGLE's, by their architecture."""
+    from .drafters.eagle import EagleDrafter
+    from .drafters.heads import CloverDrafter, MedusaDrafter
+
+    cls = {"clover2": CloverDrafter, "medusa": MedusaDrafter, "eagle": EagleDrafter}[heads.cfg.architecture]
+    return cls(heads, target, **grow)
 
 
 LOOKUP_ENOUGH = 3.0  # measured on the bundled model, CPU: 1.98x vs 1.83x plain without the skip (docs/BENCHMARKS.md)

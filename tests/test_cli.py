@@ -232,7 +232,9 @@ def test_heads_for_another_target(run_cli, llama_dir, prompt_path, foreign_heads
 def test_bad_drafter_choices(run_cli, llama_dir, prompt_path, isolated):
     assert_one_line_error(gen(run_cli, llama_dir, prompt_path, "--draft", "clover"), "no clover heads",
                           "--heads", tmp=isolated)
-    assert_one_line_error(gen(run_cli, llama_dir, prompt_path, "--draft", "eagle"), "unknown drafter", "eagle",
+    assert_one_line_error(gen(run_cli, llama_dir, prompt_path, "--draft", "eagle"), "no eagle heads",
+                          "--heads", tmp=isolated)
+    assert_one_line_error(gen(run_cli, llama_dir, prompt_path, "--draft", "eagle3"), "unknown drafter", "eagle3",
                           tmp=isolated)
     assert_one_line_error(gen(run_cli, llama_dir, prompt_path, "--draft", "none", "--tree-budget", "lots"),
                           "--tree-budget", tmp=isolated)

@@ -70,7 +70,7 @@ CASES = [(fam, kind, seed) for fam in FAMILIES for kind in ("none", "ngram", "or
          for seed in range(4)]
 
 
-@pytest.mark.parametrize("family,kind,seed", CASES)
+@pytest.mark.parametrize("family,kind,seed", CASES + [(fam, "eagle-merged", 0) for fam in FAMILIES])
 def test_compiled_greedy_matches_transformers(programs, family, kind, seed):
     rng = random.Random(zlib.crc32(f"compiled-{family}-{kind}-{seed}".encode()))
     model, target = compiled_target(programs, family)
@@ -272,6 +272,18 @@ def test_background_build_swaps_in_and_the_cli_reuses_it(llama_dir, tmp_path, mo
     assert results["auto"]["text"] == results["off"]["text"]
     for r in results.values():
         assert r["tokens_per_s_e2e"] > 0 and r["decode_s"] >= 0 and r["load_s"] > 0
+
+    # EAGLE heads have no compiled programs: they run eager beside the compiled step, and `clover compile` says so
+    from clover_cli.heads import save_heads
+
+    save_heads(random_heads(s.model, "eagle", 0, 4, 1), tmp_path / "eagle", "card\n")
+    code, out, err = run_cli("compile", str(llama_dir), "--heads", str(tmp_path / "eagle"))
+    assert code == 0 and "already compiled" in out and "EAGLE heads run eager" in err, err
+    code, out, err = run_cli("generate", str(llama_dir), "--prompt", str(prompt_file), "-n", "16", "--json",
+                             "--heads", str(tmp_path / "eagle"), "--compile", "auto", "--stats-file", "off")
+    assert code == 0, err
+    eagle = json.loads(out)
+    assert eagle["compiled"] is True and eagle["draft"] == "eagle+ngram" and eagle["text"] == results["off"]["text"]
 
 
 @pytest.mark.parametrize("args,env", [(["--compile", "sometimes"], {}), ([], {"CLOVER_COMPILE": "always"})])

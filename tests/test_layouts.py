@@ -346,14 +346,14 @@ def test_bad_published_heads_are_refused_in_one_line(tmp_path):
     (tmp_path / "g" / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(CloverError, match="unreadable"):
         load(tmp_path / "g", model)
-    # an EAGLE directory, an unknown one
+    # an EAGLE directory whose config lacks what the layer needs (tests/test_eagle.py has the rest), an unknown one
     from safetensors.torch import save_file
 
     (tmp_path / "e").mkdir()
     (tmp_path / "e" / "config.json").write_text(json.dumps({"num_hidden_layers": 1, "hidden_size": 64}))
     save_file({"fc.weight": torch.zeros(64, 128)}, str(tmp_path / "e" / "model.safetensors"))
     assert detect(tmp_path / "e") == "eagle"
-    with pytest.raises(CloverError, match="EAGLE"):
+    with pytest.raises(CloverError, match="EAGLE's config.json lacks a valid 'vocab_size'"):
         load(tmp_path / "e", model)
     (tmp_path / "f").mkdir()
     (tmp_path / "f" / "config.json").write_text("{}")

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from clover_cli.drafters import MergedDrafter, NoDrafter
+from clover_cli.drafters.eagle import EagleDrafter
 from clover_cli.drafters.heads import CloverDrafter, MedusaDrafter
 from clover_cli.drafters.ngram import NgramDrafter
 from clover_cli.engine import PROBE_NODES, Engine, StopCheck
@@ -60,17 +61,20 @@ def drafter_for(kind: str, model, target, rng: random.Random, reference, prompt_
     if kind == "oracle":
         return OracleDrafter(reference, prompt_len, model.config.vocab_size, rng.choice([0.5, 0.8, 0.95]),
                              rng.randrange(10**6))
-    if kind == "merged":  # the default drafter: heads merged with n-gram lookup
-        return MergedDrafter(drafter_for("clover", model, target, rng, reference, prompt_len), NgramDrafter(),
+    if kind in ("merged", "eagle-merged"):  # the default drafter: heads merged with n-gram lookup
+        heads = "eagle" if kind == "eagle-merged" else "clover"
+        return MergedDrafter(drafter_for(heads, model, target, rng, reference, prompt_len), NgramDrafter(),
                              enough=rng.choice([None, 0.5, 3.0]))
-    arch = {"clover": "clover2", "medusa": "medusa"}[kind]
+    arch = {"clover": "clover2", "medusa": "medusa", "eagle": "eagle"}[kind]
     heads = random_heads(model, arch, rng.randrange(10**6), rng.choice([1, 3, 5]), rng.choice([1, 2]))
     if rng.random() < 0.4:  # a draft-vocabulary shortlist: the heads propose only these tokens
         vocab = model.config.vocab_size
         heads.draft_vocab = torch.randperm(vocab, generator=torch.Generator().manual_seed(rng.randrange(10**6)))
         heads.draft_vocab = heads.draft_vocab[:rng.choice([8, vocab // 2, vocab - 1])]
-    cls = CloverDrafter if kind == "clover" else MedusaDrafter
+    cls = {"clover": CloverDrafter, "medusa": MedusaDrafter, "eagle": EagleDrafter}[kind]
     grow = {"static": True} if rng.random() < 0.3 else {"topk": rng.choice([2, 4, 8]), "width": rng.choice([1, 4])}
+    if kind == "eagle" and rng.random() < 0.5:
+        grow = {}  # EAGLE-2's own: top-10 children, 10 nodes expanded per depth
     return cls(heads, target, **grow)
 
 

@@ -168,6 +168,23 @@ class MedusaLevels(torch.nn.Module):
         return top_tokens(self.project(torch.cat(outs)), self.k, self.token_ids)
 
 
+def keep_pending(cache: TreeKVCache, pending: list, length: int) -> list:
+    """A drafter with its own cache over committed positions and observations queued for it (`pending`: (hidden,
+    next tokens) pairs) forgets everything from position `length` on: the cache is cut there, or the queue is cut to
+    what still lies before it. Returns the queue to keep."""
+    keep = length - cache.length
+    if keep <= 0:
+        cache.truncate(length)
+        return []
+    kept = []
+    for hidden, tokens in pending:
+        if keep <= 0:
+            break
+        kept.append((hidden[:keep], tokens[:keep]))
+        keep -= tokens.numel()
+    return kept
+
+
 class CloverDrafter:
     """Clover-2 heads growing a dynamic (or static) tree. Per proposal: the augmenting block catches up on what the
     target committed since the last one (CloverAugment), then one CloverLevel per depth. Each of those runs eager,
@@ -200,18 +217,7 @@ class CloverDrafter:
         self.programs = programs
 
     def reset(self, length: int) -> None:
-        keep = length - self.cache.length
-        if keep <= 0:
-            self.cache.truncate(length)
-            self.pending = []
-        else:
-            kept = []
-            for hidden, tokens in self.pending:
-                if keep <= 0:
-                    break
-                kept.append((hidden[:keep], tokens[:keep]))
-                keep -= tokens.numel()
-            self.pending = kept
+        self.pending = keep_pending(self.cache, self.pending, length)
         self.state = None
 
     def observe(self, hidden, next_tokens) -> None:

@@ -5,10 +5,11 @@
                       config with a "clover" block; model.safetensors (or a pickled pytorch_model.bin)
     medusa-authors    Medusa-1's (GitHub FasterDecoding/Medusa, e.g. FasterDecoding/medusa-vicuna-7b-v1.3): config.json
                       with "medusa_num_heads"; medusa_lm_head.safetensors or a pickled medusa_lm_head.pt
-    eagle             EAGLE's (a one-layer Llama config, `fc` over [embedding; feature]): recognised, not run yet
+    eagle             EAGLE-1's (GitHub SafeAILab/EAGLE, e.g. yuhuili/EAGLE-Vicuna-7B-v1.3): a one-layer Llama config;
+                      model.safetensors or a pickled pytorch_model.bin with `fc.weight`: read by drafters/eagle.py
 
-A published layout loads into the same modules as clover's own (heads.Clover2Heads, heads.MedusaHeads), with the
-config switches that make them compute the authors' function exactly:
+A published layout loads into the same modules as clover's own (heads.Clover2Heads, heads.MedusaHeads,
+drafters.eagle.EagleHead), with the config switches that make them compute the authors' function exactly:
 
 Clover-2 authors': their `ResAttentionBlock`s are our gates (`clover_head_mlp_rnn` -> fuse, `clover_head_mlp_rnn2` ->
 rnn, their `input_layernorm` -> norm), `clover_norm` -> norm, `clover_head_mlp` -> head0, `clover_head_mlp2` ->
@@ -23,6 +24,8 @@ tensors: the published 7B config says 2 where the file holds 5 (the reference co
 
 Pickled files are read tensors-only (torch.load with weights_only=True); a pickle that needs anything else is
 refused. safetensors is preferred where both exist.
+
+`family` says which drafter family a directory holds ("clover2", "medusa", "eagle") without loading it.
 """
 
 from __future__ import annotations
@@ -38,7 +41,6 @@ from ..heads import TARGET_KEYS, HeadsConfig, build_heads
 
 CLOVER_AUTHORS_FILES = ("model.safetensors", "pytorch_model.bin", "model.pt")
 MEDUSA_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "medusa_lm_head.bin")
-EAGLE_FILES = ("model.safetensors", "pytorch_model.bin")
 AUTHORS_ROPE_THETA = 10000.0  # the Clover-2 reference's LlamaRotaryEmbedding default; its code never reads the config's
 
 
@@ -63,25 +65,23 @@ def detect(path: Path) -> str | None:
         return "clover2-authors"
     if "medusa_num_heads" in raw or any((path / f).is_file() for f in MEDUSA_FILES):
         return "medusa-authors"
-    if raw.get("num_hidden_layers") == 1 and any((path / f).is_file() for f in EAGLE_FILES) and "fc.weight" in \
-            _tensor_names(path, EAGLE_FILES):
+    from .eagle import is_layout
+
+    if is_layout(path, raw):
         return "eagle"
     return None
 
 
-def _tensor_names(path: Path, names) -> set[str]:
-    from safetensors import safe_open
+FAMILIES = {"clover2-authors": "clover2", "medusa-authors": "medusa", "eagle": "eagle"}
 
-    f = _first(path, names)
-    if f is None:
-        return set()
-    try:
-        if f.suffix == ".safetensors":
-            with safe_open(str(f), "pt") as sf:
-                return set(sf.keys())
-        return set(_read(f, "heads").keys())
-    except Exception:  # a damaged file is reported when the heads load, not here
-        return set()
+
+def family(path: Path) -> str | None:
+    """The drafter family of heads directory `path`: "clover2", "medusa" or "eagle" (None: not a heads directory
+    clover knows)."""
+    layout = detect(Path(path))
+    if layout == "clover":
+        return _config(Path(path)).get("architecture")
+    return FAMILIES.get(layout)
 
 
 def _first(path: Path, names) -> Path | None:
@@ -123,9 +123,11 @@ def load(path: Path, target_model, dtype=None) -> torch.nn.Module:
     if layout == "medusa-authors":
         return _load_medusa_authors(path, target_model, dtype)
     if layout == "eagle":
-        raise CloverError(f"{path} holds EAGLE heads, which clover does not run yet (it runs Clover-2 and Medusa heads)")
+        from .eagle import load as load_eagle
+
+        return load_eagle(path, target_model, dtype)
     raise CloverError(f"{path} is not a heads directory in a layout clover reads (clover's own, the Clover-2 "
-                      f"authors', Medusa's)")
+                      f"authors', Medusa's, EAGLE's)")
 
 
 def _finish(heads, state: dict, path: Path, target_model, dtype) -> torch.nn.Module:

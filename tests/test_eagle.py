@@ -1,0 +1,258 @@
+"""EAGLE: published files compute what the reference computes, the drafter grows EAGLE-2's tree, decoding with it is
+lossless, and bad files are refused in one line.
+
+The reference below restates EAGLE-1's draft model and EAGLE-2's tree from reading their code (GitHub
+SafeAILab/EAGLE, `eagle/model/cnets1.py`: `Model.forward` and `topK_genrate`; `ea_model.py`), written here
+independently of clover's modules: plain tensor arithmetic over the file's own tensor names.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from test_layouts import VOCAB, make_target, pre_norm_hidden, ref_rms, ref_rope
+from test_lossless import check_prompts_and_follow_ups, make_model
+from clover_cli.drafters.eagle import EagleDrafter
+from clover_cli.drafters.layouts import detect, family, load
+from clover_cli.errors import CloverError
+from clover_cli.target import Target
+
+
+# ------------------------------------------------------------------------------------------- the reference, restated
+
+def ref_eagle(p, cfg, features, tokens):
+    """EAGLE-1's Model.forward over a whole sequence from position 0, no cache: features [T, H] (the target's
+    post-norm states, or the draft's own outputs), tokens [T] (the token after each). Returns the outputs [T, H]."""
+    T, H = features.shape
+    nh = cfg["num_attention_heads"]
+    nkv = cfg.get("num_key_value_heads") or nh
+    d, eps = H // nh, cfg.get("rms_norm_eps", 1e-6)
+    base = cfg.get("rope_theta") or 10000.0
+    bias = p["fc.bias"] if cfg.get("bias", True) else None
+    x = F.linear(torch.cat([F.embedding(tokens, p["embed_tokens.weight"]), features], -1), p["fc.weight"], bias)
+    pre = "layers.0."
+    q = F.linear(x, p[pre + "self_attn.q_proj.weight"]).view(T, nh, d).transpose(0, 1)  # layer 0: no input norm
+    k = F.linear(x, p[pre + "self_attn.k_proj.weight"]).view(T, nkv, d).transpose(0, 1)
+    v = F.linear(x, p[pre + "self_attn.v_proj.weight"]).view(T, nkv, d).transpose(0, 1)
+    pos = torch.arange(T)
+    q, k = ref_rope(q, pos, base), ref_rope(k, pos, base)
+    k, v = k.repeat_interleave(nh // nkv, 0), v.repeat_interleave(nh // nkv, 0)
+    w = q @ k.transpose(-1, -2) / math.sqrt(d) + torch.triu(torch.full((T, T), float("-inf")), 1)
+    a = (torch.softmax(w.float(), -1) @ v).transpose(0, 1).reshape(T, H)
+    x = x + F.linear(a, p[pre + "self_attn.o_proj.weight"])
+    h = ref_rms(x, p[pre + "post_attention_layernorm.weight"], eps)
+    m = F.linear(F.silu(F.linear(h, p[pre + "mlp.gate_proj.weight"])) * F.linear(h, p[pre + "mlp.up_proj.weight"]),
+                 p[pre + "mlp.down_proj.weight"])
+    return x + m
+
+
+def ref_path_outputs(p, cfg, features, tokens, path):
+    """The draft's outputs along a drafted path: its first token is read with the output at the last committed
+    position, each next one with the output of the token before it. Returns [len(path) + 1, H]: the output at the
+    last committed position, then one per drafted token."""
+    feats, toks = features, tokens
+    outs = [ref_eagle(p, cfg, feats, toks)[-1]]
+    for t in path:
+        feats = torch.cat([feats, outs[-1][None]])
+        toks = torch.cat([toks, torch.tensor([t])])
+        outs.append(ref_eagle(p, cfg, feats, toks)[-1])
+    return torch.stack(outs)
+
+
+def ref_eagle2_tree(p, cfg, features, tokens, lm_head, top_k, depth, total):
+    """EAGLE-2's topK_genrate: the root's top-k tokens; then `depth` times: the top-k of every node of the frontier,
+    of which the top-k by cumulative log-probability form the next frontier; finally the `total` best candidates.
+    Returns {path of tokens: cumulative log-probability}."""
+    last = ref_eagle(p, cfg, features, tokens)[-1]
+    top = torch.log_softmax(F.linear(last, lm_head), -1).topk(top_k)
+    candidates = {(t,): s for s, t in zip(top.values.tolist(), top.indices.tolist())}
+    frontier = list(candidates.items())
+    for _ in range(depth):
+        new = []
+        for path, score in frontier:
+            out = ref_path_outputs(p, cfg, features, tokens, path)[-1]
+            top = torch.log_softmax(F.linear(out, lm_head), -1).topk(top_k)
+            new += [(path + (t,), score + s) for s, t in zip(top.values.tolist(), top.indices.tolist())]
+        new.sort(key=lambda c: -c[1])
+        candidates.update(new)
+        frontier = new[:top_k]
+    return dict(sorted(candidates.items(), key=lambda c: -c[1])[:total])
+
+
+# ------------------------------------------------------------------------------------------ published files, made here
+
+def eagle_files(out, model, bias=None, pickled=True, own_embed=False, seed=0, kv_heads=None, intermediate=None,
+                rope_theta=None, eps=1e-6, hidden=None, vocab=None, prefix=""):
+    """A directory as EAGLE-1's are published: a one-layer Llama config (optional "bias", no rope_theta means the
+    reference's 10000) and pytorch_model.bin (or model.safetensors) with the reference's tensor names, random."""
+    g = torch.Generator().manual_seed(seed)
+    c = model.config
+    H = hidden or c.hidden_size
+    V = vocab or c.vocab_size
+    nh = c.num_attention_heads
+    nkv = kv_heads or nh
+    I = intermediate or c.intermediate_size
+    d = H // nh
+    r = lambda *shape, s=0.1: torch.randn(*shape, generator=g) * s
+    p = {"fc.weight": torch.cat([r(H, H, s=0.2), torch.eye(H) + r(H, H)], 1), "fc.bias": r(H, s=0.05),
+         "layers.0.self_attn.q_proj.weight": r(nh * d, H), "layers.0.self_attn.k_proj.weight": r(nkv * d, H),
+         "layers.0.self_attn.v_proj.weight": r(nkv * d, H), "layers.0.self_attn.o_proj.weight": r(H, nh * d),
+         "layers.0.mlp.gate_proj.weight": r(I, H), "layers.0.mlp.up_proj.weight": r(I, H),
+         "layers.0.mlp.down_proj.weight": r(H, I), "layers.0.post_attention_layernorm.weight": 1 + r(H, s=0.1)}
+    own = r(V, H, s=1.0)
+    p["embed_tokens.weight"] = own if own_embed or V != c.vocab_size or H != c.hidden_size else \
+        model.get_input_embeddings().weight.detach().clone()
+    if bias is False:
+        del p["fc.bias"]
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "hidden_size": H,
+           "intermediate_size": I, "num_attention_heads": nh, "num_key_value_heads": nkv, "num_hidden_layers": 1,
+           "rms_norm_eps": eps, "vocab_size": V, "max_position_embeddings": 2048, "torch_dtype": "float16"}
+    if rope_theta is not None:
+        cfg["rope_theta"] = rope_theta
+    if bias is not None:
+        cfg["bias"] = bias
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg))
+    stored = {prefix + k: v.contiguous() for k, v in p.items()}
+    if pickled:
+        torch.save(stored, out / "pytorch_model.bin")
+    else:
+        from safetensors.torch import save_file
+
+        save_file(stored, str(out / "model.safetensors"))
+    return p, cfg
+
+
+def committed(model, n=13, seed=1):
+    ids = [random.Random(seed).randrange(3, VOCAB) for _ in range(n)]
+    pre, post = pre_norm_hidden(model, ids)
+    return ids, pre[:-1], post[:-1], torch.tensor(ids[1:])  # the pair at position j: (state j, token j+1)
+
+
+# --------------------------------------------------------------------------------------------------------- the tests
+
+@pytest.mark.parametrize("bias,pickled,own_embed,kv_heads,intermediate,rope_theta,prefix", [
+    (None, True, True, None, None, None, ""),  # the Vicuna layout: no "bias" (fc has one), theta 10000
+    (False, False, False, 2, 128, 500000.0, ""),  # the LLaMA-3 layout: "bias": false, the target's theta and GQA
+    (True, True, False, None, 96, 20000.0, "ea_layer."),  # a layer shaped unlike the target's, a wrapper's prefix
+])
+def test_published_eagle_computes_the_reference(tmp_path, bias, pickled, own_embed, kv_heads, intermediate,
+                                                rope_theta, prefix):
+    """Through clover's drafter (its cache filled in two chunks, then tree nodes run in batches with a tree mask),
+    the file gives the reference's logits at every draft step, along every branch."""
+    model = make_target(rope_theta=500000.0, eps=1e-5)
+    p, cfg = eagle_files(tmp_path / "e", model, bias=bias, pickled=pickled, own_embed=own_embed, kv_heads=kv_heads,
+                         intermediate=intermediate, rope_theta=rope_theta, prefix=prefix)
+    assert detect(tmp_path / "e") == "eagle" and family(tmp_path / "e") == "eagle"
+    heads = load(tmp_path / "e", model)
+    assert heads.cfg.architecture == "eagle" and heads.cfg.layout == "eagle"
+    assert heads.cfg.embed == ("own" if own_embed else "input") and heads.cfg.fc_bias == (bias is not False)
+    assert heads.cfg.rope_theta == (rope_theta or 10000.0)
+    lm_head = model.get_output_embeddings().weight
+    ids, pre, post, nxt = committed(model)
+    drafter = EagleDrafter(heads, Target(model, pack=False))
+    drafter.observe(pre[:7], nxt[:7])
+    drafter._catch_up()
+    drafter.observe(pre[7:], nxt[7:])
+    drafter._catch_up()
+    want = ref_eagle(p, cfg, post, nxt)
+    assert torch.allclose(drafter.state, want[-1], atol=1e-4, rtol=1e-4), (drafter.state - want[-1]).abs().max()
+    L = drafter.cache.length
+    assert L == len(nxt)
+
+    def close(out, path, depth):
+        ref = ref_path_outputs(p, cfg, post, nxt, path)[depth]
+        got, expect = F.linear(out, lm_head), F.linear(ref, lm_head)
+        error = float((got - expect).abs().max()) / max(1.0, float(expect.abs().max()))  # relative to the scale
+        assert error < 1e-4, (path, depth, error)
+
+    # two branches, three deep: depth 1 as one batch (a, b), depth 2 as one batch (a's child, b's child, b's other
+    # child), depth 3 one node; each sees the committed positions and its own ancestors only
+    a, b, a1, b1, b2, b21 = 5, 17, 40, 41, 3, 60
+    with torch.no_grad():
+        out1 = drafter.extend(drafter.state[None].expand(2, -1), torch.tensor([a, b]), L,
+                              torch.zeros(2, 0, dtype=torch.bool))
+        close(out1[0], [a], 1)
+        close(out1[1], [b], 1)
+        sees = torch.tensor([[True, False], [False, True], [False, True]])
+        out2 = drafter.extend(out1[[0, 1, 1]], torch.tensor([a1, b1, b2]), L + 1, sees)
+        close(out2[0], [a, a1], 2)
+        close(out2[1], [b, b1], 2)
+        close(out2[2], [b, b2], 2)
+        out3 = drafter.extend(out2[2:3], torch.tensor([b21]), L + 2, torch.tensor([[False, True, False, False, True]]))
+        close(out3[0], [b, b2, b21], 3)
+    drafter.cache.truncate(L)
+
+
+@pytest.mark.parametrize("top_k,depth,total", [(10, 4, 60), (3, 3, 12)])
+def test_drafter_grows_eagle2s_tree(tmp_path, top_k, depth, total):
+    """The proposed tree is the reference's: the same `total` best paths, with the same path probabilities."""
+    model = make_target(seed=3, rope_theta=10000.0)
+    p, cfg = eagle_files(tmp_path / "e", model, seed=3)
+    lm_head = model.get_output_embeddings().weight
+    ids, pre, post, nxt = committed(model, n=11, seed=5)
+    want = ref_eagle2_tree(p, cfg, post, nxt, lm_head, top_k, depth, total)
+    heads = load(tmp_path / "e", model)
+    heads.cfg.num_heads = depth + 1
+    drafter = EagleDrafter(heads, Target(model, pack=False), topk=top_k, width=top_k)
+    drafter.observe(pre, nxt)
+    tree = drafter.propose(ids, total)
+    paths = {}
+    for i in range(1, len(tree)):
+        path, node = [], i
+        while node:
+            path.append(tree.tokens[node])
+            node = tree.parents[node]
+        paths[tuple(reversed(path))] = tree.scores[i]
+    assert set(paths) == set(want)
+    for path, score in want.items():
+        assert math.isclose(paths[path], math.exp(score), rel_tol=1e-4), path
+    assert max(len(path) for path in paths) > 2
+    assert drafter.cache.length == len(nxt), "the tree's keys and values are dropped"
+
+
+@pytest.mark.parametrize("family_,seed", [(f, s) for f in ("llama", "mistral", "qwen2") for s in range(2)])
+@pytest.mark.parametrize("kind", ["eagle", "eagle-merged"])
+def test_eagle_greedy_matches_transformers(family_, seed, kind):
+    """Random EAGLE heads, alone and merged with n-gram lookup, on several prompts and budgets, with follow-up
+    requests that reuse the cache: exactly transformers' greedy output."""
+    rng = random.Random(zlib.crc32(f"{family_}-{kind}-{seed}".encode()))
+    model = make_model(family_, seed=seed)
+    check_prompts_and_follow_ups(model, Target(model), kind, rng)
+
+
+def test_mismatched_or_broken_eagle_files_are_refused(tmp_path):
+    model = make_target()
+    other = make_target(hidden_size=32, intermediate_size=64)
+    eagle_files(tmp_path / "h", other)
+    with pytest.raises(CloverError, match="hidden size 32"):
+        load(tmp_path / "h", model)
+    eagle_files(tmp_path / "v", model, vocab=80)
+    with pytest.raises(CloverError, match="vocabulary 80"):
+        load(tmp_path / "v", model)
+    p, cfg = eagle_files(tmp_path / "b", model, bias=True)
+    del p["fc.bias"]
+    torch.save(p, tmp_path / "b" / "pytorch_model.bin")
+    with pytest.raises(CloverError, match="no fc.bias"):
+        load(tmp_path / "b", model)
+    p, cfg = eagle_files(tmp_path / "s", model)
+    p["layers.0.mlp.down_proj.weight"] = torch.zeros(64, 7)
+    torch.save(p, tmp_path / "s" / "pytorch_model.bin")
+    with pytest.raises(CloverError, match="do not fit"):
+        load(tmp_path / "s", model)
+    p, cfg = eagle_files(tmp_path / "x", model)
+    torch.save({**p, "layers.0.input_layernorm.weight": torch.ones(64)}, tmp_path / "x" / "pytorch_model.bin")
+    with pytest.raises(CloverError, match="input_layernorm"):
+        load(tmp_path / "x", model)
+    eagle_files(tmp_path / "t", model, pickled=False)
+    data = (tmp_path / "t" / "model.safetensors").read_bytes()
+    (tmp_path / "t" / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CloverError, match="unreadable"):
+        load(tmp_path / "t", model)
