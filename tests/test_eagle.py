@@ -1,5 +1,5 @@
 """EAGLE: published files compute what the reference computes, the drafter grows EAGLE-2's tree, decoding with it is
-lossless, and bad files are refused in one line.
+lossless, `clover train --arch eagle` makes heads that `clover generate` uses, and bad files are refused in one line.
 
 The reference below restates EAGLE-1's draft model and EAGLE-2's tree from reading their code (GitHub
 SafeAILab/EAGLE, `eagle/model/cnets1.py`: `Model.forward` and `topK_genrate`; `ea_model.py`), written here
@@ -17,10 +17,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import build_model
+from helpers import hf_greedy, run_engine
 from test_layouts import VOCAB, make_target, pre_norm_hidden, ref_rms, ref_rope
-from test_lossless import check_prompts_and_follow_ups, make_model
+from test_lossless import check_prompts_and_follow_ups, make_model, random_heads
 from clover_cli.drafters.eagle import EagleDrafter
 from clover_cli.drafters.layouts import detect, family, load
+from clover_cli.engine import Engine, StopCheck
 from clover_cli.errors import CloverError
 from clover_cli.target import Target
 
@@ -228,6 +231,93 @@ def test_eagle_greedy_matches_transformers(family_, seed, kind):
     check_prompts_and_follow_ups(model, Target(model), kind, rng)
 
 
+def tau(model, heads, prompts, n=24):
+    target = Target(model)
+    tokens = steps = 0
+    for prompt in prompts:
+        engine = Engine(target, EagleDrafter(heads, target), budget=16, auto_budget=False)
+        out, events = run_engine(engine, prompt, StopCheck(n))
+        assert out == hf_greedy(model, prompt, n)
+        tokens += len(out) - 1
+        steps += len(events) - 1
+    return tokens / steps
+
+
+def test_trained_heads_learn_and_stay_lossless():
+    """A few dozen steps of EAGLE's loss on the target's own greedy text: more drafted tokens accepted than the
+    untrained heads, and the output stays exactly the target's."""
+    from clover_cli.target import hidden_states
+    from clover_cli.train import TrainConfig, heads_loss
+
+    model = make_model("llama", seed=2)
+    rng = random.Random(0)
+    texts = []
+    for _ in range(8):
+        prompt = [rng.randrange(3, 96) for _ in range(6)]
+        texts.append(prompt + hf_greedy(model, prompt, 42))
+    x = torch.tensor(texts)
+    mask = torch.ones_like(x, dtype=torch.float32)
+    with torch.no_grad():
+        pre, post = hidden_states(model, x)
+    heads = random_heads(model, "eagle", 0, 4, 1)
+    before = tau(model, heads.eval(), [t[:10] for t in texts[:3]])
+    heads.train()
+    opt = torch.optim.AdamW(heads.parameters(), lr=3e-3)
+    cfg = TrainConfig(model="m", out="o")
+    for _ in range(60):
+        loss, _ = heads_loss(heads, "eagle", model, x, mask, pre, post, cfg)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    after = tau(model, heads.eval(), [t[:10] for t in texts[:3]])
+    assert after > before + 0.3, (before, after)
+
+
+def test_eagle_loss_is_eagle1s(llama_dir):
+    """heads_loss for EAGLE: 10 x SmoothL1(g_t, f_{t+1}) + the soft cross-entropy of lm_head(g_t) against the
+    target's distribution at t+1, over positions whose token t+2 is trained on; g_t from f_t and token t+1
+    (teacher-forced). In training mode the input features are noised."""
+    from transformers import AutoModelForCausalLM
+
+    from clover_cli.target import hidden_states
+    from clover_cli.train import TrainConfig, heads_loss
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(llama_dir).eval()
+    heads = random_heads(model, "eagle", 1, 5, 1).eval()
+    x = torch.randint(3, model.config.vocab_size, (2, 30))
+    mask = (torch.rand(2, 30) < 0.7).float()
+    with torch.no_grad():
+        pre, post = hidden_states(model, x)
+    cfg = TrainConfig(model="m", out="o")
+    total, per_head = heads_loss(heads, "eagle", model, x, mask, pre, post, cfg)
+    assert len(per_head) == 1
+    lm_head = model.get_output_embeddings()
+    embed = model.get_input_embeddings()
+    ce_sum = reg_sum = 0.0
+    for row in range(2):  # the reference's forward, one sequence at a time
+        p = {k: v for k, v in heads.state_dict().items()}
+        p["embed_tokens.weight"] = embed.weight
+        cfg_ref = {"num_attention_heads": model.config.num_attention_heads,
+                   "num_key_value_heads": model.config.num_key_value_heads,
+                   "rms_norm_eps": model.config.rms_norm_eps,
+                   "rope_theta": model.config.rope_parameters["rope_theta"]}
+        nxt = torch.cat([x[row, 1:], torch.zeros(1, dtype=torch.long)])
+        g = ref_eagle(p, cfg_ref, post[row], nxt)
+        m = mask[row, 2:] > 0
+        student, teacher = g[:-2][m], post[row, 1:-1][m]
+        prob = torch.softmax(lm_head(teacher), -1)
+        ce = -(prob * F.log_softmax(lm_head(student), -1)).sum(-1)
+        reg = F.smooth_l1_loss(student, teacher, reduction="none").mean(-1)
+        ce_sum, reg_sum = ce_sum + ce.sum(), reg_sum + reg.sum()
+    n = (mask[:, 2:] > 0).sum()
+    ce, reg = ce_sum / n, reg_sum / n
+    assert abs(total.item() - (ce + 10 * reg).item()) < 1e-4
+    heads.train()
+    noisy, _ = heads_loss(heads, "eagle", model, x, mask, pre, post, cfg)
+    assert abs(noisy.item() - total.item()) > 1e-4
+
+
 def test_mismatched_or_broken_eagle_files_are_refused(tmp_path):
     model = make_target()
     other = make_target(hidden_size=32, intermediate_size=64)
@@ -256,3 +346,46 @@ def test_mismatched_or_broken_eagle_files_are_refused(tmp_path):
     (tmp_path / "t" / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(CloverError, match="unreadable"):
         load(tmp_path / "t", model)
+
+
+def test_eagle_through_the_cli(tmp_path, run_cli):
+    """clover train --arch eagle writes heads that clover generate uses (alone and as --draft auto's heads) with the
+    target's own output; a mismatched EAGLE file or the wrong --draft is refused in one line, exit 2."""
+    from test_train import CONVERSATIONS
+
+    model_dir = build_model(tmp_path / "model", "llama", seed=7)
+    data = tmp_path / "chats.json"
+    data.write_text(json.dumps(CONVERSATIONS[:24]))
+    out = tmp_path / "heads"
+    code, _, err = run_cli("train", str(model_dir), "--data", str(data), "--arch", "eagle", "--out", str(out),
+                           "--heads", "4", "--max-steps", "6", "--eval-every", "6", "--batch-tokens", "2048",
+                           "--max-len", "384")
+    assert code == 0, err
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["architecture"] == "eagle" and saved["num_heads"] == 4 and saved["training"]["steps"] == 6
+    assert len(saved["training"]["heldout_accuracy"]) == 1
+    assert detect(out) == "clover" and family(out) == "eagle"
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("Tell me about the number 12.")
+    runs = {}
+    for draft in ("none", "eagle", "auto"):
+        code, stdout, err = run_cli("generate", str(model_dir), "--prompt", str(prompt), "--heads", str(out),
+                                    "--draft", draft, "--json", "-n", "32", "--stats-file", "off")
+        assert code == 0, err
+        runs[draft] = json.loads(stdout)
+    assert runs["eagle"]["text"] == runs["auto"]["text"] == runs["none"]["text"]
+    assert runs["eagle"]["draft"] == "eagle" and runs["auto"]["draft"] == "eagle+ngram"
+
+    def one_line(args, needle):
+        code, _, err = run_cli(*args)
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert code == 2 and len(lines) == 1 and needle in lines[0] and "Traceback" not in err, err
+
+    gen = ("generate", str(model_dir), "--prompt", str(prompt), "-n", "4", "--stats-file", "off")
+    one_line((*gen, "--heads", str(out), "--draft", "clover"), "needs clover2 heads")
+    other = tmp_path / "other"
+    from transformers import AutoModelForCausalLM
+
+    eagle_files(other, AutoModelForCausalLM.from_pretrained(model_dir), hidden=32)
+    one_line((*gen, "--heads", str(other), "--draft", "eagle"), "hidden size 32")
+    one_line((*gen, "--draft", "eagle"), "no eagle heads")
