@@ -1,9 +1,9 @@
 """`clover bench`: every decoding method on the same prompts, interleaved, with speed, τ and output identity.
 
 Methods: hf (transformers greedy generate), hf-lookup (its prompt-lookup assisted generation), hf-assisted (a
-smaller assistant model, when given), our engine with plain / ngram / medusa / clover drafting, and llama.cpp
-(plain and with prompt lookup) on a GGUF of the same weights (clover_cli/llamacpp.py). One model load serves
-every method. Each prompt is run by every method in turn (so drift on the machine hits all alike),
+smaller assistant model, when given), our engine with plain / ngram / medusa / eagle / clover drafting, and
+llama.cpp (plain and with prompt lookup) on a GGUF of the same weights (clover_cli/llamacpp.py). One model load
+serves every method. Each prompt is run by every method in turn (so drift on the machine hits all alike),
 after one untimed warm-up run of each method. Our engine starts every run from an empty cache (no reuse of a
 previous run's prefix) with a fresh drafter, so no method sees another run's output.
 """
@@ -24,7 +24,8 @@ import torch
 from .errors import CloverError
 
 LLAMA_METHODS = ("llama.cpp", "llama.cpp-lookup")
-ALL_METHODS = ("hf", "hf-lookup", "hf-assisted", "plain", "ngram", "medusa", "clover", "clover+ngram", *LLAMA_METHODS)
+ALL_METHODS = ("hf", "hf-lookup", "hf-assisted", "plain", "ngram", "medusa", "eagle", "clover", "clover+ngram",
+               *LLAMA_METHODS)
 BUILTIN_PROMPTS = Path(__file__).parent / "bench_prompts.jsonl"
 LOOKUP_TOKENS = 10  # tokens proposed per prompt-lookup match, for hf-lookup and llama.cpp-lookup alike
 
@@ -40,6 +41,7 @@ class BenchConfig:
     limit: int | None = None
     heads: str | None = None
     medusa_heads: str | None = None
+    eagle_heads: str | None = None
     assistant: str | None = None
     tree_budget: str = "auto"
     device: str = "auto"
@@ -151,6 +153,8 @@ def choose_methods(spec: str | None, session, cfg: BenchConfig) -> list[str]:
             raise CloverError("the clover method needs Clover-2 heads: pass --heads")
         if "medusa" in methods and session.medusa_heads is None:
             raise CloverError("the medusa method needs Medusa heads: pass --medusa-heads")
+        if "eagle" in methods and session.eagle_heads is None:
+            raise CloverError("the eagle method needs EAGLE heads: pass --eagle-heads")
         if cfg.temperature > 0 and any(m.startswith("hf-") or m in LLAMA_METHODS for m in methods):
             raise CloverError("hf-lookup, hf-assisted and llama.cpp run greedy only; use --temperature 0")
         peers = [m for m in methods if m in LLAMA_METHODS]
@@ -164,6 +168,8 @@ def choose_methods(spec: str | None, session, cfg: BenchConfig) -> list[str]:
     methods += ["plain", "ngram"]
     if session.medusa_heads is not None:
         methods.append("medusa")
+    if session.eagle_heads is not None:
+        methods.append("eagle")
     if session.clover_heads is not None:
         methods += ["clover", "clover+ngram"]  # the heads alone, and the default drafter (heads + lookup)
     if cfg.temperature > 0:
@@ -206,13 +212,16 @@ class BenchSession:
         s = self.session
         s.compiler.start(background=False)
         heads_path = resolve_heads(cfg.heads, s.resolved, quiet=True)
-        self.clover_heads = self.medusa_heads = None
-        for path in filter(None, [heads_path, cfg.medusa_heads]):
+        self.clover_heads = self.medusa_heads = self.eagle_heads = None
+        for path in filter(None, [heads_path, cfg.medusa_heads, cfg.eagle_heads]):
             heads = load_heads(Path(path), s.model)
-            if heads.cfg.architecture == "clover2":
+            arch = heads.cfg.architecture
+            if arch == "clover2":
                 self.clover_heads, self.clover_path = heads, str(path)
-            else:
+            elif arch == "medusa":
                 self.medusa_heads, self.medusa_path = heads, str(path)
+            else:
+                self.eagle_heads, self.eagle_path = heads, str(path)
         self.assistant = None
         if cfg.assistant:
             from .hub import resolve_model
@@ -263,6 +272,10 @@ class BenchSession:
             drafter = NgramDrafter()
         elif method == "medusa":
             drafter = MedusaDrafter(self.medusa_heads, s.target)
+        elif method == "eagle":
+            from .drafters.eagle import EagleDrafter
+
+            drafter = EagleDrafter(self.eagle_heads, s.target)  # runs eager: EAGLE heads have no compiled programs
         else:
             drafter = CloverDrafter(self.clover_heads, s.target)
             if method == "clover+ngram":

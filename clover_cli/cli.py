@@ -362,7 +362,7 @@ def bench(
     prompts: Optional[str] = typer.Option(None, "--prompts", help="Directory of .txt files or a JSONL file with "
                                                                   "a 'prompt' field. Default: built-in set."),
     methods: Optional[str] = typer.Option(None, "--methods", help="Comma-separated: hf,hf-lookup,hf-assisted,"
-                                                                  "plain,ngram,medusa,clover,clover+ngram,"
+                                                                  "plain,ngram,medusa,eagle,clover,clover+ngram,"
                                                                   "llama.cpp,llama.cpp-lookup (default: all that "
                                                                   "can run; clover+ngram is what --draft auto "
                                                                   "uses; llama.cpp needs the [llama] extra)."),
@@ -372,6 +372,7 @@ def bench(
     limit: Optional[int] = typer.Option(None, "--limit", help="Use only the first N prompts."),
     heads: Optional[str] = Common.heads,
     medusa_heads: Optional[str] = typer.Option(None, "--medusa-heads", help="Medusa heads for the medusa row."),
+    eagle_heads: Optional[str] = typer.Option(None, "--eagle-heads", help="EAGLE heads for the eagle row."),
     assistant: Optional[str] = typer.Option(None, "--assistant", help="Smaller model for hf-assisted."),
     tree_budget: str = Common.tree_budget, device: str = Common.device, dtype: str = Common.dtype,
     load_in_8bit: bool = Common.load_in_8bit,
@@ -388,8 +389,9 @@ def bench(
     compile_mode(compile)
     run_bench(BenchConfig(model=model, prompts=prompts, methods=methods, max_new_tokens=max_new_tokens,
                           temperature=temperature, repeats=repeats, limit=limit, heads=heads,
-                          medusa_heads=medusa_heads, assistant=assistant, tree_budget=tree_budget, device=device,
-                          dtype=dtype, load_in_8bit=load_in_8bit, json_out=json_out, plot=plot, compile=compile))
+                          medusa_heads=medusa_heads, eagle_heads=eagle_heads, assistant=assistant,
+                          tree_budget=tree_budget, device=device, dtype=dtype, load_in_8bit=load_in_8bit,
+                          json_out=json_out, plot=plot, compile=compile))
 
 
 @app.command(name="compile")

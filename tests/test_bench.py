@@ -20,14 +20,14 @@ def llama_cpp_importable() -> bool:
 
 @pytest.fixture(scope="module")
 def model_with_heads(llama_dir, tmp_path_factory):
-    """The llama fixture plus random Clover-2 and Medusa heads (random heads still must be lossless)."""
+    """The llama fixture plus random Clover-2, Medusa and EAGLE heads (random heads still must be lossless)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(llama_dir)
     root = tmp_path_factory.mktemp("bench_heads")
     paths = {}
-    for arch in ("clover2", "medusa"):
+    for arch in ("clover2", "medusa", "eagle"):
         torch.manual_seed(0)
         heads = build_heads(HeadsConfig.for_target(model.config, architecture=arch, num_heads=3, num_layers=1), model)
         heads.init_from_target(model)
@@ -41,19 +41,20 @@ def test_bench_json_all_methods_identical(model_with_heads, prompts_file, run_cl
     model, heads = model_with_heads
     png = tmp_path / "bench.png"
     code, out, err = run_cli("bench", str(model), "--heads", str(heads["clover2"]), "--medusa-heads",
-                             str(heads["medusa"]), "--prompts", str(prompts_file), "-n", "24", "--json",
+                             str(heads["medusa"]), "--eagle-heads", str(heads["eagle"]), "--prompts",
+                             str(prompts_file), "-n", "24", "--json",
                              "--plot", str(png))
     assert code == 0, err
     report = json.loads(out)
     rows = {r["method"]: r for r in report["methods"]}
     peers = ["llama.cpp", "llama.cpp-lookup"] if llama_cpp_importable() else []  # the rows when the extra is here
-    assert list(rows) == ["hf", "hf-lookup", "plain", "ngram", "medusa", "clover", "clover+ngram"] + peers
+    assert list(rows) == ["hf", "hf-lookup", "plain", "ngram", "medusa", "eagle", "clover", "clover+ngram"] + peers
     for name, r in rows.items():
         assert r["identical"] is True and r["mismatches"] == [], name
         assert r["tokens_per_s"] > 0 and r["new_tokens"] == 3 * 24
         assert {"method", "tokens_per_s", "tau", "speedup_vs_hf", "identical"} <= set(r)
     assert rows["hf"]["speedup_vs_hf"] == 1.0 and rows["plain"]["tau"] == 1.0
-    assert rows["ngram"]["tau"] >= 1.0 and rows["clover"]["tau"] >= 1.0
+    assert rows["ngram"]["tau"] >= 1.0 and rows["clover"]["tau"] >= 1.0 and rows["eagle"]["tau"] >= 1.0
     assert png.is_file() and png.read_bytes()[:4] == b"\x89PNG"
 
 
@@ -117,7 +118,8 @@ def test_builtin_prompts_are_heldout_and_categorised():
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--methods", "eagle"], "unknown method"),
+    (["--methods", "eagle3"], "unknown method"),
+    (["--methods", "eagle"], "EAGLE heads"),
     (["--methods", "hf-assisted"], "--assistant"),
     (["--methods", "clover"], "Clover-2 heads"),
     (["--prompts", "/nonexistent/prompts.jsonl"], "no such file"),
