@@ -25,7 +25,8 @@ python scripts/tiny/export_data.py --work "$WORK"
   clover train "$WORK/target" --out "$WORK/heads-clover" --arch clover --layers 1 --overwrite --max-steps "$CLOVER_STEPS" \
     "${HEADS_ARGS[@]}"
 mkdir -p "$WORK/heads-medusa"
-cp "$WORK/heads-clover/regenerated.jsonl" "$WORK/heads-medusa/regenerated.jsonl"  # the very same replies
+# the very same replies, with the marker that says what they were made from (without it they are made again)
+cp "$WORK/heads-clover/regenerated.jsonl" "$WORK/heads-clover/clover-train.json" "$WORK/heads-medusa/"
 [ -f "$WORK/heads-medusa/model.safetensors" ] ||
   clover train "$WORK/target" --out "$WORK/heads-medusa" --arch medusa --overwrite --max-steps "$MEDUSA_STEPS" "${HEADS_ARGS[@]}"
 python scripts/tiny/evaluate.py --model "$WORK/target" --clover "$WORK/heads-clover" --medusa "$WORK/heads-medusa"

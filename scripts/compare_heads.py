@@ -1,0 +1,114 @@
+"""Draft heads side by side on one target: τ and decode tokens/s of each, overall and by prompt category.
+
+    python scripts/compare_heads.py runs/cmp/clover runs/cmp/medusa [--model tiny] [--prompts question.jsonl]
+                                    [-n 128] [--json out.json]
+
+Each heads directory (any layout clover reads) drives its own drafter alone (no n-gram lookup merged in), greedy,
+through clover's engine with a fixed tree budget, on the same prompts (clover bench's built-in 30 held-out
+ShareGPT prompts in six categories by default, or --prompts in bench's formats), interleaved prompt by prompt after
+a warm-up. Every output is checked token for token against plain decoding (the drafters are lossless). τ = tokens
+per target forward after prefill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+
+def drafter_class(architecture: str):
+    from clover_cli.drafters.heads import CloverDrafter, MedusaDrafter
+
+    classes = {"clover2": CloverDrafter, "medusa": MedusaDrafter}
+    try:
+        from clover_cli.drafters.eagle import EagleDrafter
+
+        classes["eagle"] = EagleDrafter
+    except ImportError:
+        pass
+    return classes[architecture]
+
+
+def main():
+    from clover_cli.bench import load_prompts
+    from clover_cli.drafters import NoDrafter
+    from clover_cli.drafters.layouts import load
+    from clover_cli.engine import Engine, StopCheck
+    from clover_cli.session import Options, RunStats, Session
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("heads", nargs="+", help="heads directories")
+    ap.add_argument("--model", default=None, help="target (default: the bundled model)")
+    ap.add_argument("--prompts", default=None)
+    ap.add_argument("-n", "--max-new-tokens", type=int, default=128)
+    ap.add_argument("--budget", type=int, default=32, help="tree budget (nodes per step)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    s = Session(Options(model=args.model, draft="none", compile="off"), quiet=True)
+    prompts = load_prompts(args.prompts, None)
+    encoded = [s.encode_chat(p["messages"]) for p in prompts]
+    methods = {"plain": None}
+    for path in args.heads:
+        heads = load(Path(path), s.model)
+        methods[f"{heads.cfg.architecture}:{Path(path).name}"] = heads
+
+    def make(heads):
+        return NoDrafter() if heads is None else drafter_class(heads.cfg.architecture)(heads, s.target)
+
+    engines = {name: Engine(s.target, make(h), budget=args.budget, auto_budget=False) for name, h in methods.items()}
+    figures = {name: {} for name in methods}  # name -> category -> [new tokens, steps, decode s, runs]
+    outputs = {name: [] for name in methods}
+    with torch.inference_mode():
+        for name, eng in engines.items():  # warm-up
+            eng.reset()
+            for _ in eng.generate(encoded[0][:32], StopCheck(8, s.eos_ids)):
+                pass
+        for i, ids in enumerate(encoded):
+            for name, eng in engines.items():
+                eng.drafter = make(methods[name])
+                eng.reset()  # the engines share the target's cache: each run starts from a clean one
+                stats, new = RunStats(), []
+                t0 = time.perf_counter()
+                for ev in eng.generate(ids, StopCheck(args.max_new_tokens, s.eos_ids)):
+                    stats.add(ev)
+                    new += ev.tokens
+                f = figures[name].setdefault(prompts[i]["category"], [0, 0, 0.0, 0])
+                f[0] += len(new)
+                f[1] += stats.steps
+                f[2] += stats.decode_s
+                f[3] += 1
+                outputs[name].append(new)
+            print(f"prompt {i + 1}/{len(encoded)}", flush=True)
+
+    def summary(rows):
+        tokens, steps, secs, runs = (sum(r[k] for r in rows) for k in range(4))
+        return {"tau": round((tokens - runs) / steps, 3) if steps else None,
+                "tokens_per_s": round((tokens - runs) / secs, 1) if secs else None, "prompts": runs}
+
+    report = {"model": s.resolved.name, "budget": args.budget, "max_new_tokens": args.max_new_tokens,
+              "threads": args.threads, "date": time.strftime("%Y-%m-%d"), "methods": {}}
+    for name in methods:
+        report["methods"][name] = {
+            "all": summary(figures[name].values()),
+            "by_category": {c: summary([r]) for c, r in figures[name].items()},
+            "identical_to_plain": outputs[name] == outputs["plain"],
+            "training": getattr(methods[name], "cfg", None) and methods[name].cfg.training,
+        }
+    cats = list(dict.fromkeys(p["category"] for p in prompts))
+    print(f"{'method':28s} {'τ all':>7s} {'tok/s':>7s} " + " ".join(f"{c[:12]:>12s}" for c in cats) + "  identical")
+    for name, r in report["methods"].items():
+        print(f"{name:28s} {r['all']['tau']:7.3f} {r['all']['tokens_per_s']:7.1f} "
+              + " ".join(f"{r['by_category'][c]['tau']:12.3f}" for c in cats) + f"  {r['identical_to_plain']}")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
