@@ -128,8 +128,9 @@ def models():
     from .hub import ALIASES, BUNDLED, is_cached
 
     table = Table(title="clover models", box=box.SIMPLE_HEAD, pad_edge=False,
-                  caption="heads: the draft heads `clover chat ALIAS` downloads and uses (Clover-2 or Medusa, "
-                          "published by their authors); 'none': none are published, make them with `clover train`. "
+                  caption="heads: the draft heads published for the model (Clover-2, EAGLE, Medusa), the first "
+                          "used by --draft auto, the others by --draft clover|eagle|medusa; 'none': none are "
+                          "published, make them with `clover train`. "
                           "template 'own': the tokenizer's own chat template.")
     for col in ("alias", "repository", "template", "heads", "local"):
         table.add_column(col, no_wrap=col != "repository", overflow="fold")  # a long repo id folds, never cut
@@ -138,7 +139,7 @@ def models():
             repo, local = "(bundled in clover)", "yes" if (BUNDLED / "config.json").is_file() else "missing"
         else:
             repo, local = spec.repo, "cached" if is_cached(spec.repo) else "-"
-        heads = {"bundled": "bundled (Clover-2)", None: "none"}.get(spec.heads, f"{spec.heads} ({spec.heads_kind})")
+        heads = spec.heads_text()
         table.add_row(spec.alias, repo, spec.template or "own", heads, local)
     Console().print(table)
 
@@ -147,16 +148,18 @@ def models():
 def download(model: str = typer.Argument(..., help="Alias or Hub repo id."),
              heads: Optional[str] = typer.Option(None, "--heads", help="Also fetch this heads repository."),
              revision: Optional[str] = Common.revision, allow_pickle: bool = Common.allow_pickle):
-    """Fetch a model (and heads) into the local Hugging Face cache ahead of time."""
+    """Fetch a model and the heads published for it (or --heads) into the local Hugging Face cache ahead of time."""
     from .hub import ALIASES, resolve_heads, resolve_model
 
     resolved = resolve_model(model, revision, allow_pickle)
     spec = ALIASES.get(model)
-    hp = None
-    if heads or (spec and spec.heads not in (None, "bundled")):
-        hp = resolve_heads(heads, resolved)
+    fetched = []
+    if heads:
+        fetched.append(resolve_heads(heads, resolved))
+    elif spec is not None:  # every drafter's heads the alias publishes
+        fetched += [resolve_heads(None, resolved, draft=family) for family, repo in spec.heads if repo != "bundled"]
     typer.echo(f"{model}: {resolved.path}")  # only once everything asked for is in the cache
-    if hp is not None:
+    for hp in filter(None, fetched):
         typer.echo(f"heads: {hp}")
 
 

@@ -22,37 +22,49 @@ SAFE_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.
 PICKLE_PATTERNS = ["*.bin", "*.pt", "*.pth"]
 
 
+FAMILY_NAMES = {"clover": "Clover-2", "medusa": "Medusa", "eagle": "EAGLE"}
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     alias: str
     repo: str | None  # None: the model bundled in this package
     template: str | None  # built-in template for tokenizers without one; None: the tokenizer's own
-    heads: str | None  # a heads repository, "bundled", or None when none are published
+    # the heads published for it, (drafter, repository) pairs, the one `--draft auto` uses first; ("clover",
+    # "bundled"): the bundled model's own heads directory
+    heads: tuple[tuple[str, str], ...] = ()
     about: str = ""
 
-    @property
-    def heads_kind(self) -> str:
-        """What the heads are, as `clover models` shows it."""
-        if self.heads is None:
-            return ""
-        return "Medusa" if "medusa" in self.heads.lower() else "Clover-2"
+    def heads_for(self, draft: str) -> str | None:
+        """The heads repository for `--draft draft` (auto: the first one), or None."""
+        for family, repo in self.heads:
+            if draft in ("auto", family):
+                return repo
+        return None
+
+    def heads_text(self) -> str:
+        """What `clover models` shows."""
+        return ", ".join(f"{repo} ({FAMILY_NAMES[family]})" for family, repo in self.heads) or "none"
 
 
 ALIASES = {
     s.alias: s
     for s in [
-        ModelSpec("tiny", None, "vicuna_v1.1", "bundled", "bundled 9M-parameter ShareGPT chat model (offline)"),
-        ModelSpec("vicuna-7b", "lmsys/vicuna-7b-v1.5", "vicuna_v1.1", "BinXiao/clover-2-vicuna-7b-v1.5",
+        ModelSpec("tiny", None, "vicuna_v1.1", (("clover", "bundled"),),
+                  "bundled 9M-parameter ShareGPT chat model (offline)"),
+        ModelSpec("vicuna-7b", "lmsys/vicuna-7b-v1.5", "vicuna_v1.1", (("clover", "BinXiao/clover-2-vicuna-7b-v1.5"),),
                   "Vicuna 7B v1.5, with the Clover-2 authors' heads"),
-        ModelSpec("vicuna-7b-v1.3", "lmsys/vicuna-7b-v1.3", "vicuna_v1.1", "FasterDecoding/medusa-vicuna-7b-v1.3",
-                  "Vicuna 7B v1.3, with Medusa's published heads"),
-        ModelSpec("vicuna-13b", "lmsys/vicuna-13b-v1.5", "vicuna_v1.1", None, "Vicuna 13B v1.5"),
-        ModelSpec("llama3-8b", "meta-llama/Meta-Llama-3-8B-Instruct", "llama3", "BinXiao/clover-2-llama-3-8b-instruct",
-                  "Llama 3 8B Instruct (gated), with the Clover-2 authors' heads"),
-        ModelSpec("qwen2.5-0.5b", "Qwen/Qwen2.5-0.5B-Instruct", "chatml", None, "Qwen2.5 0.5B Instruct"),
-        ModelSpec("qwen2.5-7b", "Qwen/Qwen2.5-7B-Instruct", "chatml", None, "Qwen2.5 7B Instruct"),
-        ModelSpec("mistral-7b", "mistralai/Mistral-7B-Instruct-v0.3", None, None, "Mistral 7B Instruct v0.3"),
-        ModelSpec("tinyllama", "TinyLlama/TinyLlama-1.1B-Chat-v1.0", None, None, "TinyLlama 1.1B Chat"),
+        ModelSpec("vicuna-7b-v1.3", "lmsys/vicuna-7b-v1.3", "vicuna_v1.1",
+                  (("eagle", "yuhuili/EAGLE-Vicuna-7B-v1.3"), ("medusa", "FasterDecoding/medusa-vicuna-7b-v1.3")),
+                  "Vicuna 7B v1.3, with EAGLE's and Medusa's published heads"),
+        ModelSpec("vicuna-13b", "lmsys/vicuna-13b-v1.5", "vicuna_v1.1", (), "Vicuna 13B v1.5"),
+        ModelSpec("llama3-8b", "meta-llama/Meta-Llama-3-8B-Instruct", "llama3",
+                  (("clover", "BinXiao/clover-2-llama-3-8b-instruct"), ("eagle", "yuhuili/EAGLE-LLaMA3-Instruct-8B")),
+                  "Llama 3 8B Instruct (gated), with the Clover-2 authors' and EAGLE's heads"),
+        ModelSpec("qwen2.5-0.5b", "Qwen/Qwen2.5-0.5B-Instruct", "chatml", (), "Qwen2.5 0.5B Instruct"),
+        ModelSpec("qwen2.5-7b", "Qwen/Qwen2.5-7B-Instruct", "chatml", (), "Qwen2.5 7B Instruct"),
+        ModelSpec("mistral-7b", "mistralai/Mistral-7B-Instruct-v0.3", None, (), "Mistral 7B Instruct v0.3"),
+        ModelSpec("tinyllama", "TinyLlama/TinyLlama-1.1B-Chat-v1.0", None, (), "TinyLlama 1.1B Chat"),
     ]
 }
 
@@ -216,8 +228,9 @@ def resolve_model(name: str | None, revision: str | None = None, allow_pickle: b
 
 
 def resolve_heads(heads: str | None, model: ResolvedModel, revision: str | None = None,
-                  quiet: bool = False) -> Path | None:
-    """The heads directory to use: --heads (directory or Hub repo), else the model's own, else None."""
+                  quiet: bool = False, draft: str = "auto") -> Path | None:
+    """The heads directory to use: --heads (directory or Hub repo), else the model's own, else those its alias
+    publishes for `draft` (auto: the first), else None."""
     from .heads import is_heads_dir
 
     if heads:
@@ -237,6 +250,7 @@ def resolve_heads(heads: str | None, model: ResolvedModel, revision: str | None 
     own = model.path / HEADS_SUBDIR
     if is_heads_dir(own):
         return own
-    if model.spec is not None and model.spec.heads not in (None, "bundled"):
-        return download(model.spec.heads, what="heads", quiet=quiet, pickles_if_needed=True)
+    repo = model.spec.heads_for(draft) if model.spec is not None else None
+    if repo not in (None, "bundled"):
+        return download(repo, what="heads", quiet=quiet, pickles_if_needed=True)
     return None

@@ -71,7 +71,7 @@ class Session:
         self.resolved = resolve_model(opts.model, opts.revision, opts.allow_pickle, quiet=quiet)
         self.heads_path = None
         if opts.draft == "auto" or opts.draft in HEADS_DRAFTS:
-            self.heads_path = resolve_heads(opts.heads, self.resolved, quiet=quiet)
+            self.heads_path = resolve_heads(opts.heads, self.resolved, quiet=quiet, draft=opts.draft)
         loaded = load(self.resolved.path, opts.device, opts.dtype, opts.load_in_8bit, opts.trust_remote_code,
                       opts.allow_pickle)
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
@@ -142,8 +142,11 @@ class Session:
         if name not in DRAFTS:
             raise CloverError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTS)}")
         opts = replace(self.opts, draft=name)
-        if (name == "auto" or name in HEADS_DRAFTS) and self.heads_path is None:
-            self.heads_path = resolve_heads(opts.heads, self.resolved, quiet=True)
+        if name == "auto" or name in HEADS_DRAFTS:
+            published = self.resolved.spec.heads_for(name) if self.resolved.spec and not opts.heads else None
+            if self.heads_path is None or published not in (None, "bundled"):
+                # an alias may publish heads of several drafters: /draft medusa takes its Medusa heads
+                self.heads_path = resolve_heads(opts.heads, self.resolved, quiet=True, draft=name)
         self.drafter = self._drafter(opts)
         self.opts = opts
         self.engine.drafter = self.drafter

@@ -8,8 +8,9 @@ The server mirrors four repositories, all built here:
   TinyLlama/TinyLlama-1.1B-Chat-v1.0   a tiny Llama under the name of the `tinyllama` alias
   lmsys/vicuna-7b-v1.5 + BinXiao/clover-2-vicuna-7b-v1.5     the `vicuna-7b` alias: a tiny Llama and heads in the
                Clover-2 authors' layout (model.safetensors, and a pickled copy that must not be fetched)
-  lmsys/vicuna-7b-v1.3 + FasterDecoding/medusa-vicuna-7b-v1.3  the `vicuna-7b-v1.3` alias: heads in Medusa's layout,
-               pickled only (medusa_lm_head.pt, read tensors-only)
+  lmsys/vicuna-7b-v1.3 + yuhuili/EAGLE-Vicuna-7B-v1.3 + FasterDecoding/medusa-vicuna-7b-v1.3   the
+               `vicuna-7b-v1.3` alias: heads in EAGLE's and Medusa's layouts, pickled only (pytorch_model.bin,
+               medusa_lm_head.pt: read tensors-only)
 
 `clover` runs as a subprocess with HF_ENDPOINT / HF_HOME in its environment (huggingface_hub reads them at import),
 exactly as a user runs it. Commands that import torch cost ~5 s each, so there are only four of them.
@@ -134,6 +135,7 @@ def hub(tmp_path_factory):
     _git(alias, "init", "-q", "-b", "main")
     _commit(alias, "tiny stand-in")
 
+    from test_eagle import eagle_files
     from test_layouts import clover_authors_files, medusa_authors_files
     from transformers import AutoModelForCausalLM
 
@@ -142,12 +144,14 @@ def hub(tmp_path_factory):
             ("lmsys/vicuna-7b-v1.5", "BinXiao/clover-2-vicuna-7b-v1.5",
              lambda out: clover_authors_files(out, target, num_heads=3, num_layers=1)),
             ("lmsys/vicuna-7b-v1.3", "FasterDecoding/medusa-vicuna-7b-v1.3",
-             lambda out: medusa_authors_files(out, target))]:
+             lambda out: medusa_authors_files(out, target)),
+            ("lmsys/vicuna-7b-v1.3", "yuhuili/EAGLE-Vicuna-7B-v1.3", lambda out: eagle_files(out, target))]:
         repo = models / model_repo
-        repo.mkdir(parents=True)
-        _replace_files(repo, refs["v1"])
-        _git(repo, "init", "-q", "-b", "main")
-        _commit(repo, "tiny stand-in")
+        if not repo.exists():
+            repo.mkdir(parents=True)
+            _replace_files(repo, refs["v1"])
+            _git(repo, "init", "-q", "-b", "main")
+            _commit(repo, "tiny stand-in")
         repo = models / heads_repo
         make(repo)
         if (repo / "model.safetensors").is_file():  # a pickled copy beside it: never fetched
@@ -209,7 +213,7 @@ def test_download_fetches_only_safe_files(hub, downloaded):
     names = {Path(f).name for f in files}
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
     assert all(Path(f).suffix in SAFE_SUFFIXES for f in files), files
-    assert not list(hub.home.rglob("*.bin")), "pickled weights were downloaded"
+    assert not [f for f in hub.cache_files("org/model") if f.endswith(".bin")], "pickled weights were downloaded"
     # The cache is the standard one: huggingface_hub finds the file there.
     config = json.loads((hub.home / "hub" / "models--org--model" / "snapshots" / snap / "config.json").read_text())
     assert config["num_hidden_layers"] == 1  # main is the v2 commit
@@ -220,7 +224,7 @@ def test_download_fetches_only_safe_files(hub, downloaded):
     assert out.strip().endswith(hub.commits["v1"])
     v1_config = Path(out.split(": ", 1)[1].strip()) / "config.json"
     assert json.loads(v1_config.read_text())["num_hidden_layers"] == 2
-    assert not list(hub.home.rglob("*.bin"))
+    assert not [f for f in hub.cache_files("org/model") if f.endswith(".bin")]
 
 
 def test_generate_through_the_hub(hub, downloaded, prompt_file, local_text):
@@ -284,7 +288,7 @@ def test_unreachable_hub(hub):
 def test_pickled_weights_need_allow_pickle(hub, prompt_file):
     code, out, err = hub.run("download", "org/binonly")
     assert_one_line_error(code, out, err, "--allow-pickle")
-    assert not list(hub.home.rglob("*.bin"))
+    assert not [f for f in hub.cache_files("org/binonly") if f.endswith(".bin")]
     code, out, err = hub.run("generate", "org/binonly", "--allow-pickle", "--prompt", str(prompt_file), "--draft",
                              "none", "--json", "-n", "4", "--stats-file", "off")
     assert code == 0, err
@@ -313,24 +317,33 @@ def test_models_shows_cached(hub):
     assert rows["vicuna-7b"][-1] == "-"
 
 
-@pytest.mark.parametrize("alias,heads_repo,draft", [
-    ("vicuna-7b", "BinXiao/clover-2-vicuna-7b-v1.5", "clover"),
-    ("vicuna-7b-v1.3", "FasterDecoding/medusa-vicuna-7b-v1.3", "medusa")])
-def test_alias_downloads_the_published_heads(hub, prompt_file, local_text, alias, heads_repo, draft):
+@pytest.mark.parametrize("alias,heads_repo,draft,flags", [
+    ("vicuna-7b", "BinXiao/clover-2-vicuna-7b-v1.5", "clover+ngram", []),
+    ("vicuna-7b-v1.3", "yuhuili/EAGLE-Vicuna-7B-v1.3", "eagle+ngram", []),
+    ("vicuna-7b-v1.3", "FasterDecoding/medusa-vicuna-7b-v1.3", "medusa", ["--draft", "medusa"])])
+def test_alias_downloads_the_published_heads(hub, prompt_file, local_text, alias, heads_repo, draft, flags):
     """`clover generate ALIAS` with no other flag fetches the target and the heads published for it (in their
-    authors' layout) and decodes losslessly with them; a pickled file is fetched only where nothing else exists."""
+    authors' layout: the first the alias lists, or the --draft's) and decodes losslessly with them; a pickled file
+    is fetched only where nothing else exists."""
     code, out, err = hub.run("generate", alias, "--prompt", str(prompt_file), "--json", "-n", "12",
-                             "--stats-file", "off")
+                             "--stats-file", "off", *flags)
     assert code == 0, err
     result = json.loads(out)
-    assert result["draft"] == f"{draft}+ngram"
+    assert result["draft"] == draft
     assert result["text"] == local_text["v1"]
     assert Path(result["heads"]).parent.parent.name == "models--" + heads_repo.replace("/", "--")
     names = {Path(f).name for f in hub.cache_files(heads_repo)}
-    if draft == "clover":
+    if draft.startswith("clover"):
         assert "model.safetensors" in names and "pytorch_model.bin" not in names
     else:
-        assert "medusa_lm_head.pt" in names
+        assert names & {"medusa_lm_head.pt", "pytorch_model.bin"}
+
+
+def test_models_lists_every_published_drafter(hub):
     code, out, err = hub.run("models")
     assert code == 0, err
-    assert f"{heads_repo} ({'Medusa' if draft == 'medusa' else 'Clover-2'})" in " ".join(out.split())
+    text = " ".join(out.split())
+    for shown in ("BinXiao/clover-2-vicuna-7b-v1.5 (Clover-2)", "yuhuili/EAGLE-Vicuna-7B-v1.3 (EAGLE), "
+                  "FasterDecoding/medusa-vicuna-7b-v1.3 (Medusa)", "BinXiao/clover-2-llama-3-8b-instruct (Clover-2), "
+                  "yuhuili/EAGLE-LLaMA3-Instruct-8B (EAGLE)"):
+        assert shown in text, shown
