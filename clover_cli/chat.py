@@ -736,12 +736,27 @@ def _heads_source(session) -> str:
     return f"heads {hp} (from the Hub)"
 
 
+def placement(session) -> str:
+    """Where the model runs: its device, or the devices its --device-map spreads it over."""
+    placed = getattr(session.model, "hf_device_map", None)
+    if session.opts.device_map is None or not placed:
+        return f"device {session.device}"
+    layers = {}
+    for where in placed.values():
+        layers[str(where)] = layers.get(str(where), 0) + 1
+    return "device map " + ", ".join(f"{where} ({n} module{'s' * (n > 1)})" for where, n in layers.items())
+
+
+def weights_bits(session) -> str:
+    return "8-bit" if session.load_in_8bit else "4-bit NF4" if session.load_in_4bit else "not quantized"
+
+
 def _banner(session, out: Out, load_s: float, chat: Chat, history_path, interactive: bool):
     from .render import legend
 
     dtype = str(session.dtype).replace("torch.", "")
-    out.note(f"clover chat · model {session.resolved.name} · device {session.device} · dtype {dtype} · "
-             f"8-bit {'on' if session.load_in_8bit else 'off'} · loaded in {load_s:.1f}s", "bold")
+    out.note(f"clover chat · model {session.resolved.name} · {placement(session)} · dtype {dtype} · "
+             f"{weights_bits(session)} · loaded in {load_s:.1f}s", "bold")
     out.note(f"drafter {session.draft_name} · {_heads_source(session)}")
     out.note(session.compiler.describe())
     if session.template_notice:

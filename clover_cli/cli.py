@@ -54,7 +54,13 @@ class Common:
     tree_budget = typer.Option("auto", "--tree-budget", help="Most draft nodes verified per step, or auto: "
                                                              "sized each step from the measured cost on this device.")
     load_in_8bit = typer.Option(False, "--load-in-8bit", help="Load the target in 8 bits (bitsandbytes).")
+    load_in_4bit = typer.Option(False, "--load-in-4bit", help="Load the target in 4 bits (NF4, bitsandbytes).")
     device = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N.")
+    device_map = typer.Option(None, "--device-map", help="Spread the target's layers with accelerate: auto (GPUs, "
+                              "then CPU, then disk), balanced (evenly over the GPUs), or a JSON object or file "
+                              "mapping module names to a GPU index, cpu or disk. Runs eager.", show_default=False)
+    max_memory = typer.Option(None, "--max-memory", help="With --device-map: most memory per device, e.g. "
+                              "0=20GiB,cpu=64GiB (or a JSON object); the rest goes to disk.", show_default=False)
     dtype = typer.Option("auto", "--dtype", help="auto (bf16/fp16 on GPU, fp32 on CPU), float32, float16, bfloat16.")
     trust_remote_code = typer.Option(False, "--trust-remote-code", help="Run model code from its repository.")
     allow_pickle = typer.Option(False, "--allow-pickle", help="Allow pickled .bin weights (unsafe from strangers).")
@@ -108,13 +114,16 @@ def read_prompt(path: str) -> str:
 
 
 def _options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, device, dtype, trust_remote_code,
-             allow_pickle, compile=None):
+             allow_pickle, compile=None, load_in_4bit=False, device_map=None, max_memory=None):
     from .compiled import compile_mode
     from .session import Options
 
-    compile_mode(compile)  # a bad value fails here, before anything loads
+    # bad values fail here, before anything loads
+    if compile_mode(compile) == "on" and device_map is not None:
+        raise CloverError("the compiled step runs a model on one CPU: --compile on cannot serve a --device-map")
     return Options(model=model, revision=revision, heads=heads, draft=draft, tree=tree, tree_budget=tree_budget,
-                   load_in_8bit=load_in_8bit, device=device, dtype=dtype, trust_remote_code=trust_remote_code,
+                   load_in_8bit=load_in_8bit, load_in_4bit=load_in_4bit, device=device, device_map=device_map,
+                   max_memory=max_memory, dtype=dtype, trust_remote_code=trust_remote_code,
                    allow_pickle=allow_pickle, compile=compile)
 
 
@@ -172,7 +181,9 @@ def generate(
     raw: bool = typer.Option(False, "--raw", help="Feed the prompt as is, without the chat template."),
     system: Optional[str] = typer.Option(None, "--system", help="System message for the chat template."),
     draft: str = Common.draft, heads: Optional[str] = Common.heads, tree: str = Common.tree,
-    tree_budget: str = Common.tree_budget, load_in_8bit: bool = Common.load_in_8bit, device: str = Common.device,
+    tree_budget: str = Common.tree_budget, load_in_8bit: bool = Common.load_in_8bit,
+    load_in_4bit: bool = Common.load_in_4bit, device: str = Common.device,
+    device_map: Optional[str] = Common.device_map, max_memory: Optional[str] = Common.max_memory,
     dtype: str = Common.dtype, revision: Optional[str] = Common.revision,
     trust_remote_code: bool = Common.trust_remote_code, allow_pickle: bool = Common.allow_pickle,
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
@@ -190,7 +201,8 @@ def generate(
     text = read_prompt(prompt)
     t_start = time.perf_counter()
     session = Session(_options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, device, dtype,
-                               trust_remote_code, allow_pickle, compile), quiet=json_out)
+                               trust_remote_code, allow_pickle, compile, load_in_4bit, device_map, max_memory),
+                      quiet=json_out)
     session.compiler.start(background=False)  # --compile on: built now if needed; auto: a cached one or eager
     load_s = time.perf_counter() - t_start
     if raw:
@@ -261,7 +273,9 @@ def chat(
     max_new_tokens: int = Common.max_new_tokens, temperature: float = Common.temperature,
     top_p: float = Common.top_p, seed: Optional[int] = Common.seed,
     draft: str = Common.draft, heads: Optional[str] = Common.heads, tree: str = Common.tree,
-    tree_budget: str = Common.tree_budget, load_in_8bit: bool = Common.load_in_8bit, device: str = Common.device,
+    tree_budget: str = Common.tree_budget, load_in_8bit: bool = Common.load_in_8bit,
+    load_in_4bit: bool = Common.load_in_4bit, device: str = Common.device,
+    device_map: Optional[str] = Common.device_map, max_memory: Optional[str] = Common.max_memory,
     dtype: str = Common.dtype, revision: Optional[str] = Common.revision,
     trust_remote_code: bool = Common.trust_remote_code, allow_pickle: bool = Common.allow_pickle,
     history_file: Optional[str] = typer.Option(None, "--history-file", help="Input history (default: user "
@@ -279,7 +293,7 @@ def chat(
 
     check_sampling(max_new_tokens, temperature, top_p, seed)
     run_chat(_options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, device, dtype,
-                      trust_remote_code, allow_pickle, compile),
+                      trust_remote_code, allow_pickle, compile, load_in_4bit, device_map, max_memory),
              system=system, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
              history_file=history_file, stats_file=stats_file, no_color=no_color)
 

@@ -74,10 +74,14 @@ def compile_mode(flag: str | None) -> str:
 
 def unsupported(model, device: torch.device, dtype: torch.dtype, load_in_8bit: bool) -> str | None:
     """Why the compiled step cannot serve this model here (one short phrase), or None when it can."""
+    if spread(model):
+        return "a model placed by --device-map (over several devices, or offloaded) is not compiled"
     if device.type != "cpu":
         return "the compiled step runs on a CPU only (the GPU path uses the Triton kernels)"
     if load_in_8bit:
         return "8-bit weights are not compiled"
+    if getattr(model, "hf_quantizer", None) is not None:
+        return "4-bit weights are not compiled"
     if dtype != torch.float32:
         return "the compiled step is built for float32 weights"
     size = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -88,6 +92,14 @@ def unsupported(model, device: torch.device, dtype: torch.dtype, load_in_8bit: b
     if not (shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")):
         return "no C++ compiler found (inductor needs one)"
     return None
+
+
+def spread(model) -> bool:
+    """Whether accelerate placed the model over several devices or offloaded some of its weights (to the CPU or
+    disk, loaded at each forward): a device map other than everything on one device."""
+    placed = {str(where) for where in (getattr(model, "hf_device_map", None) or {}).values()}
+    return len(placed) > 1 or bool(placed & {"disk", "meta"}) or any(
+        p.device.type == "meta" for p in model.parameters())
 
 
 def capacity_for(max_context: int) -> int:

@@ -1,7 +1,10 @@
-"""Load a target model and its tokenizer with transformers: device, dtype and 8-bit choices, and clear errors."""
+"""Load a target model and its tokenizer with transformers: device, dtype, 8-/4-bit and device-map choices, and
+clear errors."""
 
 from __future__ import annotations
 
+import json
+import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,28 +45,100 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def check_8bit(device: torch.device):
-    """Fail in one line, before any loading, when bitsandbytes cannot quantize on `device`."""
+def check_bitsandbytes(device: torch.device, bits: int):
+    """Fail in one line, before any loading, when bitsandbytes cannot quantize to `bits` (8 or 4) on `device`."""
     import logging
 
+    flag = f"--load-in-{bits}bit"
     # bitsandbytes logs a warning for every 8-bit matmul of a non-fp16 input (all of them on CPU) and one about
     # optional CPU kernels at import: keep the terminal and --json runs clean.
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     try:
         import bitsandbytes  # noqa: F401
-        from bitsandbytes.functional import int8_vectorwise_quant
+        from bitsandbytes.functional import int8_vectorwise_quant, quantize_4bit
     except Exception as e:  # ImportError, or a broken native library
-        raise CloverError(f"--load-in-8bit needs a working bitsandbytes: {_first_line(e)} "
-                          f"(pip install bitsandbytes, or run without --load-in-8bit)")
+        raise CloverError(f"{flag} needs a working bitsandbytes: {_first_line(e)} "
+                          f"(pip install bitsandbytes, or run without {flag})")
     try:
         import accelerate  # noqa: F401
     except ImportError:
-        raise CloverError("--load-in-8bit needs accelerate: pip install accelerate")
+        raise CloverError(f"{flag} needs accelerate: pip install accelerate")
     try:  # a tiny quantization on the target device: the backend (CPU or this GPU) must really work
-        int8_vectorwise_quant(torch.ones(2, 8, dtype=torch.float16, device=device))
+        probe = torch.ones(8, 64, dtype=torch.float16, device=device)
+        if bits == 8:
+            int8_vectorwise_quant(probe)
+        else:
+            quantize_4bit(probe, quant_type="nf4")
     except Exception as e:
-        raise CloverError(f"bitsandbytes {getattr(bitsandbytes, '__version__', '?')} cannot run 8-bit "
-                          f"quantization on {device}: {_first_line(e)} (run without --load-in-8bit)")
+        raise CloverError(f"bitsandbytes {getattr(bitsandbytes, '__version__', '?')} cannot run {bits}-bit "
+                          f"quantization on {device}: {_first_line(e)} (run without {flag})")
+
+
+DEVICE_MAPS = ("auto", "balanced")
+
+
+def parse_device_map(text: str) -> str | dict:
+    """--device-map: auto or balanced (accelerate spreads the layers over the GPUs, then the CPU, then disk), or a
+    JSON object (inline or in a file) from module names to a GPU index, "cuda:N", "cpu" or "disk"."""
+    if text in DEVICE_MAPS:
+        return text
+    raw = text
+    if not text.lstrip().startswith("{"):
+        path = Path(text).expanduser()
+        if not path.is_file():
+            raise CloverError(f"--device-map must be auto, balanced, a JSON object or a JSON file, not {text!r}")
+        try:
+            raw = path.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise CloverError(f"cannot read the --device-map file {text}: {getattr(e, 'strerror', None) or e}")
+    try:
+        mapping = json.loads(raw)
+    except ValueError as e:
+        raise CloverError(f"--device-map is not valid JSON: {_first_line(e)}")
+    if not isinstance(mapping, dict) or not mapping:
+        raise CloverError("--device-map JSON must be an object from module names to devices")
+    return {str(name): _placement(where, f"--device-map entry {name!r}") for name, where in mapping.items()}
+
+
+def parse_max_memory(text: str) -> dict:
+    """--max-memory: how much each device may hold, "0=20GiB,1=20GiB,cpu=64GiB" or the same as a JSON object."""
+    from accelerate.utils import convert_file_size_to_int
+
+    if text.lstrip().startswith("{"):
+        try:
+            pairs = json.loads(text)
+        except ValueError as e:
+            raise CloverError(f"--max-memory is not valid JSON: {_first_line(e)}")
+        if not isinstance(pairs, dict):
+            raise CloverError("--max-memory JSON must be an object from devices to sizes")
+        pairs = list(pairs.items())
+    else:
+        pairs = [part.partition("=")[::2] for part in text.split(",") if part.strip()]
+    out = {}
+    for key, size in pairs:
+        where = _placement(key.strip() if isinstance(key, str) else key, f"--max-memory device {key!r}")
+        if where == "disk":
+            raise CloverError("--max-memory limits GPUs and the CPU; what does not fit them goes to disk")
+        try:
+            out[where] = convert_file_size_to_int(size.strip() if isinstance(size, str) else size)
+        except (ValueError, TypeError):
+            raise CloverError(f"--max-memory: {size!r} for {key} is not a size (e.g. 20GiB, 500MB or bytes)")
+    if not out:
+        raise CloverError(f"--max-memory must name devices and sizes, e.g. 0=20GiB,cpu=64GiB, not {text!r}")
+    return out
+
+
+def _placement(where, what: str):
+    """A device as accelerate names it: a GPU index (int), "cpu" or "disk"."""
+    if isinstance(where, str) and where.strip().isdigit():
+        where = int(where)
+    if isinstance(where, str) and where.startswith("cuda:") and where[5:].isdigit():
+        where = int(where[5:])
+    if isinstance(where, bool) or not (isinstance(where, int) or where in ("cpu", "disk")):
+        raise CloverError(f"{what}: {where!r} is not a device (use a GPU index, cuda:N, cpu or disk)")
+    if isinstance(where, int) and where >= torch.cuda.device_count():
+        raise CloverError(f"{what}: GPU {where} asked for, but {torch.cuda.device_count()} GPU(s) exist here")
+    return where
 
 
 @dataclass
@@ -73,26 +148,48 @@ class Loaded:
     device: torch.device
     dtype: torch.dtype
     load_in_8bit: bool
+    load_in_4bit: bool = False
+    offload: object = None  # the temporary directory disk-offloaded weights may be written to, while it lives
 
 
 def load(path: Path, device: str = "auto", dtype: str = "auto", load_in_8bit: bool = False,
-         trust_remote_code: bool = False, allow_pickle: bool = False) -> Loaded:
+         trust_remote_code: bool = False, allow_pickle: bool = False, load_in_4bit: bool = False,
+         device_map: str | None = None, max_memory: str | None = None) -> Loaded:
+    """The model and tokenizer in `path`: on one device, or spread by accelerate with `device_map` (auto, balanced
+    or a JSON map; `max_memory` caps each device); in 8 or 4 bits (NF4) through bitsandbytes."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    if load_in_8bit and load_in_4bit:
+        raise CloverError("--load-in-8bit and --load-in-4bit exclude each other: choose one")
+    if max_memory is not None and device_map is None:
+        raise CloverError("--max-memory caps the devices of a --device-map: add --device-map auto (or balanced)")
+    if device_map is not None and device != "auto":
+        raise CloverError(f"--device-map places the layers itself: drop --device {device}")
+    placed = parse_device_map(device_map) if device_map is not None else None
+    memory = parse_max_memory(max_memory) if max_memory is not None else None
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     kwargs = dict(dtype=dt, trust_remote_code=trust_remote_code, use_safetensors=not allow_pickle or None)
-    if load_in_8bit:
-        check_8bit(dev)
+    offload = None
+    if placed is not None:
+        import logging
+
+        logging.getLogger("accelerate.big_modeling").setLevel(logging.ERROR)  # "some parameters are on the meta device"
+        offload = tempfile.TemporaryDirectory(prefix="clover-offload-")  # weights not in safetensors go here
+        kwargs.update(device_map=placed, max_memory=memory, offload_folder=offload.name)
+    if load_in_8bit or load_in_4bit:
+        check_bitsandbytes(dev, 8 if load_in_8bit else 4)
         from transformers import BitsAndBytesConfig
 
         if dt == torch.float32 and dev.type == "cuda":
             dt = torch.float16
-        kwargs.update(quantization_config=BitsAndBytesConfig(load_in_8bit=True), device_map={"": str(dev)},
-                      dtype=dt)
+        quant = (BitsAndBytesConfig(load_in_8bit=True) if load_in_8bit else
+                 BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dt))
+        kwargs.update(quantization_config=quant, dtype=dt)
+        kwargs.setdefault("device_map", {"": str(dev)})
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as e:
@@ -101,10 +198,11 @@ def load(path: Path, device: str = "auto", dtype: str = "auto", load_in_8bit: bo
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-        if not load_in_8bit:
+        if "device_map" not in kwargs:
             model.to(dev)
     except torch.cuda.OutOfMemoryError:
-        raise CloverError(f"out of GPU memory loading {path}; try --load-in-8bit, a smaller model or --device cpu")
+        raise CloverError(f"out of GPU memory loading {path}; try --load-in-4bit, --device-map auto, a smaller "
+                          f"model or --device cpu")
     except ImportError as e:
         raise CloverError(f"cannot load {path}: {_first_line(e)}")
     except (OSError, ValueError, KeyError, RuntimeError) as e:
@@ -114,9 +212,14 @@ def load(path: Path, device: str = "auto", dtype: str = "auto", load_in_8bit: bo
         raise CloverError(f"cannot load the model from {path}: {msg}")
     model.eval()
     model.generation_config.pad_token_id = model.generation_config.pad_token_id or tokenizer.pad_token_id
-    return Loaded(model, tokenizer, dev, dt, load_in_8bit)
+    if placed is not None:
+        from .target import input_device
+
+        dev = input_device(model)  # where the token ids go in: the first layers' device
+    return Loaded(model, tokenizer, dev, dt, load_in_8bit, load_in_4bit, offload)
 
 
-def _first_line(e: Exception) -> str:
+def _first_line(e: Exception, limit: int = 300) -> str:
     text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+    line = text.splitlines()[0] if text else type(e).__name__
+    return line if len(line) <= limit else line[:limit - 1].rstrip(" ,") + "…"  # e.g. every parameter a map missed

@@ -30,7 +30,10 @@ class Options:
     tree: str = "dynamic"
     tree_budget: str = "auto"
     load_in_8bit: bool = False
+    load_in_4bit: bool = False
     device: str = "auto"
+    device_map: str | None = None  # auto, balanced or a JSON map (accelerate); max_memory caps its devices
+    max_memory: str | None = None
     dtype: str = "auto"
     trust_remote_code: bool = False
     allow_pickle: bool = False
@@ -73,9 +76,10 @@ class Session:
         if opts.draft == "auto" or opts.draft in HEADS_DRAFTS:
             self.heads_path = resolve_heads(opts.heads, self.resolved, quiet=quiet, draft=opts.draft)
         loaded = load(self.resolved.path, opts.device, opts.dtype, opts.load_in_8bit, opts.trust_remote_code,
-                      opts.allow_pickle)
-        self.model, self.tokenizer = loaded.model, loaded.tokenizer
+                      opts.allow_pickle, opts.load_in_4bit, opts.device_map, opts.max_memory)
+        self.model, self.tokenizer, self.offload = loaded.model, loaded.tokenizer, loaded.offload
         self.device, self.dtype, self.load_in_8bit = loaded.device, loaded.dtype, loaded.load_in_8bit
+        self.load_in_4bit = loaded.load_in_4bit
         spec = self.resolved.spec
         self.template_name, self.template = chat_template(self.tokenizer, spec.template if spec else None)
         self.template_notice = None  # said where the template is used (chat, generate without --raw)
@@ -120,6 +124,13 @@ class Session:
                 return NgramDrafter()
             raise CloverError(f"no {opts.draft} heads for {self.resolved.name}: pass --heads DIR|REPO, "
                               f"or make them with `clover train`")
+        if any(m.weight.device.type == "meta" for m in (self.model.get_input_embeddings(),
+                                                        self.model.get_output_embeddings())):
+            why = "draft heads use the model's embedding and lm_head, which --device-map offloaded"
+            if opts.draft != "auto":
+                raise CloverError(f"{why}: keep them on a device in the map, or use --draft ngram")
+            self._warn(f"{why}: drafting by n-gram lookup only")
+            return NgramDrafter()
         from .drafters.layouts import load as load_heads
 
         heads = load_heads(self.heads_path, self.model)

@@ -147,6 +147,7 @@ class TreeKVLayer(CacheLayerMixin):
     def commit(self, start: int, index: torch.Tensor):
         if self.is_initialized:
             k = index.numel()
+            index = index.to(self.keys.device)  # layers placed by a device map live on several devices
             self.keys[:, :, start:start + k] = self.keys.index_select(2, start + index)
             self.values[:, :, start:start + k] = self.values.index_select(2, start + index)
 
@@ -243,6 +244,18 @@ def context_limit(config, max_context: int | None = None) -> int:
     return min(limit, max_context) if max_context else limit
 
 
+def input_device(model) -> torch.device:
+    """Where the model's input ids go: its input embedding's device, or with accelerate offloading it to the CPU or
+    disk (weights on the meta device until a forward), the device its hook runs it on."""
+    embed = model.get_input_embeddings()
+    hooked = [embed] if embed.weight.device.type != "meta" else [embed, *model.modules()]  # a parent's hook runs it
+    for module in hooked:
+        where = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+        if where is not None:
+            return torch.device("cuda", where) if isinstance(where, int) else torch.device(where)
+    return embed.weight.device
+
+
 def decoder_layers(base) -> torch.nn.ModuleList | None:
     """The model's stack of decoder layers, wherever it lives (`layers`, `h`, `decoder.layers`, ...): the module
     list with one entry per hidden layer."""
@@ -301,7 +314,7 @@ class Target:
         self.base = model.base_model
         self.lm_head = model.get_output_embeddings()
         self.embed_tokens = model.get_input_embeddings()
-        self.device = self.embed_tokens.weight.device
+        self.device = input_device(model)
         if pack:  # CPU linears only, used only inside forward(); elsewhere (hf's generate) as they were
             pack_linears(model)
         self.max_context = context_limit(self.config, max_context)
@@ -372,7 +385,8 @@ class Target:
             logits = self.model(**args).logits[0]
             logits = logits if rows is None else logits[rows]
         pre, self._pre_norm = self._pre_norm[0], None
-        return pre, logits.float()
+        # with layers on several devices (a device map) the drafters get the states where the inputs live
+        return pre.to(self.device), logits.float()
 
     def reset(self, length: int = 0):
         self.cache.truncate(length)
