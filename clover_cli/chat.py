@@ -535,9 +535,9 @@ def visible(text: str) -> str:
 
 class ReplyPrinter:
     """Streams a reply: colours each character by the depth of the token it came from, holds back text that
-    could be the start of a stop string, and skips the reply's leading whitespace."""
+    could be the start of a stop string, and skips the reply's leading whitespace (unless skip_space is False)."""
 
-    def __init__(self, out: Out, stops):
+    def __init__(self, out: Out, stops, skip_space: bool = True):
         from .render import paint
 
         self.paint = paint
@@ -546,7 +546,7 @@ class ReplyPrinter:
         self.text = ""
         self.depths: list[int] = []
         self.printed = 0
-        self.started = False
+        self.started = not skip_space
         self.stopped = False
         self.any_output = False
 

@@ -72,7 +72,7 @@ class Common:
                                                          "cache directory; 'off' disables).")
     no_color = typer.Option(False, "--no-color", help="Plain text, no colours.")
     compile = typer.Option(None, "--compile", help="The compiled target step (CPU, float32): auto = use it when "
-                           "it is built (chat builds it in the background meanwhile); on = build it first if "
+                           "it is built (chat and serve build it in the background meanwhile); on = build it first if "
                            "needed; off = eager. Default: $CLOVER_COMPILE, else auto.", show_default=False)
 
 
@@ -296,6 +296,65 @@ def chat(
                       trust_remote_code, allow_pickle, compile, load_in_4bit, device_map, max_memory),
              system=system, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
              history_file=history_file, stats_file=stats_file, no_color=no_color)
+
+
+@app.command()
+def serve(
+    model: Optional[str] = MODEL_ARG,
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on. Anything but this machine's own "
+                             "(127.0.0.1, localhost, ::1) lets other machines use the model: set --api-key."),
+    port: int = typer.Option(8000, "--port", help="TCP port (0: any free one, printed)."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="CLOVER_API_KEY", show_default=False,
+                                          help="Require 'Authorization: Bearer KEY' on every request."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="Reply length when a request sets "
+                                                                         "no max_tokens."),
+    draft: str = Common.draft, heads: Optional[str] = Common.heads, tree: str = Common.tree,
+    tree_budget: str = Common.tree_budget, load_in_8bit: bool = Common.load_in_8bit,
+    load_in_4bit: bool = Common.load_in_4bit, device: str = Common.device,
+    device_map: Optional[str] = Common.device_map, max_memory: Optional[str] = Common.max_memory,
+    dtype: str = Common.dtype, revision: Optional[str] = Common.revision,
+    trust_remote_code: bool = Common.trust_remote_code, allow_pickle: bool = Common.allow_pickle,
+    stats_file: Optional[str] = Common.stats_file, compile: Optional[str] = Common.compile,
+):
+    """Serve the model over HTTP with the OpenAI API: /v1/chat/completions (streamed or not), /v1/completions,
+    /v1/models, and /health.
+
+    The same drafters, sampling (temperature, top_p, seed, max_tokens), stop strings and chat template as `clover
+    chat`; each response adds clover's figures (tau, acceptance rate, draft and verify time) under "clover".
+    Requests are served one at a time in arrival order (the X-Clover-Queue-Position header says how many were
+    ahead; /health shows the queue). A client that disconnects stops its reply at once. Ctrl-C stops the server.
+    """
+    from .chat import placement, weights_bits
+    from .serve import LOCAL_HOSTS, Server, listen, run
+    from .session import Session
+    from .stats import StatsWriter
+
+    if api_key is not None and not api_key.strip():
+        raise CloverError("--api-key (or CLOVER_API_KEY) is empty: give a key, or leave it unset")
+    if not 0 <= port <= 65535:
+        raise CloverError(f"--port must be between 0 and 65535, not {port}")
+    check_sampling(max_new_tokens, 0.0, 1.0)
+    opts = _options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, device, dtype, trust_remote_code,
+                    allow_pickle, compile, load_in_4bit, device_map, max_memory)
+    sock = listen(host, port)  # a port in use fails now, before loading
+    t0 = time.perf_counter()
+    session = Session(opts)
+    session.compiler.start(background=True)  # auto: eager until the compiled step is built, as in the chat
+    writer = StatsWriter.open(stats_file)  # after loading: a server that fails to start leaves no record
+    server = Server(session, api_key=api_key, max_new_tokens=max_new_tokens, writer=writer)
+    bound = sock.getsockname()
+    where = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+    say = lambda text: typer.echo(text, err=True)  # noqa: E731
+    say(f"clover serve · model {session.resolved.name} · {placement(session)} · dtype "
+        f"{str(session.dtype).replace('torch.', '')} · {weights_bits(session)} · loaded in "
+        f"{time.perf_counter() - t0:.1f}s")
+    say(f"drafter {session.draft_name} · {session.compiler.describe()} · context {session.max_context} tokens")
+    if host not in LOCAL_HOSTS:
+        say(f"clover: warning: listening on {host}: other machines can reach this server"
+            + ("" if api_key else " and use the model without a key (set --api-key)"))
+    say(f"OpenAI API at http://{where}:{bound[1]}/v1 · {'API key required' if api_key else 'no API key'}"
+        f"{f' · stats → {writer.path}' if writer else ''} · Ctrl-C stops")
+    run(server, sock)
 
 
 @app.command()

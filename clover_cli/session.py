@@ -198,10 +198,12 @@ class Session:
                               f"({self.max_context}) for a reply")
         return room
 
-    def generate(self, prompt: list[int], max_new_tokens: int, sampling: Sampling):
-        """Yield StepEvents; the budget of new tokens is cut to what fits the context."""
+    def generate(self, prompt: list[int], max_new_tokens: int, sampling: Sampling, stop_strings=None):
+        """Yield StepEvents; the budget of new tokens is cut to what fits the context. `stop_strings`: what ends the
+        reply besides EOS (default: the chat template's)."""
         room = self.check_fits(prompt, max_new_tokens)
-        stop = StopCheck(room, self.eos_ids, self.stop_strings, self.decode)
+        stop = StopCheck(room, self.eos_ids, self.stop_strings if stop_strings is None else stop_strings,
+                         self.decode)
         try:
             for ev in self.engine.generate(prompt, stop, sampling):
                 yield ev

@@ -14,7 +14,7 @@ import torch
 
 from conftest import build_model, tiny_config
 
-COMMANDS = ["models", "download", "generate", "chat", "stats", "train", "bench", "compile"]
+COMMANDS = ["models", "download", "generate", "chat", "serve", "stats", "train", "bench", "compile"]
 JSON_KEYS = {"text", "new_tokens", "steps", "tau", "tokens_per_s", "elapsed_s", "model", "draft"}
 
 
@@ -267,7 +267,7 @@ def test_usage_errors(run_cli, llama_dir, prompt_path, isolated, args, needle):
 
 
 def test_unknown_command(run_cli):
-    assert_one_line_error(run_cli("serve"), "serve")
+    assert_one_line_error(run_cli("serveit"), "serveit")
 
 
 # --- devices, 8 bits, memory ----------------------------------------------------------------------------------

@@ -1,0 +1,639 @@
+"""`clover serve`: the OpenAI chat-completions API over HTTP (Starlette on uvicorn), speculative decoding inside.
+
+    POST /v1/chat/completions   messages -> the chat template -> a reply (streamed as server-sent events or not)
+    POST /v1/completions        a raw prompt, continued
+    GET  /v1/models             the one model served
+    GET  /health                status, the queue, the target step
+
+One engine serves one request at a time, in the order they arrive: requests wait in a FIFO queue for the single
+worker thread that runs the engine (the event loop never waits on the model). Each response says how many requests
+were ahead of it (`X-Clover-Queue-Position`); /health shows the queue. A client that goes away, mid-stream or while
+it waits, has its request dropped at once (the engine's generator is closed between two steps, which leaves its
+cache consistent), and the next request is served normally.
+
+Replies are what `clover chat` and `clover generate` give: the same chat template, drafters, stop strings and
+sampling; a chat reply is trimmed of surrounding whitespace as the chat keeps it (`generate --json`'s text,
+stripped), a completion is the raw continuation (`generate --raw --json`'s text). Each response carries the usage
+fields and clover's own figures under "clover" (tau, acceptance rate, draft/verify time).
+
+Errors are OpenAI-style JSON objects, {"error": {"message", "type", "param", "code"}}, with their HTTP status:
+400 a bad request (malformed JSON, an unknown or unsupported field, a prompt over the context), 401 a wrong or
+missing API key, 404 an unknown model or path, 405, 413 a body over the limit, 503 a full queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import math
+import queue
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from .errors import CloverError
+
+MAX_BODY = 4 << 20  # bytes of one request body
+MAX_WAITING = 256  # requests queued behind the running one; more are turned away (503)
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+
+def error_body(e: ApiError) -> dict:
+    return {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code}}
+
+
+# ----------------------------------------------------------------------------------------------- requests
+
+@dataclass
+class Prompt:
+    """One request, checked: what the worker generates and how the reply is shaped."""
+
+    ids: list[int]
+    max_tokens: int
+    sampling: object  # engine.Sampling
+    stops: list[str]  # the request's stop strings (the template's are added)
+    chat: bool  # a chat reply (trimmed, role and message fields) or a raw completion
+    stream: bool = False
+    usage_chunk: bool = False  # stream_options.include_usage
+
+
+# Fields accepted with their neutral value only (a client may send them; clover has no such feature).
+NEUTRAL = {"n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "logprobs": (False, 0),
+           "top_logprobs": 0, "echo": False, "logit_bias": {}, "suffix": "", "tools": [], "tool_choice": ("none", "auto"),
+           "response_format": {"type": "text"}, "parallel_tool_calls": (True, False), "user": str,
+           "service_tier": str, "store": False, "metadata": dict}
+COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options"}
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "n", "presence_penalty", "frequency_penalty",
+                        "logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice", "response_format",
+                        "parallel_tool_calls", "user", "service_tier", "store", "metadata"}
+COMPLETION_FIELDS = COMMON | {"prompt", "n", "best_of", "presence_penalty", "frequency_penalty", "logprobs",
+                              "echo", "logit_bias", "suffix", "user"}
+
+
+def _number(body: dict, name: str, low: float, high: float, default: float, low_open: bool = False) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not (low < value if low_open else low <= value) or value > high:
+        interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+        raise ApiError(400, f"'{name}' must be a number in {interval}, not {json.dumps(value)}", name)
+    return float(value)
+
+
+def _integer(body: dict, name: str, low: int, high: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ApiError(400, f"'{name}' must be a whole number from {low} to {high}, not {json.dumps(value)}", name)
+    return value
+
+
+def _check_fields(body: dict, known: set[str]):
+    for name, value in body.items():
+        if name not in known:
+            raise ApiError(400, f"unrecognized request argument supplied: {name}", name, "unknown_parameter")
+        neutral = NEUTRAL.get(name)
+        if neutral is None or value is None:
+            continue
+        if isinstance(neutral, type):
+            ok = isinstance(value, neutral)
+        elif isinstance(neutral, tuple):
+            ok = any(value == v and type(value) is type(v) for v in neutral)
+        else:
+            ok = value == neutral and (isinstance(value, bool) == isinstance(neutral, bool))
+        if not ok:
+            raise ApiError(400, f"'{name}': {json.dumps(value)[:80]} is not supported by clover (leave it out)", name,
+                           "unsupported_parameter")
+
+
+def _text_content(content, where: str) -> str:
+    """A message's content: a string, or a list of text parts (what newer OpenAI clients send)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise ApiError(400, f"{where}.content must be a string or a list of text parts", where)
+
+
+def parse_messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise ApiError(400, f"{where} must be an object with 'role' and 'content'", where)
+        role = "system" if m.get("role") == "developer" else m.get("role")
+        if role not in ("system", "user", "assistant"):
+            raise ApiError(400, f"{where}.role must be system, user or assistant, not {json.dumps(m.get('role'))}",
+                           f"{where}.role")
+        out.append({"role": role, "content": _text_content(m.get("content"), where)})
+    return out
+
+
+def parse_stops(body: dict) -> list[str]:
+    stop = body.get("stop")
+    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
+        raise ApiError(400, "'stop' must be a non-empty string or a list of up to 4 of them", "stop")
+    return stops
+
+
+# ----------------------------------------------------------------------------------------------- the worker
+
+@dataclass
+class Job:
+    """A request waiting for, or running on, the worker; events go back to its handler on the event loop."""
+
+    prompt: Prompt
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    arrived: float = field(default_factory=time.perf_counter)
+
+    def put(self, kind: str, value=None):
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            self.cancelled.set()
+
+
+class Deltas:
+    """The `Out` a ReplyPrinter writes a streamed reply to (stop strings held back): handed out in pieces, with the
+    trailing whitespace of a chat reply held back until more text follows it (a chat reply is trimmed)."""
+
+    colour = sanitize = False
+
+    def __init__(self, trim: bool):
+        self.text, self.sent, self.trim = "", 0, trim
+
+    def write(self, text: str):
+        self.text += text
+
+    def take(self) -> str:
+        end = len(self.text.rstrip()) if self.trim else len(self.text)
+        piece, self.sent = self.text[self.sent:end], max(self.sent, end)
+        return piece
+
+
+class Worker:
+    """The one thread that runs the engine: jobs in arrival order, one at a time."""
+
+    def __init__(self, session, writer=None):
+        self.session, self.writer = session, writer
+        self.sid = writer.new_session("serve", session) if writer else None
+        self.jobs: queue.Queue = queue.Queue()
+        self.lock = threading.Lock()
+        self.waiting = 0
+        self.running: Job | None = None
+        self.served = 0
+        self.thread = threading.Thread(target=self._run, name="clover-engine", daemon=True)
+        self.thread.start()
+
+    def submit(self, job: Job) -> int:
+        """Queue a job; returns how many requests are ahead of it."""
+        with self.lock:
+            if self.waiting >= MAX_WAITING:
+                raise ApiError(503, f"the server is busy: {self.waiting} requests are waiting; try again later",
+                               code="server_busy", kind="server_error")
+            ahead = self.waiting + (self.running is not None)
+            self.waiting += 1
+            self.jobs.put(job)
+        return ahead
+
+    def status(self) -> dict:
+        with self.lock:
+            return {"running": int(self.running is not None), "waiting": self.waiting, "served": self.served}
+
+    def stop(self):
+        self.jobs.put(None)
+
+    def _run(self):
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            with self.lock:
+                self.waiting -= 1
+                if job.cancelled.is_set():  # its client left while it waited
+                    continue
+                self.running = job
+            try:
+                self._generate(job)
+            except CloverError as e:  # out of memory while generating, for one
+                job.put("error", ApiError(500, str(e), code="generation_failed", kind="server_error"))
+            except Exception as e:
+                print(f"clover serve: error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                      file=sys.stderr)
+                job.put("error", ApiError(500, f"generation failed ({type(e).__name__})", code="generation_failed",
+                                          kind="server_error"))
+            finally:
+                with self.lock:
+                    self.running = None
+                    self.served += 1
+
+    def _generate(self, job: Job):
+        from .chat import ReplyPrinter
+        from .render import Detokenizer
+        from .session import strip_stop
+        from .stats import SessionStats, step_record
+
+        s, p = self.session, job.prompt
+        stops = s.stop_strings + [x for x in p.stops if x not in s.stop_strings]
+        detok, per = Detokenizer(s.tokenizer), SessionStats()
+        sink = Deltas(trim=p.chat)
+        printer = ReplyPrinter(sink, stops, skip_space=p.chat)
+        started = time.perf_counter()
+        finish = None
+        gen = s.generate(p.ids, p.max_tokens, p.sampling, stops)
+        try:
+            for ev in gen:
+                if job.cancelled.is_set():
+                    return  # closing the generator resets the engine's cache
+                rec = step_record(self.sid, ev, s.resolved.name, s.draft_name)
+                if self.writer:
+                    self.writer.write(rec)
+                per.add(rec)
+                finish = ev.finish or finish
+                for tok, depth in zip(ev.tokens, ev.depths):
+                    printer.add(detok.push(tok), depth)
+                printer.flush()
+                piece = sink.take()
+                if piece and p.stream:
+                    job.put("delta", piece)
+        finally:
+            gen.close()
+        text = strip_stop(detok.text(), stops)
+        printer.finish(text)
+        job.put("done", {"text": text.strip() if p.chat else text, "tail": sink.take(), "finish": finish,
+                         "stats": per, "queue_s": started - job.arrived, "elapsed_s": time.perf_counter() - started})
+
+
+# ----------------------------------------------------------------------------------------------- the app
+
+class Server:
+    """The app (`self.app`, ASGI) around one loaded Session."""
+
+    def __init__(self, session, api_key: str | None = None, max_new_tokens: int = 256, writer=None,
+                 max_body: int = MAX_BODY):
+        from starlette.applications import Starlette
+        from starlette.exceptions import HTTPException
+        from starlette.routing import Route
+
+        self.session, self.api_key, self.max_new_tokens, self.max_body = session, api_key, max_new_tokens, max_body
+        self.model_id = session.resolved.name
+        self.created = int(time.time())
+        self.worker = Worker(session, writer)
+        routes = [Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                  Route("/v1/completions", self.completions, methods=["POST"]),
+                  Route("/v1/models", self.models, methods=["GET"]),
+                  Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+                  Route("/health", self.health, methods=["GET"])]
+        handlers = {ApiError: self._api_error, HTTPException: self._http_error, Exception: self._crash}
+        self.app = Guard(Starlette(routes=routes, exception_handlers=handlers), self)
+
+    def close(self):
+        self.worker.stop()
+
+    # --- endpoints
+
+    async def chat(self, request):
+        return await self._complete(request, chat=True)
+
+    async def completions(self, request):
+        return await self._complete(request, chat=False)
+
+    async def models(self, request):
+        from starlette.responses import JSONResponse
+
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request):
+        from starlette.responses import JSONResponse
+
+        self._check_model(request.path_params["model"])
+        return JSONResponse(self._model_card())
+
+    async def health(self, request):
+        from starlette.responses import JSONResponse
+
+        s = self.session
+        return JSONResponse({"status": "ok", "model": self.model_id, "draft": s.draft_name,
+                             "step": s.compiler.describe(), "device": str(s.device), "context": s.max_context,
+                             "queue": {"order": "fifo, one request at a time", **self.worker.status()}})
+
+    # --- completions
+
+    async def _complete(self, request, chat: bool):
+        from starlette.concurrency import run_in_threadpool
+        from starlette.responses import JSONResponse
+
+        body = await self._json(request)
+        prompt = await run_in_threadpool(self._prompt, body, chat)  # the template and tokenizer, off the loop
+        job = Job(prompt, asyncio.get_running_loop())
+        headers = {"X-Clover-Queue-Position": str(self.worker.submit(job))}
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        if prompt.stream:
+            return EventStream(job, self._events(job, rid), headers={**headers, "Cache-Control": "no-cache"})
+        result = await self._wait(job, request)
+        return JSONResponse(self._response(rid, job, result), headers=headers)
+
+    def _prompt(self, body: dict, chat: bool) -> Prompt:
+        from .engine import Sampling
+
+        _check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
+        if body.get("model") is not None:
+            self._check_model(body["model"])
+        s = self.session
+        if chat:
+            messages = parse_messages(body)
+            try:
+                ids = s.encode_chat(messages)
+            except Exception as e:  # a template that refuses the conversation (roles out of order, ...)
+                raise ApiError(400, f"the chat template refuses these messages: "
+                                    f"{str(e).splitlines()[0] if str(e) else type(e).__name__}", "messages")
+        else:
+            text = body.get("prompt")
+            if isinstance(text, list) and len(text) == 1:
+                text = text[0]
+            if not isinstance(text, str) or not text:
+                raise ApiError(400, "'prompt' must be a non-empty string", "prompt")
+            ids = s.encode_raw(text)
+        limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        max_tokens = _integer(body, limit, 1, 1_000_000) or self.max_new_tokens
+        sampling = Sampling(_number(body, "temperature", 0.0, 2.0, 0.0), _number(body, "top_p", 0.0, 1.0, 1.0, True),
+                            _integer(body, "seed", 0, 2**63 - 1))
+        stream = body.get("stream")
+        options = body.get("stream_options")
+        if stream is not None and not isinstance(stream, bool):
+            raise ApiError(400, "'stream' must be true or false", "stream")
+        if options is not None and (not stream or not isinstance(options, dict) or set(options) - {"include_usage"}
+                                    or not isinstance(options.get("include_usage", False), bool)):
+            raise ApiError(400, "'stream_options' is {\"include_usage\": true|false}, with stream true",
+                           "stream_options")
+        try:
+            s.check_fits(ids, max_tokens)
+        except CloverError as e:
+            raise ApiError(400, str(e), "messages" if chat else "prompt", "context_length_exceeded")
+        return Prompt(ids, max_tokens, sampling, parse_stops(body), chat, bool(stream),
+                      bool((options or {}).get("include_usage")))
+
+    async def _wait(self, job: Job, request) -> dict:
+        """The job's result; a client that hangs up first has its job cancelled."""
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            while True:
+                got = asyncio.ensure_future(job.events.get())
+                await asyncio.wait({got, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not got.done():
+                    got.cancel()
+                    raise ApiError(499, "the client closed the connection")
+                kind, value = got.result()
+                if kind == "error":
+                    raise value
+                if kind == "done":
+                    return value
+        finally:
+            gone.cancel()
+            job.cancelled.set()  # a no-op once it is done
+
+    async def _events(self, job: Job, rid: str):
+        """Server-sent events of a streamed reply (EventStream cancels the job if they end early)."""
+        p = job.prompt
+        if p.chat:
+            yield _sse(self._chunk(rid, p, {"role": "assistant", "content": ""}))
+        while True:
+            kind, value = await job.events.get()
+            if kind == "delta":
+                yield _sse(self._chunk(rid, p, value))
+            elif kind == "error":
+                yield _sse(error_body(value))
+                break
+            else:
+                if value["tail"]:
+                    yield _sse(self._chunk(rid, p, value["tail"]))
+                last = self._chunk(rid, p, None, _finish(value["finish"]))
+                last["clover"] = self._clover(job, value)
+                yield _sse(last)
+                if p.usage_chunk:
+                    yield _sse({**self._chunk(rid, p, None), "choices": [], "usage": self._usage(p, value)})
+                break
+        yield "data: [DONE]\n\n"
+
+    # --- response bodies
+
+    def _chunk(self, rid: str, p: Prompt, delta, finish: str | None = None) -> dict:
+        if p.chat:
+            delta = delta if isinstance(delta, dict) else {} if delta is None else {"content": delta}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+        return {"id": rid, "object": "chat.completion.chunk" if p.chat else "text_completion",
+                "created": int(time.time()), "model": self.model_id, "choices": [choice]}
+
+    def _response(self, rid: str, job: Job, result: dict) -> dict:
+        p = job.prompt
+        finish = _finish(result["finish"])
+        if p.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": result["text"]}, "logprobs": None,
+                      "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": result["text"], "logprobs": None, "finish_reason": finish}
+        return {"id": rid, "object": "chat.completion" if p.chat else "text_completion", "created": int(time.time()),
+                "model": self.model_id, "choices": [choice], "usage": self._usage(p, result),
+                "clover": self._clover(job, result)}
+
+    @staticmethod
+    def _usage(p: Prompt, result: dict) -> dict:
+        per = result["stats"]
+        new = per.tokens + per.replies
+        return {"prompt_tokens": len(p.ids), "completion_tokens": new, "total_tokens": len(p.ids) + new}
+
+    def _clover(self, job: Job, result: dict) -> dict:
+        per = result["stats"]
+
+        def r(x, n=4):
+            return None if x is None else round(x, n)
+
+        return {"tau": r(per.tau), "acceptance_rate": r(per.acceptance_rate), "steps": per.steps,
+                "draft_s": r(per.draft_s, 6), "verify_s": r(per.verify_s, 6), "prefill_s": r(per.prefill_s, 6),
+                "decode_s": r(per.elapsed_s, 6), "tokens_per_s": r(per.tokens_per_s, 3),
+                "elapsed_s": r(result["elapsed_s"], 6), "queue_s": r(result["queue_s"], 6),
+                "draft": self.session.draft_name, "compiled": self.session.compiler.active}
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "clover"}
+
+    def _check_model(self, name):
+        if name != self.model_id:
+            raise ApiError(404, f"the model {json.dumps(name)[:200]} is not served here; this server serves "
+                                f"{json.dumps(self.model_id)} (GET /v1/models)", "model", "model_not_found")
+
+    # --- request bodies and errors
+
+    async def _json(self, request) -> dict:
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > self.max_body:
+            raise _too_large(self.max_body)
+        from starlette.requests import ClientDisconnect
+
+        data = bytearray()
+        try:
+            async for chunk in request.stream():
+                data += chunk
+                if len(data) > self.max_body:
+                    raise _too_large(self.max_body)
+        except ClientDisconnect:
+            raise ApiError(499, "the client closed the connection before sending the whole body")
+        try:
+            body = json.loads(bytes(data).decode("utf-8"))
+        except UnicodeDecodeError:
+            raise ApiError(400, "the request body is not UTF-8 text", code="invalid_json")
+        except (ValueError, RecursionError) as e:
+            raise ApiError(400, f"the request body is not valid JSON ({getattr(e, 'msg', 'too deeply nested')})",
+                           code="invalid_json")
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+        return body
+
+    async def _api_error(self, request, exc: ApiError):
+        return _error_response(exc)
+
+    async def _http_error(self, request, exc):
+        status = exc.status_code
+        message = {404: f"no such path: {request.url.path}",
+                   405: f"{request.method} is not allowed on {request.url.path}"}.get(status, exc.detail)
+        return _error_response(ApiError(status, message, code={404: "not_found", 405: "method_not_allowed"}.get(
+            status)))
+
+    async def _crash(self, request, exc):
+        return _error_response(ApiError(500, f"internal error ({type(exc).__name__})", kind="server_error"))
+
+
+class EventStream:
+    """A text/event-stream response of `events`; however it ends (finished, the client gone, an error), the job is
+    cancelled, so a request nobody reads any more never runs on."""
+
+    def __init__(self, job: Job, events, headers: dict):
+        from starlette.responses import StreamingResponse
+
+        self.job = job
+        self.response = StreamingResponse(events, media_type="text/event-stream", headers=headers)
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await self.response(scope, receive, send)
+        finally:
+            self.job.cancelled.set()
+
+
+class Guard:
+    """ASGI middleware: the API key on every request (constant-time compare), and an unexpected exception one
+    line in the server's log, not a traceback (the client has its JSON error already)."""
+
+    def __init__(self, app, server: Server):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        try:
+            self._authorize(scope)
+        except ApiError as e:
+            return await _error_response(e)(scope, receive, send)
+        try:
+            await self.app(scope, receive, send)
+        except Exception as e:  # Starlette has answered with a 500 JSON error (Server._crash), or the stream broke
+            print(f"clover serve: error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                  file=sys.stderr)
+
+    def _authorize(self, scope):
+        key = self.server.api_key
+        if key is None:
+            return
+        given = b""
+        for name, value in scope.get("headers", []):
+            if name == b"authorization" and value[:7].lower() == b"bearer ":
+                given = value[7:].strip()
+        if not hmac.compare_digest(given, key.encode()):
+            raise ApiError(401, "invalid or missing API key: send 'Authorization: Bearer <key>' with the key the "
+                                "server was started with", code="invalid_api_key")
+
+
+def _error_response(e: ApiError):
+    from starlette.responses import JSONResponse
+
+    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+    return JSONResponse(error_body(e), status_code=e.status, headers=headers)
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+
+
+def _finish(engine_finish: str | None) -> str:
+    return "length" if engine_finish == "length" else "stop"
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _disconnected(request):
+    """Returns when the client closes the connection (the request body has been read by then)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+# ----------------------------------------------------------------------------------------------- running it
+
+def listen(host: str, port: int):
+    """A socket bound to host:port (0: any free port), or a one-line error."""
+    import socket
+
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((host, port), family=family, backlog=256)
+    except OSError as e:
+        raise CloverError(f"cannot listen on {host}:{port}: {e.strerror or e}")
+
+
+def run(server: Server, sock, on_ready=None):
+    """Serve on `sock` until Ctrl-C (or SIGTERM); access lines on standard error."""
+    import logging
+
+    import uvicorn
+
+    access = logging.getLogger("uvicorn.access")
+    if not access.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+        access.addHandler(handler)
+        access.setLevel(logging.INFO)
+        access.propagate = False
+    logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
+    config = uvicorn.Config(server.app, log_config=None, access_log=True, timeout_graceful_shutdown=2,
+                            h11_max_incomplete_event_size=64 * 1024, lifespan="off")
+    uv = uvicorn.Server(config)
+    if on_ready is not None:
+        on_ready(uv)
+    try:
+        uv.run(sockets=[sock])
+    finally:
+        server.close()

@@ -1,0 +1,516 @@
+"""`clover serve` with real clients over loopback: the `openai` package (streamed and not), curl, raw HTTP, many
+concurrent clients, every malformed request of the issue, a client that hangs up; replies compared with `clover
+generate` (and `clover chat`) at temperature 0. The app runs in-process on uvicorn in a thread (a free port), and
+once as the `clover serve` command in a subprocess."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_cli import gen, isolated  # noqa: F401 (autouse: stats and the Hub stay private)
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = ["Hello! What is the capital of France?", "Tell me about the fox and the dog.", "What is 2 + 3?",
+           "def add(a, b):"]
+N = 24  # tokens per reply
+
+
+@contextmanager
+def serving(session, **kwargs):
+    """A Server for `session` on a free loopback port, run by uvicorn in a thread: yields it with `.url`."""
+    from clover_cli.serve import Server, listen, run
+
+    server = Server(session, **kwargs)
+    sock = listen("127.0.0.1", 0)
+    started = []
+    thread = threading.Thread(target=run, args=(server, sock, started.append), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not (started and started[0].started):
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    server.url = "http://127.0.0.1:%d" % sock.getsockname()[1]
+    try:
+        yield server
+    finally:
+        started[0].should_exit = True
+        thread.join(10)
+        assert not thread.is_alive()
+
+
+def load(model, **over):
+    from clover_cli.session import Options, Session
+
+    return Session(Options(model=str(model), draft=over.pop("draft", "ngram"), **over), quiet=True)
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir, tmp_path_factory):
+    from clover_cli.stats import StatsWriter
+
+    stats = tmp_path_factory.mktemp("serve-stats") / "stats.jsonl"
+    with serving(load(llama_dir), max_body=64 * 1024, writer=StatsWriter.open(str(stats))) as s:
+        s.stats_path = stats
+        yield s
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir, tmp_path_factory):
+    """`clover generate --json` of each prompt (chat template, and --raw), as a subprocess would print it."""
+    from clover_cli.cli import main
+
+    root = tmp_path_factory.mktemp("prompts")
+    out = {}
+    for i, text in enumerate(PROMPTS):
+        path = root / f"{i}.txt"
+        path.write_text(text)
+        for raw in (False, True):
+            args = ["generate", str(llama_dir), "--prompt", str(path), "--json", "-n", str(N), "--draft", "ngram",
+                    "--stats-file", "off"] + (["--raw"] if raw else [])
+            out[text, raw] = _json_of(main, args)
+    return out
+
+
+def _json_of(main, args) -> dict:
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        with pytest.raises(SystemExit) as e:
+            main(args)
+    assert e.value.code == 0
+    return json.loads(buf.getvalue())
+
+
+def request(url: str, method: str, path: str, body=None, headers=None, timeout: float = 60):
+    """(status, headers, parsed JSON or text) of one HTTP request; body: a dict (sent as JSON) or bytes."""
+    host, port = url.split("//")[1].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
+    conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+    resp = conn.getresponse()
+    raw = resp.read()
+    conn.close()
+    try:
+        parsed = json.loads(raw)
+    except ValueError:
+        parsed = raw.decode()
+    return resp.status, {k.lower(): v for k, v in resp.getheaders()}, parsed
+
+
+def chat_body(text: str, **extra) -> dict:
+    return {"model": extra.pop("model", None), "messages": [{"role": "user", "content": text}], "max_tokens": N,
+            **extra}
+
+
+def ask(server, text: str, **extra) -> str:
+    status, _, body = request(server.url, "POST", "/v1/chat/completions", chat_body(text, **extra))
+    assert status == 200, body
+    return body["choices"][0]["message"]["content"]
+
+
+def sse_events(text: str) -> list:
+    events = [line[6:] for line in text.split("\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", text[-300:]
+    return [json.loads(e) for e in events[:-1]]
+
+
+def openai_client(server, key="none"):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+# --- the openai client ----------------------------------------------------------------------------------------
+
+
+def test_openai_client_chat_is_clover_generate(server, reference):
+    client = openai_client(server)
+    model = client.models.list().data[0].id
+    for text in PROMPTS[:2]:
+        want = reference[text, False]
+        resp = client.chat.completions.create(model=model, messages=[{"role": "user", "content": text}],
+                                              max_tokens=N, temperature=0)
+        assert resp.choices[0].message.content == want["text"].strip()
+        assert resp.choices[0].finish_reason == ("length" if want["finish"] == "length" else "stop")
+        assert resp.usage.prompt_tokens == want["prompt_tokens"]
+        assert resp.usage.completion_tokens == want["new_tokens"]
+        assert resp.usage.total_tokens == want["prompt_tokens"] + want["new_tokens"]
+        figures = resp.model_extra["clover"]
+        assert figures["draft"] == "ngram" and figures["steps"] >= 1 and figures["verify_s"] > 0
+        assert figures["tau"] == pytest.approx((want["new_tokens"] - 1) / figures["steps"], abs=1e-3)
+        assert 0 <= figures["acceptance_rate"] <= 1
+
+        pieces, finish, extra, usage = [], None, None, None
+        for chunk in client.chat.completions.create(model=model, messages=[{"role": "user", "content": text}],
+                                                    max_tokens=N, stream=True, stream_options={"include_usage": True}):
+            if chunk.choices:
+                pieces.append(chunk.choices[0].delta.content or "")
+                finish = chunk.choices[0].finish_reason or finish
+                extra = (chunk.model_extra or {}).get("clover") or extra
+            usage = chunk.usage or usage
+        assert "".join(pieces) == want["text"].strip()
+        assert len([p for p in pieces if p]) > 1, "the reply streamed in pieces"
+        assert finish == resp.choices[0].finish_reason and extra["steps"] >= 1  # n-gram statistics grew: fewer
+        assert usage.completion_tokens == want["new_tokens"]
+
+
+def test_openai_client_completions_are_generate_raw(server, reference):
+    client = openai_client(server)
+    for text in PROMPTS[2:]:
+        want = reference[text, True]
+        resp = client.completions.create(model=server.model_id, prompt=text, max_tokens=N)
+        assert resp.choices[0].text == want["text"]
+        assert resp.usage.prompt_tokens == want["prompt_tokens"]
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model=server.model_id, prompt=text, max_tokens=N, stream=True) if c.choices)
+        assert streamed == want["text"]
+
+
+def test_stop_strings(server, reference):
+    client = openai_client(server)
+    full = reference[PROMPTS[0], False]["text"].strip()
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    assert stop.strip(), full
+    cut = client.chat.completions.create(model=server.model_id, messages=[{"role": "user", "content": PROMPTS[0]}],
+                                         max_tokens=N, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].message.content == full[:full.index(stop)].strip()
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=server.model_id, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=N, stop=stop,
+        stream=True) if c.choices)
+    assert streamed == cut.choices[0].message.content, "the stream never shows the stop string"
+
+
+def test_seeded_sampling(server, slow):
+    """A seed repeats a sampled reply when the drafts repeat (they steer which random numbers are used): always
+    without a drafter; the n-gram drafter learns from every reply, so there the samples only follow the seed's
+    distribution."""
+    def sample(where, seed):
+        return openai_client(where).chat.completions.create(
+            model=where.model_id, max_tokens=N, temperature=1.0, top_p=0.9, seed=seed,
+            messages=[{"role": "user", "content": PROMPTS[1]}]).choices[0].message.content
+
+    assert sample(slow, 7) == sample(slow, 7)
+    assert len({sample(server, s) for s in range(4)}) > 1
+
+
+def test_a_conversation_is_clover_chat(server, llama_dir, run_cli):
+    """Two turns through the API (the client sends the first reply back) give `clover chat`'s two replies."""
+    first = ask(server, PROMPTS[0])
+    second = request(server.url, "POST", "/v1/chat/completions", {"max_tokens": N, "messages": [
+        {"role": "user", "content": PROMPTS[0]}, {"role": "assistant", "content": first},
+        {"role": "user", "content": PROMPTS[2]}]})[2]["choices"][0]["message"]["content"]
+    code, out, err = run_cli("chat", str(llama_dir), "--draft", "ngram", "-n", str(N), "--stats-file", "off",
+                             stdin=f"{PROMPTS[0]}\n{PROMPTS[2]}\n")
+    assert code == 0, err
+    assert out == f"{first}\n{second}\n"
+
+
+# --- curl -----------------------------------------------------------------------------------------------------
+
+
+def curl(*args) -> str:
+    done = subprocess.run(["curl", "-sS", "--max-time", "60", *args], capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_curl(server, reference):
+    want = reference[PROMPTS[3], False]["text"].strip()
+    body = json.dumps(chat_body(PROMPTS[3]))
+    assert json.loads(curl(server.url + "/v1/chat/completions", "-d", body))["choices"][0]["message"]["content"] \
+        == want  # curl -d sends a form content type: the body is read as JSON anyway
+    events = sse_events(curl("-N", server.url + "/v1/chat/completions", "-H", "Content-Type: application/json",
+                             "-d", json.dumps(chat_body(PROMPTS[3], stream=True))))
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == want
+    assert events[-1]["choices"][0]["finish_reason"] and "tau" in events[-1]["clover"]
+    models = json.loads(curl(server.url + "/v1/models"))
+    assert [m["id"] for m in models["data"]] == [server.model_id]
+    health = json.loads(curl(server.url + "/health"))
+    assert health["status"] == "ok" and health["queue"]["running"] == 0 and health["queue"]["waiting"] == 0
+
+
+# --- many clients ---------------------------------------------------------------------------------------------
+
+
+def test_concurrent_clients_get_the_serial_replies(server, reference):
+    """24 clients at once, 3 requests each (streamed and not, chat and completions): every reply is the one
+    `clover generate` gives; they were queued (positions reported), and all finish within the time limit."""
+    jobs = [(PROMPTS[(c + r) % len(PROMPTS)], (c + r) % 3) for c in range(24) for r in range(3)]
+
+    def one(job):
+        text, kind = job
+        if kind == 2:
+            status, headers, body = request(server.url, "POST", "/v1/completions",
+                                            {"prompt": text, "max_tokens": N})
+            return status, headers, body["choices"][0]["text"]
+        status, headers, body = request(server.url, "POST", "/v1/chat/completions",
+                                        chat_body(text, stream=kind == 1))
+        if kind == 1:
+            return status, headers, "".join(e["choices"][0]["delta"].get("content", "") for e in sse_events(body))
+        return status, headers, body["choices"][0]["message"]["content"]
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(24) as pool:
+        results = list(pool.map(one, jobs, timeout=240))
+    assert time.monotonic() - t0 < 240
+    for (text, kind), (status, headers, reply) in zip(jobs, results):
+        assert status == 200
+        want = reference[text, kind == 2]["text"]
+        assert reply == (want if kind == 2 else want.strip()), (text, kind)
+    positions = [int(h["x-clover-queue-position"]) for _, h, _ in results]
+    assert max(positions) > 0, "requests that arrived together waited their turn"
+    assert request(server.url, "GET", "/health")[2]["queue"]["waiting"] == 0
+
+
+# --- bad requests ---------------------------------------------------------------------------------------------
+
+LONG = "the quick brown fox jumps over the lazy dog " * 200  # far over llama_dir's 512 positions
+
+BAD = [
+    ("POST", "/v1/chat/completions", b'{"messages": [', 400, "invalid_json"),
+    ("POST", "/v1/chat/completions", b"\xff\xfe", 400, "invalid_json"),
+    ("POST", "/v1/chat/completions", b"[1, 2]", 400, "invalid_json"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "frobnicate": 1}, 400,
+     "unknown_parameter"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400,
+     "unsupported_parameter"),
+    ("POST", "/v1/chat/completions", {"messages": []}, 400, None),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, None),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, None),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": 3}, 400, None),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, None),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": ["a"] * 5}, 400,
+     None),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 400, None),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, 400,
+     "context_length_exceeded"),
+    ("POST", "/v1/completions", {"prompt": LONG, "stream": True}, 400, "context_length_exceeded"),
+    ("POST", "/v1/completions", {"prompt": ""}, 400, None),
+    ("POST", "/v1/chat/completions", {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}, 404,
+     "model_not_found"),
+    ("GET", "/v1/chat/completions", None, 405, "method_not_allowed"),
+    ("GET", "/v2/anything", None, 404, "not_found"),
+    ("POST", "/v1/chat/completions", b"{" + b" " * (65 * 1024) + b"}", 413, "request_too_large"),
+]
+
+
+@pytest.mark.parametrize("method,path,body,status,code", BAD,
+                         ids=[f"{i}-{b[4]}" for i, b in enumerate(BAD)])
+def test_bad_request_gets_a_json_error_and_the_server_goes_on(server, reference, method, path, body, status, code):
+    got, headers, err = request(server.url, method, path, body)
+    assert got == status, err
+    assert headers["content-type"] == "application/json"
+    assert set(err) == {"error"} and isinstance(err["error"]["message"], str) and err["error"]["message"]
+    assert err["error"]["type"] == "invalid_request_error" and err["error"]["code"] == code
+    assert "Traceback" not in err["error"]["message"]
+    assert ask(server, PROMPTS[2]) == reference[PROMPTS[2], False]["text"].strip()
+
+
+def test_chunked_body_over_the_limit(server):
+    """No Content-Length: the body is counted as it arrives."""
+    host, port = server.url.split("//")[1].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("POST", "/v1/chat/completions", body=iter([b"{", b" " * (40 * 1024), b" " * (40 * 1024), b"}"]),
+                 headers={"Content-Type": "application/json"}, encode_chunked=True)
+    resp = conn.getresponse()
+    assert resp.status == 413 and json.loads(resp.read())["error"]["code"] == "request_too_large"
+
+
+def test_api_key(llama_dir, reference):
+    with serving(load(llama_dir), api_key="s3cret") as keyed:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"},
+                        {"Authorization": "Bearer s3cret-and-more"}):
+            for method, path, body in (("GET", "/health", None), ("GET", "/v1/models", None),
+                                       ("POST", "/v1/chat/completions", chat_body(PROMPTS[0])),
+                                       ("GET", "/nowhere", None)):
+                status, got, err = request(keyed.url, method, path, body, headers)
+                assert status == 401 and err["error"]["code"] == "invalid_api_key", (headers, path)
+                assert got["www-authenticate"] == "Bearer"
+        openai = pytest.importorskip("openai")
+        with pytest.raises(openai.AuthenticationError):
+            openai_client(keyed, "wrong").models.list()
+        resp = openai_client(keyed, "s3cret").chat.completions.create(
+            model=keyed.model_id, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=N)
+        assert resp.choices[0].message.content == reference[PROMPTS[0], False]["text"].strip()
+
+
+# --- clients that hang up -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def slow(llama_dir):
+    """A server whose target forward takes 10 ms longer (and fails while `.failing` holds something), and a log of
+    the replies its engine ran: (prompt length, tokens generated)."""
+    session = load(llama_dir, draft="none")
+    forward, runs = session.target.forward, []
+
+    generate = session.generate
+
+    def logged(prompt, *args, **kwargs):
+        runs.append([len(prompt), 0])
+        for ev in generate(prompt, *args, **kwargs):
+            runs[-1][1] += len(ev.tokens)
+            yield ev
+
+    def slow_forward(*args, **kwargs):
+        time.sleep(0.01)
+        if failing:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return forward(*args, **kwargs)
+
+    session.target.forward, session.generate = slow_forward, logged
+    failing = []
+    with serving(session) as s:
+        s.runs, s.failing = runs, failing
+        yield s
+
+
+def _idle(server, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while request(server.url, "GET", "/health")[2]["queue"]["running"]:
+        assert time.monotonic() < deadline, "the engine is still busy"
+        time.sleep(0.02)
+
+
+def test_client_hanging_up_mid_stream_stops_its_reply(slow, llama_dir):
+    body = json.dumps({"messages": [{"role": "user", "content": PROMPTS[1]}], "max_tokens": 400, "stream": True,
+                       "stop": []}).encode()
+    host, port = slow.url.split("//")[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        seen = b""
+        while seen.count(b"data: ") < 3:  # the role chunk and two pieces of text
+            seen += sock.recv(4096)
+    t_gone = time.monotonic()
+    _idle(slow)
+    assert time.monotonic() - t_gone < 2.0
+    assert slow.runs[-1][1] < 60, f"the reply went on after the client left ({slow.runs[-1][1]} of 400 tokens)"
+    # the next request is served normally, from a consistent cache: the reply of a fresh engine
+    fresh = load(llama_dir, draft="none")
+    from clover_cli.engine import Sampling
+
+    ids = fresh.encode_chat([{"role": "user", "content": PROMPTS[1]}])
+    want = fresh.decode([t for ev in fresh.generate(ids, N, Sampling()) for t in ev.tokens])
+    assert ask(slow, PROMPTS[1]) == want.strip()
+
+
+def test_client_hanging_up_while_queued_is_never_run(slow, reference):
+    """A non-streamed request whose client leaves while another reply runs is dropped from the queue; one whose
+    client leaves while it runs stops."""
+    host, port = slow.url.split("//")[1].split(":")
+    first = threading.Thread(target=request, args=(slow.url, "POST", "/v1/chat/completions",
+                                                   chat_body(PROMPTS[0], max_tokens=60)))
+    first.start()
+    while not request(slow.url, "GET", "/health")[2]["queue"]["running"]:
+        time.sleep(0.01)
+    before = len(slow.runs)
+    body = json.dumps(chat_body(PROMPTS[3], max_tokens=300)).encode()
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                     % (len(body), body))
+        time.sleep(0.1)
+        assert request(slow.url, "GET", "/health")[2]["queue"]["waiting"] == 1
+    first.join(60)
+    _idle(slow)
+    assert len(slow.runs) == before, "the abandoned request never ran"
+    assert request(slow.url, "GET", "/health")[2]["queue"]["waiting"] == 0
+
+    with socket.create_connection((host, int(port)), timeout=30) as sock:  # leaves while its reply runs
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                     % (len(body), body))
+        while len(slow.runs) == before:
+            time.sleep(0.01)
+        time.sleep(0.1)
+    _idle(slow)
+    assert slow.runs[-1][1] < 100
+
+
+# --- the command ----------------------------------------------------------------------------------------------
+
+
+def test_serve_command(llama_dir, tmp_path, reference):
+    """`clover serve` as a user runs it: the banner and its address, the key from CLOVER_API_KEY, a warning for a
+    public address, the stats stream (`clover stats` lists the server), Ctrl-C ends it cleanly."""
+    stats = tmp_path / "stats.jsonl"
+    env = {**os.environ, "CLOVER_API_KEY": "k3y", "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "clover_cli.cli", "serve", str(llama_dir), "--host", "0.0.0.0",
+                             "--port", "0", "--draft", "ngram", "--stats-file", str(stats)], cwd=REPO, env=env,
+                            stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        while not lines or "OpenAI API at" not in lines[-1]:
+            line = proc.stderr.readline()
+            assert line, "".join(lines)
+            lines.append(line)
+        assert any("warning: listening on 0.0.0.0" in line for line in lines)
+        assert not any("without a key" in line for line in lines)
+        port = int(re.search(r"http://[^:]+:(\d+)/v1", lines[-1]).group(1))
+        url = f"http://127.0.0.1:{port}"
+        assert request(url, "GET", "/health")[0] == 401
+        status, _, body = request(url, "POST", "/v1/chat/completions", chat_body(PROMPTS[0]),
+                                  {"Authorization": "Bearer k3y"})
+        assert status == 200 and body["choices"][0]["message"]["content"] == reference[PROMPTS[0], False]["text"].strip()
+        listed = subprocess.run([sys.executable, "-m", "clover_cli.cli", "stats", "--stats-file", str(stats),
+                                 "--json"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+        sessions = json.loads(listed.stdout)["by_session"]
+        assert [(s["command"], s["replies"]) for s in sessions] == [("serve", 1)]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            _, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert proc.returncode in (0, 130) and "Traceback" not in err, err
+
+
+def test_serve_bad_options(run_cli, llama_dir):
+    from test_cli import assert_one_line_error
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert_one_line_error(run_cli("serve", str(llama_dir), "--port", str(port)), "cannot listen",
+                              f"127.0.0.1:{port}")
+    assert_one_line_error(run_cli("serve", str(llama_dir), "--port", "70000"), "--port")
+    assert_one_line_error(run_cli("serve", str(llama_dir), "--api-key", " "), "--api-key")
+    assert_one_line_error(run_cli("serve", str(llama_dir), "--host", "no.such.host.invalid", "--port", "0"),
+                          "cannot listen")
+    assert_one_line_error(run_cli("serve", str(llama_dir), "--device-map", "auto", "--compile", "on"),
+                          "--compile on")
+
+
+def test_a_failing_generation_is_a_json_error(slow, llama_dir):
+    """The engine fails mid-reply (out of GPU memory): a 500 JSON error, or an error event in the stream, one
+    line; the next request is served."""
+    slow.failing.append(True)
+    try:
+        status, _, err = request(slow.url, "POST", "/v1/chat/completions", chat_body(PROMPTS[0]))
+        assert status == 500 and err["error"]["code"] == "generation_failed"
+        assert "out of GPU memory" in err["error"]["message"] and "\n" not in err["error"]["message"]
+        status, _, text = request(slow.url, "POST", "/v1/chat/completions", chat_body(PROMPTS[0], stream=True))
+        assert status == 200
+        assert sse_events(text)[-1]["error"]["code"] == "generation_failed"
+    finally:
+        slow.failing.clear()
+    assert ask(slow, PROMPTS[0], max_tokens=4)
