@@ -288,23 +288,29 @@ def test_bad_device_and_dtype(run_cli, llama_dir, prompt_path, isolated):
                           tmp=isolated)
 
 
-def test_8bit_without_bitsandbytes(run_cli, llama_dir, prompt_path, monkeypatch, isolated):
+QUANT_KERNELS = [("--load-in-8bit", "int8_vectorwise_quant"), ("--load-in-4bit", "quantize_4bit")]
+
+
+@pytest.mark.parametrize("flag,kernel", QUANT_KERNELS)
+def test_quantized_without_bitsandbytes(run_cli, llama_dir, prompt_path, monkeypatch, isolated, flag, kernel):
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # `import bitsandbytes` raises ImportError
     monkeypatch.setitem(sys.modules, "bitsandbytes.functional", None)
-    assert_one_line_error(gen(run_cli, llama_dir, prompt_path, "--load-in-8bit", "--draft", "none", "--json"),
-                          "--load-in-8bit", "bitsandbytes", tmp=isolated)
+    assert_one_line_error(gen(run_cli, llama_dir, prompt_path, flag, "--draft", "none", "--json"),
+                          flag, "bitsandbytes", tmp=isolated)
 
 
-def test_8bit_where_bitsandbytes_cannot_run(run_cli, llama_dir, prompt_path, monkeypatch, isolated):
+@pytest.mark.parametrize("flag,kernel", QUANT_KERNELS)
+def test_quantized_where_bitsandbytes_cannot_run(run_cli, llama_dir, prompt_path, monkeypatch, isolated, flag,
+                                                 kernel):
     """bitsandbytes imports, but its kernels fail on this device (no backend for it)."""
     bnb_functional = pytest.importorskip("bitsandbytes.functional")
 
     def broken(*args, **kwargs):
-        raise NotImplementedError("No kernel registered for int8_vectorwise_quant on device cpu")
+        raise NotImplementedError(f"No kernel registered for {kernel} on device cpu")
 
-    monkeypatch.setattr(bnb_functional, "int8_vectorwise_quant", broken)
-    assert_one_line_error(gen(run_cli, llama_dir, prompt_path, "--load-in-8bit", "--draft", "none", "--json"),
-                          "bitsandbytes", "cpu", tmp=isolated)
+    monkeypatch.setattr(bnb_functional, kernel, broken)
+    assert_one_line_error(gen(run_cli, llama_dir, prompt_path, flag, "--draft", "none", "--json"),
+                          "bitsandbytes", flag[10:].replace("bit", "-bit"), "cpu", tmp=isolated)
 
 
 def test_prompt_longer_than_context(run_cli, short_context_dir, prompt_path, isolated):

@@ -85,17 +85,6 @@ def test_generate_4bit_on_cpu(run_cli, llama_dir, prompt_path):
     assert isinstance(model.model.layers[0].mlp.up_proj, Linear4bit)
 
 
-def test_4bit_where_bitsandbytes_cannot_run(run_cli, llama_dir, prompt_path, monkeypatch, isolated):
-    bnb_functional = pytest.importorskip("bitsandbytes.functional")
-
-    def broken(*args, **kwargs):
-        raise NotImplementedError("No kernel registered for quantize_4bit on device cpu")
-
-    monkeypatch.setattr(bnb_functional, "quantize_4bit", broken)
-    assert_one_line_error(gen(run_cli, llama_dir, prompt_path, "--load-in-4bit", "--draft", "none", "--json"),
-                          "bitsandbytes", "4-bit", "cpu", tmp=isolated)
-
-
 @pytest.mark.parametrize("args,needles", [
     (["--load-in-4bit", "--load-in-8bit"], ["--load-in-8bit", "--load-in-4bit"]),
     (["--max-memory", "cpu=1GB"], ["--max-memory", "--device-map"]),
