@@ -514,3 +514,24 @@ def test_a_failing_generation_is_a_json_error(slow, llama_dir):
     finally:
         slow.failing.clear()
     assert ask(slow, PROMPTS[0], max_tokens=4)
+
+
+def test_readme_examples(tmp_path):
+    """The curl and openai-client examples of the README's "Use it from other programs", run as written against
+    the bundled model (on a free port instead of 8000)."""
+    pytest.importorskip("openai")
+    text = (REPO / "README.md").read_text().split("## Use it from other programs", 1)[1].split("\n## ", 1)[0]
+    shell = re.search(r"```bash\n(curl .*?)```", text, re.S).group(1)
+    python = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    with serving(load("tiny", draft="auto")) as s:
+        port = s.url.rsplit(":", 1)[1]
+        streamed = subprocess.run(["bash", "-c", shell.replace("127.0.0.1:8000", f"127.0.0.1:{port}")],
+                                  capture_output=True, text=True, timeout=120)
+        assert streamed.returncode == 0, streamed.stderr
+        events = sse_events(streamed.stdout)
+        assert "".join(e["choices"][0]["delta"].get("content", "") for e in events).strip()
+        script = tmp_path / "example.py"
+        script.write_text(python.replace("127.0.0.1:8000", f"127.0.0.1:{port}"))
+        ran = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+        assert ran.returncode == 0, ran.stderr
+        assert re.search(r"\S.*\n\(τ \d", ran.stdout, re.S), ran.stdout
