@@ -246,10 +246,9 @@ def _strip_prefix(state: dict) -> dict:
 
 def load(path, target_model, dtype=None) -> nn.Module:
     """EAGLE heads from a directory in the published layout, built for `target_model`; CloverError in one line."""
-    from .layouts import _config, _finish, _first, _read, _same
+    from .layouts import _config, _finish, _first, _read, _same, check_size
 
     raw = _config(path)
-    tc = target_model.config.to_dict()
     try:
         hidden, vocab = int(raw["hidden_size"]), int(raw["vocab_size"])
         heads = int(raw["num_attention_heads"])
@@ -264,9 +263,7 @@ def load(path, target_model, dtype=None) -> nn.Module:
                           f"heads {kv_heads}, hidden size {hidden})")
     if raw.get("rope_scaling"):
         raise CloverError(f"heads {path}: an EAGLE layer with RoPE scaling {raw['rope_scaling']} is not supported")
-    if (hidden, vocab) != (tc.get("hidden_size"), tc.get("vocab_size")):
-        raise CloverError(f"heads {path} were made for hidden size {hidden} and vocabulary {vocab}; this model has "
-                          f"{tc.get('hidden_size')} and {tc.get('vocab_size')}")
+    check_size(path, hidden, vocab, target_model)
     file = _first(path, FILES)
     state = _strip_prefix(_read(file, "heads"))
     bias = raw.get("bias", True)  # the reference builds fc with a bias unless its config says "bias": false

@@ -146,6 +146,14 @@ def _finish(heads, state: dict, path: Path, target_model, dtype) -> torch.nn.Mod
     return heads.to(device=device, dtype=dtype or _compute_dtype(target_model)).eval()
 
 
+def check_size(path: Path, hidden: int, vocab: int, target_model) -> None:
+    """A published file's hidden size and vocabulary against the target's: CloverError in one line if they differ."""
+    tc = target_model.config.to_dict()
+    if (hidden, vocab) != (tc.get("hidden_size"), tc.get("vocab_size")):
+        raise CloverError(f"heads {path} were made for hidden size {hidden} and vocabulary {vocab}; this model has "
+                          f"{tc.get('hidden_size')} and {tc.get('vocab_size')}")
+
+
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two weight matrices are one (up to the rounding of a dtype cast), compared in row blocks."""
     if a.shape != b.shape:
@@ -177,7 +185,6 @@ CLOVER_AUTHORS_NAMES = [  # (their module, ours), longest first
 def _load_clover_authors(path: Path, target_model, dtype) -> torch.nn.Module:
     raw = _config(path)
     block = raw["clover"]
-    tc = target_model.config.to_dict()
     try:
         num_heads, num_layers = int(block["num_heads"]), int(block["num_layers"])
         hidden, vocab = int(raw["hidden_size"]), int(raw["vocab_size"])
@@ -188,9 +195,7 @@ def _load_clover_authors(path: Path, target_model, dtype) -> torch.nn.Module:
         raise CloverError(f"heads {path}: the Clover-2 authors' config.json is not valid")
     if raw.get("rope_scaling"):
         raise CloverError(f"heads {path}: augmenting layers with RoPE scaling {raw['rope_scaling']} are not supported")
-    if (hidden, vocab) != (tc.get("hidden_size"), tc.get("vocab_size")):
-        raise CloverError(f"heads {path} were made for hidden size {hidden} and vocabulary {vocab}; this model has "
-                          f"{tc.get('hidden_size')} and {tc.get('vocab_size')}")
+    check_size(path, hidden, vocab, target_model)
     file = _first(path, CLOVER_AUTHORS_FILES)
     if file is None:
         raise CloverError(f"heads {path} have no weights ({' or '.join(CLOVER_AUTHORS_FILES)})")
@@ -261,9 +266,7 @@ def _load_medusa_authors(path: Path, target_model, dtype) -> torch.nn.Module:
     hidden = blocks[0][0]["weight"].shape[-1]
     tc = target_model.config.to_dict()
     vocab = projs[0][1].shape[0] if projs else tc.get("vocab_size")
-    if (hidden, vocab) != (tc.get("hidden_size"), tc.get("vocab_size")):
-        raise CloverError(f"heads {path} were made for hidden size {hidden} and vocabulary {vocab}; this model has "
-                          f"{tc.get('hidden_size')} and {tc.get('vocab_size')}")
+    check_size(path, hidden, vocab, target_model)
     mapped = {}
     for i, head in blocks.items():
         for j, tensors in head.items():
