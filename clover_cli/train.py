@@ -907,9 +907,11 @@ def _save_checkpoint(out: Path, heads, opt, sched, step: int, history: list):
 def _load_checkpoint(path: Path, heads, opt, sched):
     from safetensors.torch import load_file
 
+    from . import torchfile
+
     state = json.loads((path / "state.json").read_text())
     heads.load_state_dict(load_file(str(path / "heads.safetensors")))
-    saved = torch.load(path / "optimizer.pt", weights_only=False)
+    saved = torchfile.load(path / "optimizer.pt", "checkpoint file")
     opt.load_state_dict(saved["opt"])
     sched.load_state_dict(saved["sched"])
     return state["step"], state["history"]

@@ -1,0 +1,133 @@
+"""Issue #14: the defects an adversarial audit found, one test each, and the guards that keep their kind away."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import build_model
+
+ROOT = Path(__file__).resolve().parent.parent
+CONVERSATIONS = [
+    {"id": f"c{i}", "conversations": [
+        {"from": "human", "value": f"Tell me about the number {i}."},
+        {"from": "gpt", "value": f"The number {i} comes after {i - 1} and before {i + 1}."},
+    ]}
+    for i in range(24)
+]
+TRAIN = ["--heads", "2", "--layers", "1", "--batch-tokens", "2048", "--max-len", "384", "--eval-every", "2"]
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    """Stats and caches go to a private directory; the Hub is offline (no test may touch the network)."""
+    import huggingface_hub.constants as hf_constants
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("CLOVER_STATS_FILE", raising=False)
+    monkeypatch.delenv("CLOVER_DEBUG", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    return tmp_path
+
+
+def one_line_error(result, *needles, code=2, alone=True):
+    """The command failed with one `clover: error:` line holding `needles`, last on stderr, and no traceback; with
+    `alone`, nothing else on stderr (progress lines of a run that got under way are allowed otherwise)."""
+    rc, out, err = result
+    assert rc == code, result
+    assert "Traceback" not in err, err
+    lines = err.splitlines()
+    errors = [line for line in lines if line.startswith("clover: error: ")]
+    assert len(errors) == 1 and lines[-1] == errors[0] and (len(lines) == 1 or not alone), err
+    for n in needles:
+        assert n.lower() in errors[0].lower(), (n, errors[0])
+    return errors[0]
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    p = tmp_path_factory.mktemp("data") / "chats.json"
+    p.write_text(json.dumps(CONVERSATIONS))
+    return p
+
+
+@pytest.fixture(scope="module")
+def checkpointed(tmp_path_factory, llama_dir, data_file):
+    """A training run of 2 steps with its checkpoint (copied per test: tests change it)."""
+    from clover_cli.cli import main
+
+    out = tmp_path_factory.mktemp("run") / "h"
+    with pytest.raises(SystemExit) as e:
+        main(["train", str(llama_dir), "--data", str(data_file), "--out", str(out), "--max-steps", "2", *TRAIN])
+    assert e.value.code == 0
+    assert (out / "checkpoint" / "optimizer.pt").is_file()
+    return out
+
+
+@pytest.fixture
+def run_dir(checkpointed, tmp_path):
+    out = tmp_path / "h"
+    shutil.copytree(checkpointed, out)
+    return out
+
+
+def train(run_cli, model, data, out, *extra):
+    return run_cli("train", str(model), "--data", str(data), "--out", str(out), *TRAIN, *extra)
+
+
+# --- 1. train --resume must not run code from a checkpoint ------------------------------------------------------
+
+
+class _Payload:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_resume_refuses_a_pickle_that_runs_code(run_cli, llama_dir, data_file, run_dir, tmp_path):
+    marker = tmp_path / "pwned"
+    torch.save({"opt": _Payload(marker), "sched": {}}, run_dir / "checkpoint" / "optimizer.pt")
+    one_line_error(train(run_cli, llama_dir, data_file, run_dir, "--max-steps", "4", "--resume"), "optimizer.pt",
+                   "posix.system", alone=False)
+    assert not marker.exists(), "the checkpoint ran code"
+
+
+def test_resume_loads_a_real_optimizer_state(run_cli, llama_dir, data_file, run_dir):
+    code, _, err = train(run_cli, llama_dir, data_file, run_dir, "--max-steps", "4", "--resume")
+    assert code == 0, err
+    assert "resumed from step 2" in err
+
+
+def test_every_torch_load_goes_through_the_one_helper():
+    """Nothing in the project unpickles with weights_only=False, and torch.load is called in one place only."""
+    offenders = []
+    for path in [*ROOT.glob("clover_cli/**/*.py"), *ROOT.glob("scripts/**/*.py"), *ROOT.glob("kernels/**/*.py")]:
+        text = path.read_text()
+        rel = path.relative_to(ROOT).as_posix()
+        if "weights_only=False" in text or ("torch.load(" in text and rel != "clover_cli/torchfile.py"):
+            offenders.append(rel)
+    assert offenders == []
+
+
+def test_torchfile_reads_tensors_and_refuses_the_rest(tmp_path):
+    from clover_cli import torchfile
+    from clover_cli.errors import CloverError
+
+    good = tmp_path / "good.pt"
+    torch.save({"t": torch.arange(3), "step": 4, "betas": (0.9, 0.95)}, good)
+    assert torchfile.load(good)["step"] == 4
+    (tmp_path / "cut.pt").write_bytes(good.read_bytes()[:60])
+    for name, needle in [("cut.pt", "unreadable"), ("missing.pt", "missing")]:
+        with pytest.raises(CloverError, match=needle):
+            torchfile.load(tmp_path / name)
