@@ -101,7 +101,7 @@ def validate(cfg: TrainConfig):
         raise CloverError(f"--draft-vocab must be 0 (the whole vocabulary) or positive, not {cfg.draft_vocab}")
     if not 1 <= cfg.regen_turns <= 64:
         raise CloverError(f"--regen-turns must be between 1 and 64, not {cfg.regen_turns}")
-    if not 1 <= cfg.regen_max_tokens < cfg.max_len:
+    if cfg.regenerate and not 1 <= cfg.regen_max_tokens < cfg.max_len:
         raise CloverError(f"--regen-max-tokens must be between 1 and --max-len - 1, not {cfg.regen_max_tokens}")
     if cfg.max_conversations is not None and cfg.max_conversations < 1:
         raise CloverError(f"--max-conversations must be at least 1, not {cfg.max_conversations}")

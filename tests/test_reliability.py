@@ -22,7 +22,7 @@ CONVERSATIONS = [
     ]}
     for i in range(24)
 ]
-TRAIN = ["--heads", "2", "--layers", "1", "--batch-tokens", "2048", "--max-len", "384", "--eval-every", "2"]
+TRAIN = ["--heads", "2", "--layers", "1", "--batch-tokens", "2048", "--max-len", "256", "--eval-every", "2"]
 
 
 @pytest.fixture(autouse=True)
@@ -131,3 +131,15 @@ def test_torchfile_reads_tensors_and_refuses_the_rest(tmp_path):
     for name, needle in [("cut.pt", "unreadable"), ("missing.pt", "missing")]:
         with pytest.raises(CloverError, match=needle):
             torchfile.load(tmp_path / name)
+
+
+# --- 7. an option only --regenerate uses is checked only with --regenerate ---------------------------------------
+
+
+def test_max_len_below_the_unused_regen_default_is_accepted(tmp_path):
+    from clover_cli.errors import CloverError
+    from clover_cli.train import TrainConfig, validate
+
+    validate(TrainConfig(model="tiny", out=tmp_path / "o", max_len=256))  # --regen-max-tokens 256 is unused
+    with pytest.raises(CloverError, match="--regen-max-tokens"):
+        validate(TrainConfig(model="tiny", out=tmp_path / "o", max_len=256, regenerate=True))
