@@ -143,3 +143,60 @@ def test_max_len_below_the_unused_regen_default_is_accepted(tmp_path):
     validate(TrainConfig(model="tiny", out=tmp_path / "o", max_len=256))  # --regen-max-tokens 256 is unused
     with pytest.raises(CloverError, match="--regen-max-tokens"):
         validate(TrainConfig(model="tiny", out=tmp_path / "o", max_len=256, regenerate=True))
+
+
+# --- 2. the engine never asks the cache for room the context lacks ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def short_dir(tmp_path_factory):
+    """A tiny Llama with a context of 256 positions."""
+    return build_model(tmp_path_factory.mktemp("short"), "llama", seed=4, max_position_embeddings=256)
+
+
+@pytest.mark.parametrize("room", [1, 2, 5, 17, 40])
+def test_calibration_and_drafting_stay_inside_the_context(short_dir, monkeypatch, room):
+    """Auto budget, nothing stored: the first reply measures verify costs; with little room left it must measure
+    (and draft) only what fits."""
+    from transformers import AutoModelForCausalLM
+
+    from clover_cli.drafters.ngram import NgramDrafter
+    from clover_cli.engine import Engine, StopCheck
+    from clover_cli.target import Target, TreeKVCache
+    from helpers import run_engine
+
+    asked = []
+    reserve = TreeKVCache.reserve
+    monkeypatch.setattr(TreeKVCache, "reserve", lambda self, n: (asked.append(self.length + n), reserve(self, n)))
+    target = Target(AutoModelForCausalLM.from_pretrained(short_dir))
+    stored = []
+    store = type("Store", (), {"padded": False, "load": lambda self: None, "save": lambda self, t: stored.append(t)})
+    engine = Engine(target, NgramDrafter(), budget=64, auto_budget=True, costs=store())
+    prompt = ([5, 6, 7, 8, 9] * 60)[:256 - room]  # a repeating prompt: lookup drafts deep chains
+    out, _ = run_engine(engine, prompt, StopCheck(room))
+    assert len(out) == room and max(asked) <= 256
+    assert engine.cost is None or max(engine.cost.verify_s) <= room  # one token of room: no step, no measuring
+    assert stored == [], "a table cut short by the context must not stand for this device in later processes"
+
+
+def test_generate_near_the_end_of_the_context_with_the_default_budget(run_cli, short_dir, tmp_path):
+    prompt = tmp_path / "long.txt"
+    prompt.write_text("The quick brown fox jumps over the lazy dog. " * 24)  # about 245 of the 256 tokens, raw
+    code, out, err = run_cli("generate", str(short_dir), "--prompt", str(prompt), "--raw", "--draft", "ngram",
+                             "-n", "8", "--json", "--stats-file", "off")
+    assert code == 0, err
+    result = json.loads(out)
+    assert 230 < result["prompt_tokens"] < 256 and result["prompt_tokens"] + result["new_tokens"] <= 256
+
+
+def test_chat_after_loading_a_long_conversation(run_cli, short_dir, tmp_path):
+    """-n 16 keeps 16 of the 256 positions for the reply: a loaded conversation fills the rest (the oldest exchanges
+    left out), and every message still gets its reply."""
+    conv = tmp_path / "long.json"
+    exchange = [{"role": "user", "content": "The quick brown fox jumps over the lazy dog."},
+                {"role": "assistant", "content": "The quick brown fox jumps over the lazy dog."}]
+    conv.write_text(json.dumps({"messages": exchange * 6}))
+    code, out, err = run_cli("chat", str(short_dir), "-n", "16", "--draft", "ngram", "--stats-file", "off",
+                             stdin=f"/load {conv}\nThe quick brown fox\nThe lazy dog\n")
+    assert code == 0, err
+    assert "error" not in err and err.count(" tokens · τ") == 2
