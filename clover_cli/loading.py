@@ -77,6 +77,7 @@ class Loaded:
 
 def load(path: Path, device: str = "auto", dtype: str = "auto", load_in_8bit: bool = False,
          trust_remote_code: bool = False, allow_pickle: bool = False) -> Loaded:
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -107,6 +108,9 @@ def load(path: Path, device: str = "auto", dtype: str = "auto", load_in_8bit: bo
         raise CloverError(f"out of GPU memory loading {path}; try --load-in-8bit, a smaller model or --device cpu")
     except ImportError as e:
         raise CloverError(f"cannot load {path}: {_first_line(e)}")
+    except SafetensorError as e:
+        raise CloverError(f"cannot load the model from {path}: its safetensors weights are damaged or incomplete "
+                          f"({_first_line(e)}); fetch them again")
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         msg = _first_line(e)
         if "trust_remote_code" in msg:

@@ -200,3 +200,29 @@ def test_chat_after_loading_a_long_conversation(run_cli, short_dir, tmp_path):
                              stdin=f"/load {conv}\nThe quick brown fox\nThe lazy dog\n")
     assert code == 0, err
     assert "error" not in err and err.count(" tokens · τ") == 2
+
+
+# --- 3. a damaged model file ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def model_copy(llama_dir, tmp_path):
+    out = tmp_path / "model"
+    shutil.copytree(llama_dir, out)
+    return out
+
+
+@pytest.fixture
+def prompt_file(tmp_path):
+    p = tmp_path / "prompt.txt"
+    p.write_text("Hello! What is the capital of France?")
+    return p
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "empty"])
+def test_damaged_model_weights(run_cli, model_copy, prompt_file, damage):
+    weights = model_copy / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes({"truncate": data[:len(data) // 2], "garbage": b"\x07" * 4096, "empty": b""}[damage])
+    one_line_error(run_cli("generate", str(model_copy), "--prompt", str(prompt_file), "--stats-file", "off"),
+                   "cannot load the model", "safetensors weights are damaged")
