@@ -226,3 +226,63 @@ def test_damaged_model_weights(run_cli, model_copy, prompt_file, damage):
     weights.write_bytes({"truncate": data[:len(data) // 2], "garbage": b"\x07" * 4096, "empty": b""}[damage])
     one_line_error(run_cli("generate", str(model_copy), "--prompt", str(prompt_file), "--stats-file", "off"),
                    "cannot load the model", "safetensors weights are damaged")
+
+
+# --- 4. heads whose tensors or config are wrong -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def heads_dir(tmp_path_factory, llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    from clover_cli.heads import HeadsConfig, build_heads, save_heads
+
+    model = AutoModelForCausalLM.from_pretrained(llama_dir)
+    out = tmp_path_factory.mktemp("heads") / "h"
+    save_heads(build_heads(HeadsConfig.for_target(model.config, num_heads=2, num_layers=1), model), out, "test\n")
+    return out
+
+
+def _set_config(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def _set_tensor(path, name, tensor):
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(path / "model.safetensors"))
+    state[name] = tensor
+    save_file(state, str(path / "model.safetensors"))
+
+
+HEADS_DAMAGE = {
+    "head0 of the wrong shape": lambda p: _set_tensor(p, "head0.weight", torch.zeros(64, 32)),
+    "num_heads a word": lambda p: _set_config(p, num_heads="five"),
+    "num_heads a fraction": lambda p: _set_config(p, num_heads=2.5),
+    "num_gate_heads that do not divide": lambda p: _set_config(p, num_gate_heads=3),
+    "num_gate_heads zero": lambda p: _set_config(p, num_gate_heads=0),
+    "num_layers negative": lambda p: _set_config(p, num_layers=-1),
+    "rms_norm_eps a word": lambda p: _set_config(p, rms_norm_eps="tiny"),
+    "target a list": lambda p: _set_config(p, target=[1, 2]),
+    "config a list": lambda p: (p / "config.json").write_text("[1, 2]"),
+}
+
+
+@pytest.mark.parametrize("damage", list(HEADS_DAMAGE))
+def test_heads_that_disagree_with_their_config(run_cli, llama_dir, heads_dir, prompt_file, tmp_path, damage):
+    heads = tmp_path / "heads"
+    shutil.copytree(heads_dir, heads)
+    HEADS_DAMAGE[damage](heads)
+    result = run_cli("generate", str(llama_dir), "--prompt", str(prompt_file), "--heads", str(heads), "--draft",
+                     "clover", "--stats-file", "off", "-n", "8")
+    assert result[1] == "", "nothing is printed before the heads are known to be good"
+    one_line_error(result, str(heads))
+
+
+def test_good_heads_still_load(run_cli, llama_dir, heads_dir, prompt_file):
+    code, out, err = run_cli("generate", str(llama_dir), "--prompt", str(prompt_file), "--heads", str(heads_dir),
+                             "--draft", "clover", "--stats-file", "off", "-n", "8", "--json")
+    assert code == 0, err
+    assert json.loads(out)["draft"] == "clover"
