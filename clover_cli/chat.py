@@ -247,6 +247,8 @@ class Chat:
         self.interrupts = 0  # Ctrl-C presses caught while replying
         self.notices: list[str] = []  # said between replies, never into one (the compiled step's news)
         session.compiler.warn = self.notices.append
+        if writer:
+            writer.warn = self.notices.append
 
     # --- replies
 

@@ -79,10 +79,20 @@ def step_record(sid: str | None, ev, model: str | None = None, draft: str | None
     return rec
 
 
+def _stderr_warning(text: str):
+    sys.stderr.write(f"clover: warning: {text}\n")
+    sys.stderr.flush()
+
+
 class StatsWriter:
-    def __init__(self, path: Path):
+    """Appends records to the stream. A stream that cannot be written never interrupts a session: it is said once
+    (through `warn`: a chat says it between replies), and the session goes on without it."""
+
+    def __init__(self, path: Path, warn=_stderr_warning):
         self.path = path
         self.meta: dict[str, dict] = {}  # session id -> model and drafter, stamped on each of its steps
+        self.warn = warn
+        self.failed = False
 
     @staticmethod
     def open(arg: str | None) -> "StatsWriter | None":
@@ -98,7 +108,10 @@ class StatsWriter:
         except OSError as e:
             if arg:
                 raise CloverError(f"cannot write the stats file {path}: {e.strerror or e}")
-            return None  # the default location is a convenience: never fail a chat over it
+            # the default location is a convenience: never fail a chat over it
+            _stderr_warning(f"cannot write the stats stream {path}: {e.strerror or e}; this session's statistics "
+                            f"are not recorded (--stats-file chooses another file, 'off' says nothing)")
+            return None
         return StatsWriter(path)
 
     def _open(self) -> int:
@@ -142,8 +155,11 @@ class StatsWriter:
                 os.write(fd, line)  # one write of one whole line, O_APPEND: never interleaved
             finally:
                 os.close(fd)
-        except OSError:
-            pass  # statistics must never interrupt a conversation
+        except OSError as e:  # statistics must never interrupt a conversation
+            if not self.failed:
+                self.failed = True
+                self.warn(f"cannot write the stats stream {self.path}: {e.strerror or e}; statistics of this "
+                          f"session may be incomplete")
 
     def new_session(self, command: str, session) -> str:
         sid = uuid.uuid4().hex[:8]
@@ -646,6 +662,13 @@ def run_stats(stats_file, once, json_out, session, interval):
     live = not once and not json_out and sys.stdout.isatty()
     if not live and not path.exists():
         raise CloverError(f"no stats file at {path} (chat and generate write it; --stats-file chooses another)")
+    for part in (path.with_name(path.name + ".1"), path):  # one that exists but cannot be read is no empty stream
+        try:
+            open(part, "rb").close()
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise CloverError(f"cannot read the stats file {part}: {e.strerror or e}")
 
     agg = Aggregate()
     read_all(path.with_name(path.name + ".1"), agg)  # the rotated part first: its sessions go on in the file

@@ -286,3 +286,66 @@ def test_good_heads_still_load(run_cli, llama_dir, heads_dir, prompt_file):
                              "--draft", "clover", "--stats-file", "off", "-n", "8", "--json")
     assert code == 0, err
     assert json.loads(out)["draft"] == "clover"
+
+
+# --- 5. a stats stream that cannot be read or written -----------------------------------------------------------
+
+
+def _unreadable(path: Path, monkeypatch):
+    """Make `path` unreadable to this process: mode 000, and (root reads anything) opening it refused as well."""
+    import builtins
+
+    path.chmod(0)
+    real = builtins.open
+
+    def guarded(file, *a, **k):
+        if Path(os.fsdecode(file)) == path if isinstance(file, (str, bytes, os.PathLike)) else False:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(file, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", guarded)
+
+
+@pytest.mark.parametrize("which", ["stream", "rotated part"])
+def test_stats_on_an_unreadable_stream(run_cli, tmp_path, monkeypatch, which):
+    f = tmp_path / "s.jsonl"
+    f.write_text('{"kind": "session", "session": "abc", "command": "chat"}\n')
+    (tmp_path / "s.jsonl.1").write_text("")
+    _unreadable(f if which == "stream" else tmp_path / "s.jsonl.1", monkeypatch)
+    for mode in (["--once"], ["--json"]):
+        one_line_error(run_cli("stats", "--stats-file", str(f), *mode), "cannot read", "permission denied")
+
+
+def test_a_session_that_cannot_write_its_stream_says_so(run_cli, llama_dir, prompt_file, tmp_path, monkeypatch):
+    (tmp_path / "blocked").write_text("")  # the default cache directory cannot be made: a file is in the way
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "blocked"))
+    code, out, err = run_cli("generate", str(llama_dir), "--prompt", str(prompt_file), "--draft", "none", "-n", "4",
+                             "--json")
+    assert code == 0, err
+    assert err.count("\n") == 1 and err.startswith("clover: warning: cannot write the stats stream"), err
+    json.loads(out)
+
+
+def test_a_stream_that_fails_mid_session_is_reported_once(run_cli, llama_dir, prompt_file, tmp_path, monkeypatch):
+    from clover_cli import stats
+
+    real, calls = stats.StatsWriter._open, []
+
+    def full(self):
+        calls.append(1)
+        if len(calls) > 1:
+            raise OSError(28, "No space left on device")
+        return real(self)
+
+    monkeypatch.setattr(stats.StatsWriter, "_open", full)
+    code, out, err = run_cli("generate", str(llama_dir), "--prompt", str(prompt_file), "--draft", "none", "-n", "6",
+                             "--stats-file", str(tmp_path / "s.jsonl"))
+    assert code == 0, err
+    assert len(calls) > 3, "several records were attempted"
+    warnings = [line for line in err.splitlines() if line.startswith("clover: warning:")]
+    assert len(warnings) == 1 and "No space left on device" in warnings[0], err
+    calls.clear()  # a chat says it once, between replies
+    code, out, err = run_cli("chat", str(llama_dir), "--draft", "none", "-n", "6", "--stats-file",
+                             str(tmp_path / "s.jsonl"), stdin="Hello\nAgain\n")
+    assert code == 0, err
+    assert err.count("cannot write the stats stream") == 1 and err.count(" tokens · τ") == 2, err
