@@ -49,8 +49,12 @@ class StepEvent:
 
 
 def warp(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
-    """Sampling probabilities: softmax(logits / temperature), restricted to the top-p nucleus."""
-    probs = torch.softmax(logits.float() / s.temperature, dim=-1)
+    """Sampling probabilities: softmax(logits / temperature), restricted to the top-p nucleus. The largest logit is
+    taken off first (the same softmax), so that a tiny temperature overflows to -inf only for the others, never to
+    inf - inf = nan: such a temperature samples the argmax."""
+    z = logits.float()
+    z = (z - z.max(-1, keepdim=True).values) / max(s.temperature, torch.finfo(torch.float32).tiny)
+    probs = torch.softmax(z, dim=-1)
     if s.top_p < 1.0:
         sorted_p, order = probs.sort(descending=True)
         outside = (sorted_p.cumsum(-1) - sorted_p) >= s.top_p  # mass before this token already reaches top_p

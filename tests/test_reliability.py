@@ -349,3 +349,30 @@ def test_a_stream_that_fails_mid_session_is_reported_once(run_cli, llama_dir, pr
                              str(tmp_path / "s.jsonl"), stdin="Hello\nAgain\n")
     assert code == 0, err
     assert err.count("cannot write the stats stream") == 1 and err.count(" tokens · τ") == 2, err
+
+
+# --- 6. a tiny positive temperature -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 5e-324, 1e-5])
+def test_warp_is_a_distribution_at_any_temperature(temperature):
+    from clover_cli.engine import Sampling, warp
+
+    logits = torch.tensor([[3.0, 1.0, 3.0 - 1e-3, -50.0]])
+    for top_p in (1.0, 0.5):
+        p = warp(logits, Sampling(temperature, top_p))
+        assert torch.isfinite(p).all() and abs(float(p.sum()) - 1.0) < 1e-5
+        assert int(p.argmax()) == 0
+
+
+def test_tiny_temperature_samples_what_greedy_picks(run_cli, llama_dir, prompt_file):
+    texts = {}
+    for t in ("0", "1e-40"):
+        code, out, err = run_cli("generate", str(llama_dir), "--prompt", str(prompt_file), "-t", t, "--seed", "3",
+                                 "--draft", "ngram", "-n", "24", "--json", "--stats-file", "off")
+        assert code == 0, err
+        texts[t] = json.loads(out)["text"]
+    assert texts["1e-40"] == texts["0"]
+    code, out, err = run_cli("chat", str(llama_dir), "-n", "8", "--stats-file", "off",
+                             stdin="/temp 1e-40\nHello\nAgain\n")
+    assert code == 0 and "error" not in err and err.count(" tokens · τ") == 2, err
