@@ -131,6 +131,7 @@ def check_out(cfg: TrainConfig) -> bool:
     if cfg.resume:
         if _checkpoint_dir(out) is None:
             raise CloverError(f"--resume: no checkpoint in {out}")
+        _check_resumable(_checkpoint_dir(out), cfg)
         return True
     if not out.exists():
         parent = out.absolute().parent
@@ -197,6 +198,24 @@ def discard_unfinished(out: Path, made: str | None):
         return
     for p in out.iterdir():
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+
+
+def _heads_settings(arch: str, num_heads: int, num_layers: int) -> dict:
+    """What a checkpoint's heads were built with: resuming with other options cannot load it."""
+    return {"arch": arch, "heads": num_heads, **({"layers": num_layers} if arch == "clover" else {})}
+
+
+def _check_resumable(path: Path, cfg: TrainConfig):
+    """Refuse --resume with options that build other heads than the checkpoint's (before anything loads)."""
+    try:
+        made = json.loads((path / "state.json").read_text()).get("settings")
+    except (OSError, ValueError, AttributeError):
+        made = None  # an unreadable state is refused when it loads
+    want = _heads_settings(cfg.arch, cfg.num_heads, cfg.num_layers)
+    if isinstance(made, dict) and made != want:
+        flags = " ".join(f"--{k} {v}" for k, v in made.items())
+        raise CloverError(f"--resume: the checkpoint in {path} was made with {flags}; resume with those options, "
+                          f"or pass --overwrite to start again")
 
 
 def _checkpoint_dir(out: Path) -> Path | None:
@@ -896,7 +915,9 @@ def _save_checkpoint(out: Path, heads, opt, sched, step: int, history: list):
     save_file({k: v.detach().cpu().contiguous() for k, v in heads.state_dict().items()},
               str(new / "heads.safetensors"))
     torch.save({"opt": opt.state_dict(), "sched": sched.state_dict()}, new / "optimizer.pt")
-    (new / "state.json").write_text(json.dumps({"step": step, "history": history}))
+    settings = _heads_settings("clover" if heads.cfg.architecture == "clover2" else "medusa", heads.cfg.num_heads,
+                               heads.cfg.num_layers)
+    (new / "state.json").write_text(json.dumps({"step": step, "history": history, "settings": settings}))
     shutil.rmtree(old, ignore_errors=True)
     if cur.exists():
         os.replace(cur, old)
@@ -905,16 +926,23 @@ def _save_checkpoint(out: Path, heads, opt, sched, step: int, history: list):
 
 
 def _load_checkpoint(path: Path, heads, opt, sched):
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     from . import torchfile
 
-    state = json.loads((path / "state.json").read_text())
-    heads.load_state_dict(load_file(str(path / "heads.safetensors")))
     saved = torchfile.load(path / "optimizer.pt", "checkpoint file")
-    opt.load_state_dict(saved["opt"])
-    sched.load_state_dict(saved["sched"])
-    return state["step"], state["history"]
+    try:
+        state = json.loads((path / "state.json").read_text())
+        heads.load_state_dict(load_file(str(path / "heads.safetensors")))
+        opt.load_state_dict(saved["opt"])
+        sched.load_state_dict(saved["sched"])
+        return int(state["step"]), list(state["history"])
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError) as e:
+        # made with other options (before checkpoints recorded them), or damaged
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise CloverError(f"--resume: the checkpoint in {path} does not fit these options or is damaged ({why}); "
+                          f"resume with the options it was made with, or pass --overwrite to start again") from None
 
 
 def _logger(accelerator):

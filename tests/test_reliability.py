@@ -294,6 +294,7 @@ def test_good_heads_still_load(run_cli, llama_dir, heads_dir, prompt_file):
 def _unreadable(path: Path, monkeypatch):
     """Make `path` unreadable to this process: mode 000, and (root reads anything) opening it refused as well."""
     import builtins
+    import io
 
     path.chmod(0)
     real = builtins.open
@@ -304,6 +305,7 @@ def _unreadable(path: Path, monkeypatch):
         return real(file, *a, **k)
 
     monkeypatch.setattr(builtins, "open", guarded)
+    monkeypatch.setattr(io, "open", guarded)  # what pathlib opens with
 
 
 @pytest.mark.parametrize("which", ["stream", "rotated part"])
@@ -376,3 +378,31 @@ def test_tiny_temperature_samples_what_greedy_picks(run_cli, llama_dir, prompt_f
     code, out, err = run_cli("chat", str(llama_dir), "-n", "8", "--stats-file", "off",
                              stdin="/temp 1e-40\nHello\nAgain\n")
     assert code == 0 and "error" not in err and err.count(" tokens · τ") == 2, err
+
+
+# --- 8. more train inputs: unreadable data, a checkpoint made with other settings ----------------------------------
+
+
+def test_unreadable_training_data(run_cli, llama_dir, data_file, tmp_path, monkeypatch):
+    data = tmp_path / "chats.json"
+    shutil.copy(data_file, data)
+    _unreadable(data, monkeypatch)
+    one_line_error(train(run_cli, llama_dir, data, tmp_path / "o", "--max-steps", "1"), str(data),
+                   "permission denied")
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("other, needle, recorded", [
+    (["--layers", "2"], "--arch clover --heads 2 --layers 1", True), (["--arch", "medusa"], "--arch clover", True),
+    (["--heads", "3"], "--heads 2", True),
+    # a checkpoint that does not record its options (made before they were): refused when its tensors do not fit
+    (["--layers", "2"], "does not fit these options", False), (["--arch", "medusa"], "does not fit", False)])
+def test_resume_with_other_settings(run_cli, llama_dir, data_file, run_dir, other, needle, recorded):
+    if not recorded:
+        state = json.loads((run_dir / "checkpoint" / "state.json").read_text())
+        del state["settings"]
+        (run_dir / "checkpoint" / "state.json").write_text(json.dumps(state))
+    before = {p.name: p.read_bytes() for p in (run_dir / "checkpoint").iterdir()}
+    one_line_error(train(run_cli, llama_dir, data_file, run_dir, "--max-steps", "4", "--resume", *other), needle,
+                   alone=False)
+    assert {p.name: p.read_bytes() for p in (run_dir / "checkpoint").iterdir()} == before, "the checkpoint is kept"
