@@ -183,19 +183,38 @@ class Conversation:
 
 
 def fit_context(conv: Conversation, encode, limit: int) -> tuple[list[int], int]:
-    """Token ids of the conversation for the model, leaving out the oldest exchanges while they exceed `limit`
-    tokens. Returns (ids, messages newly left out). The window only moves forward, so the model's cache of the
-    kept prefix stays valid from one reply to the next."""
-    dropped = 0
-    while True:
-        ids = encode(conv.for_model())
+    """Token ids of the conversation for the model, leaving out the fewest oldest exchanges for the rest to fit in
+    `limit` tokens. Returns (ids, messages newly left out). The window only moves forward, so the model's cache of
+    the kept prefix stays valid from one reply to the next.
+
+    The window is found by bisection over whole exchanges: each encoding tried is of a suffix at most as long as
+    the rest of the interval plus one that fits, so a long conversation (a /load) costs about two encodings of it
+    in all, not one per exchange left out."""
+    start = conv.window
+
+    def encode_from(window: int) -> list[int]:
+        conv.window = window
+        return encode(conv.for_model())
+
+    ids = encode_from(start)
+    if len(ids) <= limit:
+        return ids, 0
+    last = start + 2 * ((len(conv.messages) - start) // 2)  # the window that keeps the final message alone
+    fits = encode_from(last)
+    if len(fits) > limit:
+        conv.window = start
+        raise CloverError(f"the message is too long: {len(fits)} tokens with the chat template and system "
+                          f"message, and at most {limit} fit (the rest of the context is kept for the reply)")
+    lo, hi = start, last  # lo does not fit, hi does
+    while hi - lo > 2:
+        mid = lo + 2 * ((hi - lo) // 4)
+        ids = encode_from(mid)
         if len(ids) <= limit:
-            return ids, dropped
-        if len(conv.messages) - conv.window <= 1:
-            raise CloverError(f"the message is too long: {len(ids)} tokens with the chat template and system "
-                              f"message, and at most {limit} fit (the rest of the context is kept for the reply)")
-        conv.window += 2
-        dropped += 2
+            hi, fits = mid, ids
+        else:
+            lo = mid
+    conv.window = hi
+    return fits, hi - start
 
 
 # ------------------------------------------------------------------------------------------- output

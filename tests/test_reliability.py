@@ -406,3 +406,61 @@ def test_resume_with_other_settings(run_cli, llama_dir, data_file, run_dir, othe
     one_line_error(train(run_cli, llama_dir, data_file, run_dir, "--max-steps", "4", "--resume", *other), needle,
                    alone=False)
     assert {p.name: p.read_bytes() for p in (run_dir / "checkpoint").iterdir()} == before, "the checkpoint is kept"
+
+
+# --- 9. fitting a long conversation into the context is linear --------------------------------------------------
+
+
+def _conversation(n_exchanges: int, seed: int = 0, system: str | None = "be brief"):
+    import random
+
+    from clover_cli.chat import Conversation
+
+    rng = random.Random(seed)
+    conv = Conversation(system)
+    for i in range(n_exchanges):
+        conv.messages += [{"role": "user", "content": "u" * rng.randint(1, 30)},
+                          {"role": "assistant", "content": "a" * rng.randint(1, 30)}]
+    conv.messages.append({"role": "user", "content": "last question"})
+    return conv
+
+
+def _counting_encode(seen: list):
+    def encode(messages):
+        seen.append(len(messages))
+        return [0] * (sum(len(m["content"]) + 3 for m in messages) + 5)
+    return encode
+
+
+def test_fit_context_leaves_out_the_fewest_exchanges():
+    """The window it finds is the one leaving out exchanges one at a time finds: the first (whole exchanges) whose
+    rest fits."""
+    from clover_cli.chat import fit_context
+
+    for seed in range(30):
+        for limit in (40, 90, 200, 400, 10_000):
+            conv, seen = _conversation(12, seed), []
+            encode = _counting_encode(seen)
+            want = conv.window
+            while len(encode(conv.for_model()[:1] + conv.messages[want:])) > limit and len(conv.messages) - want > 1:
+                want += 2
+            try:
+                ids, dropped = fit_context(conv, encode, limit)
+            except Exception:
+                assert len(encode(conv.for_model()[:1] + conv.messages[-1:])) > limit  # the last message alone
+                continue
+            assert (conv.window, dropped, len(ids)) == (want, want, len(encode(conv.for_model())))
+
+
+def test_fit_context_work_is_linear_in_the_conversation():
+    from clover_cli.chat import fit_context
+
+    for n in (500, 1000, 2000):
+        conv, seen = _conversation(n // 2), []
+        ids, dropped = fit_context(conv, _counting_encode(seen), limit=300)
+        assert len(ids) <= 300 and dropped > n - 40
+        assert sum(seen) <= 3 * n + 200, f"{n} messages: {len(seen)} encodes of {sum(seen)} messages in all"
+        seen.clear()
+        conv.messages += [{"role": "assistant", "content": "a" * 30}, {"role": "user", "content": "u" * 30}]
+        fit_context(conv, _counting_encode(seen), limit=300)  # the next reply slides on from where the window is
+        assert sum(seen) <= 200
