@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Optional
 
@@ -35,10 +37,15 @@ def _version(value: bool):
         raise typer.Exit()
 
 
+_state = {"debug": False}
+
+
 @app.callback()
 def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                        help="Print the version and exit.")):
-    pass
+                                        help="Print the version and exit."),
+          debug: bool = typer.Option(False, "--debug", help="On an error, show its traceback too (also "
+                                                            "CLOVER_DEBUG=1).")):
+    _state["debug"] = debug
 
 
 # Options shared by the commands that load a model.
@@ -89,12 +96,12 @@ def read_prompt(path: str) -> str:
         p = Path(path).expanduser()
         if p.is_dir():
             raise CloverError(f"prompt file {path} is a directory")
-        if not p.is_file():
-            raise CloverError(f"prompt file not found: {path}")
-        try:
+        try:  # a regular file, or a pipe or device: a FIFO, /dev/stdin, a shell's <(...)
             data = p.read_bytes()
+        except FileNotFoundError:
+            raise CloverError(f"prompt file not found: {path}")
         except OSError as e:
-            raise CloverError(f"cannot read prompt file {path}: {e.strerror}")
+            raise CloverError(f"cannot read prompt file {path}: {e.strerror or e}")
         where = path
     if b"\x00" in data:
         raise CloverError(f"{where} looks binary, not a text prompt")
@@ -445,6 +452,8 @@ def compile_step(
 
 def _fail(message: str, code: int = 2):
     message = " ".join(line.strip() for line in str(message).splitlines() if line.strip()) or "failed"
+    if _state["debug"] or os.environ.get("CLOVER_DEBUG", "") not in ("", "0"):
+        traceback.print_exc()
     sys.stderr.write(f"clover: error: {message}\n")
     sys.stderr.flush()
     raise SystemExit(code)
@@ -452,7 +461,8 @@ def _fail(message: str, code: int = 2):
 
 # Typer >= 0.20 vendors click (typer._click): its exceptions derive from typer.TyperException, not from click's.
 _USAGE_ERRORS = (click.exceptions.ClickException, getattr(typer, "TyperException", click.exceptions.ClickException))
-_ABORTS = (KeyboardInterrupt, click.exceptions.Abort, getattr(typer, "Abort", click.exceptions.Abort))
+_ABORTS = (KeyboardInterrupt, EOFError, click.exceptions.Abort, getattr(typer, "Abort", click.exceptions.Abort))
+_EXITS = (click.exceptions.Exit, getattr(typer, "Exit", click.exceptions.Exit))
 
 
 def _usage_message(e) -> str:
@@ -463,12 +473,49 @@ def _usage_message(e) -> str:
     return message
 
 
-def main(argv=None):
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:300]
+
+
+def _stdout_ok() -> bool:
+    """Flush standard output; when it can no longer be written (its reader left, its device is full), point it at
+    /dev/null so that what Python still holds for it is not tried again at exit ("Exception ignored ...")."""
+    try:
+        sys.stdout.flush()
+        return True
+    except (OSError, ValueError):
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (OSError, ValueError):
+            pass
+        return False
+
+
+def _run(argv) -> int:
+    """Parse and run one command. Click is called directly, not through typer's main: that one turns a closed
+    output pipe into a silent exit 1 before any of this module's handling could run."""
     command = typer.main.get_command(app)
     try:
-        code = command.main(args=argv, prog_name="clover", standalone_mode=False)
+        with command.make_context("clover", sys.argv[1:] if argv is None else list(argv)) as ctx:
+            command.invoke(ctx)
+        code = 0
+    except _EXITS as e:  # --help, --version, typer.Exit(n)
+        code = e.exit_code
+    sys.stdout.flush()  # here, inside the error boundary, rather than at interpreter exit
+    return code
+
+
+def main(argv=None):
+    """The error boundary: whatever escapes a command ends as one line on stderr and an exit code: 2 for a problem
+    the user can fix (CloverError, a usage error), 1 for anything else, 130 for Ctrl-C. --debug or CLOVER_DEBUG=1
+    also print the traceback."""
+    _state["debug"] = False
+    try:
+        code = _run(argv)
     except CloverError as e:
-        _fail(str(e))
+        _fail(str(e), e.code)
     except _USAGE_ERRORS as e:
         if type(e).__name__ == "NoArgsIsHelpError":  # bare `clover`: the help (typer has printed it), as click does
             help_text = e.format_message().strip()
@@ -479,15 +526,21 @@ def main(argv=None):
     except _ABORTS:
         sys.stderr.write("\nclover: interrupted\n")
         raise SystemExit(130)
-    except BrokenPipeError:
+    except BrokenPipeError:  # the reader of the output went away (`clover ... | head -1`): nothing to say
+        _stdout_ok()
         raise SystemExit(0)
     except MemoryError:
         _fail("out of memory; try a smaller model, --load-in-8bit or a smaller --tree-budget")
+    except OSError as e:
+        if not _stdout_ok():
+            _fail(f"cannot write the output: {e.strerror or _first_line(e)}", 1)
+        _fail(f"{e.strerror or _first_line(e) or type(e).__name__}" + (f": {e.filename}" if e.filename else ""), 1)
     except Exception as e:  # torch.cuda.OutOfMemoryError included
         if type(e).__name__ == "OutOfMemoryError":
             _fail("out of GPU memory; try --load-in-8bit, a smaller model or a smaller --tree-budget")
-        raise
-    if code == 130:  # typer turns a KeyboardInterrupt inside a command into Exit(130)
+        _fail(f"unexpected {type(e).__name__}: {_first_line(e)} (clover --debug or CLOVER_DEBUG=1 shows the "
+              f"traceback; please report it)", 1)
+    if code == 130:  # a KeyboardInterrupt a command turned into Exit(130)
         sys.stderr.write("\nclover: interrupted\n")
     raise SystemExit(code if isinstance(code, int) else 0)
 

@@ -464,3 +464,71 @@ def test_fit_context_work_is_linear_in_the_conversation():
         conv.messages += [{"role": "assistant", "content": "a" * 30}, {"role": "user", "content": "u" * 30}]
         fit_context(conv, _counting_encode(seen), limit=300)  # the next reply slides on from where the window is
         assert sum(seen) <= 200
+
+
+# --- 10. output streams and prompt sources; the one error boundary ----------------------------------------------
+
+
+CLOVER = [sys.executable, "-m", "clover_cli.cli"]  # this checkout's clover, whichever one is installed
+CHILD_ENV = {"CLOVER_COMPILE": "off", "PYTHONPATH": str(ROOT)}
+
+
+def clover(*args, stdout=subprocess.PIPE, stdin=None, input=None, timeout=120):
+    """Run clover in a child process (for real pipes and devices); returns the CompletedProcess."""
+    return subprocess.run([*CLOVER, *map(str, args)], stdout=stdout, stderr=subprocess.PIPE, stdin=stdin,
+                          input=input, env={**os.environ, **CHILD_ENV}, timeout=timeout, cwd=ROOT)
+
+
+GEN = ("--draft", "none", "--stats-file", "off")
+
+
+def test_a_reader_that_goes_away_ends_the_run_quietly(llama_dir, prompt_file):
+    """`clover generate ... | head -1`: the pipe's reader is gone before the reply is written."""
+    proc = subprocess.Popen([*CLOVER, "generate", str(llama_dir), "--prompt", str(prompt_file), "-n", "64", *GEN],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env={**os.environ, **CHILD_ENV})
+    proc.stdout.close()  # the reader went away
+    err = proc.stderr.read().decode()
+    assert proc.wait(120) == 0, err
+    assert "Traceback" not in err and "Exception ignored" not in err and "error" not in err, err
+
+
+def test_a_full_output_device_is_one_line(llama_dir, prompt_file):
+    with open("/dev/full", "w") as full:
+        for mode in ([], ["--json"]):
+            r = clover("generate", llama_dir, "--prompt", prompt_file, "-n", "8", *GEN, *mode, stdout=full)
+            err = r.stderr.decode()
+            assert r.returncode == 1 and "Traceback" not in err and "Exception ignored" not in err, err
+            assert err.count("\n") == 1 and err.startswith("clover: error:") and "No space left" in err, err
+
+
+def test_prompts_from_pipes_and_devices(llama_dir, tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    feeder = subprocess.Popen(["sh", "-c", f"printf 'Hello there' > {fifo}"])
+    r = clover("generate", llama_dir, "--prompt", fifo, "-n", "4", "--json", *GEN)
+    feeder.wait(30)
+    assert r.returncode == 0, r.stderr.decode()
+    for source in ("/dev/stdin", "-"):
+        r = clover("generate", llama_dir, "--prompt", source, "-n", "4", "--json", *GEN, input=b"Hello there")
+        assert r.returncode == 0, r.stderr.decode()
+        assert json.loads(r.stdout)["prompt_tokens"] > 3
+    r = clover("generate", llama_dir, "--prompt", tmp_path / "nope.txt", "-n", "4", *GEN)
+    assert r.returncode == 2 and r.stderr.decode().strip().endswith("prompt file not found: " + str(tmp_path / "nope.txt"))
+
+
+def test_an_unexpected_error_is_one_line_and_debug_shows_it(run_cli, llama_dir, prompt_file, monkeypatch):
+    from clover_cli import session
+
+    def broken(*a, **k):
+        raise TypeError("something nobody expected\nwith a second line")
+
+    monkeypatch.setattr(session.Session, "_drafter", broken)
+    args = ("generate", str(llama_dir), "--prompt", str(prompt_file), *GEN)
+    line = one_line_error(run_cli(*args), "TypeError", "something nobody expected", "--debug", code=1)
+    assert "second line" not in line
+    for debug_args, env in ((("--debug", *args), None), (args, "1")):
+        if env:
+            monkeypatch.setenv("CLOVER_DEBUG", env)
+        code, out, err = run_cli(*debug_args)
+        assert code == 1 and "Traceback" in err and "something nobody expected" in err
+        assert err.rstrip().splitlines()[-1].startswith("clover: error:")
