@@ -88,7 +88,9 @@ def check_sampling(max_new_tokens: int, temperature: float, top_p: float, seed: 
         raise CloverError(f"--top-p must be in (0, 1], not {top_p}")
 
 
-def read_prompt(path: str) -> str:
+def read_prompt(path: str, keep_newline: bool = False) -> str:
+    """The prompt in a file (or standard input for "-"): UTF-8 text, without the one newline that ends a file
+    (so that it is the same prompt as the same text typed in a chat) unless keep_newline."""
     if path == "-":
         data = sys.stdin.buffer.read()
         where = "standard input"
@@ -111,6 +113,8 @@ def read_prompt(path: str) -> str:
         raise CloverError(f"{where} is not UTF-8 text")
     if not text.strip():
         raise CloverError(f"{where} is empty")
+    if not keep_newline and text.endswith("\n"):
+        text = text[:-2] if text.endswith("\r\n") else text[:-1]
     return text
 
 
@@ -169,10 +173,13 @@ def download(model: str = typer.Argument(..., help="Alias or Hub repo id."),
 @app.command()
 def generate(
     model: Optional[str] = MODEL_ARG,
-    prompt: str = typer.Option(..., "--prompt", "-p", help="File holding the prompt; - reads standard input."),
+    prompt: str = typer.Option(..., "--prompt", "-p", help="File holding the prompt (a pipe or device too); - reads "
+                                                           "standard input."),
     max_new_tokens: int = Common.max_new_tokens, temperature: float = Common.temperature,
     top_p: float = Common.top_p, seed: Optional[int] = Common.seed,
     raw: bool = typer.Option(False, "--raw", help="Feed the prompt as is, without the chat template."),
+    keep_newline: bool = typer.Option(False, "--keep-newline", help="Keep the newline that ends the prompt file "
+                                      "(by default one trailing newline is dropped, as a typed message has none)."),
     system: Optional[str] = typer.Option(None, "--system", help="System message for the chat template."),
     draft: str = Common.draft, heads: Optional[str] = Common.heads, tree: str = Common.tree,
     tree_budget: str = Common.tree_budget, load_in_8bit: bool = Common.load_in_8bit, device: str = Common.device,
@@ -190,7 +197,7 @@ def generate(
     from .stats import StatsWriter
 
     check_sampling(max_new_tokens, temperature, top_p, seed)
-    text = read_prompt(prompt)
+    text = read_prompt(prompt, keep_newline)
     t_start = time.perf_counter()
     session = Session(_options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, device, dtype,
                                trust_remote_code, allow_pickle, compile), quiet=json_out)

@@ -532,3 +532,28 @@ def test_an_unexpected_error_is_one_line_and_debug_shows_it(run_cli, llama_dir, 
         code, out, err = run_cli(*debug_args)
         assert code == 1 and "Traceback" in err and "something nobody expected" in err
         assert err.rstrip().splitlines()[-1].startswith("clover: error:")
+
+
+# --- 12. a prompt file's trailing newline -----------------------------------------------------------------------
+
+
+def test_a_prompt_files_trailing_newline_is_not_part_of_the_prompt(run_cli, llama_dir, tmp_path):
+    def run(text: str, *extra):
+        p = tmp_path / "p.txt"
+        p.write_bytes(text.encode())
+        code, out, err = run_cli("generate", str(llama_dir), "--prompt", str(p), "-n", "12", "--json", *GEN, *extra)
+        assert code == 0, err
+        return json.loads(out)
+
+    for raw in ([], ["--raw"]):
+        typed = run("What is the capital of France?", *raw)
+        for ending in ("\n", "\r\n"):
+            assert _untimed(run("What is the capital of France?" + ending, *raw)) == _untimed(typed)
+        kept = run("What is the capital of France?\n", "--keep-newline", *raw)
+        assert kept["prompt_tokens"] > typed["prompt_tokens"]
+    # only one newline goes: the rest is the prompt's
+    assert run("Two lines\n\n")["prompt_tokens"] > run("Two lines\n")["prompt_tokens"]
+
+
+def _untimed(result: dict) -> dict:
+    return {k: v for k, v in result.items() if not (k.endswith("_s") or k.startswith("tokens_per_s"))}
