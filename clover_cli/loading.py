@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import pickle
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from . import torchload
 from .errors import CloverError
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
@@ -85,7 +87,9 @@ def load(path: Path, device: str = "auto", dtype: str = "auto", load_in_8bit: bo
     hf_logging.disable_progress_bar()
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
-    kwargs = dict(dtype=dt, trust_remote_code=trust_remote_code, use_safetensors=not allow_pickle or None)
+    # weights_only: pickled .bin weights (--allow-pickle) hold tensors only; a pickle that would run code is refused
+    kwargs = dict(dtype=dt, trust_remote_code=trust_remote_code, use_safetensors=not allow_pickle or None,
+                  weights_only=True)
     if load_in_8bit:
         check_8bit(dev)
         from transformers import BitsAndBytesConfig
@@ -108,6 +112,8 @@ def load(path: Path, device: str = "auto", dtype: str = "auto", load_in_8bit: bo
         raise CloverError(f"out of GPU memory loading {path}; try --load-in-8bit, a smaller model or --device cpu")
     except ImportError as e:
         raise CloverError(f"cannot load {path}: {_first_line(e)}")
+    except pickle.UnpicklingError as e:
+        raise torchload.refusal(path, "the model weights in", e) from None
     except SafetensorError as e:
         raise CloverError(f"cannot load the model from {path}: its safetensors weights are damaged or incomplete "
                           f"({_first_line(e)}); fetch them again")

@@ -929,9 +929,9 @@ def _load_checkpoint(path: Path, heads, opt, sched):
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    from . import torchfile
+    from . import torchload
 
-    saved = torchfile.load(path / "optimizer.pt", "checkpoint file")
+    saved = torchload.load(path / "optimizer.pt", "optimizer state")
     try:
         state = json.loads((path / "state.json").read_text())
         heads.load_state_dict(load_file(str(path / "heads.safetensors")))

@@ -110,27 +110,55 @@ def test_resume_loads_a_real_optimizer_state(run_cli, llama_dir, data_file, run_
 
 
 def test_every_torch_load_goes_through_the_one_helper():
-    """Nothing in the project unpickles with weights_only=False, and torch.load is called in one place only."""
+    """Nothing in the project unpickles with weights_only off, and torch.load is called in one place only."""
+    unsafe = "weights_only=" + "False"  # spelled apart so that grep finds it nowhere in the project
     offenders = []
     for path in [*ROOT.glob("clover_cli/**/*.py"), *ROOT.glob("scripts/**/*.py"), *ROOT.glob("kernels/**/*.py")]:
         text = path.read_text()
         rel = path.relative_to(ROOT).as_posix()
-        if "weights_only=False" in text or ("torch.load(" in text and rel != "clover_cli/torchfile.py"):
+        if unsafe in text or ("torch.load(" in text and rel != "clover_cli/torchload.py"):
             offenders.append(rel)
     assert offenders == []
 
 
-def test_torchfile_reads_tensors_and_refuses_the_rest(tmp_path):
-    from clover_cli import torchfile
+def test_torchload_reads_tensors_and_refuses_the_rest(tmp_path):
+    from clover_cli import torchload
     from clover_cli.errors import CloverError
 
     good = tmp_path / "good.pt"
     torch.save({"t": torch.arange(3), "step": 4, "betas": (0.9, 0.95)}, good)
-    assert torchfile.load(good)["step"] == 4
+    assert torchload.load(good, "optimizer state")["step"] == 4
     (tmp_path / "cut.pt").write_bytes(good.read_bytes()[:60])
-    for name, needle in [("cut.pt", "unreadable"), ("missing.pt", "missing")]:
-        with pytest.raises(CloverError, match=needle):
-            torchfile.load(tmp_path / name)
+    marker = tmp_path / "pwned"
+    torch.save({"opt": _Payload(marker)}, tmp_path / "evil.pt")
+    for name, needle in [("cut.pt", "unreadable"), ("missing.pt", "missing"), ("evil.pt", "refusing")]:
+        with pytest.raises(CloverError, match=needle) as e:
+            torchload.load(tmp_path / name, "optimizer state")
+        message = str(e.value)
+        assert "\n" not in message and "optimizer state" in message and str(tmp_path / name) in message, message
+    assert not marker.exists(), "the pickle ran code"
+
+
+def test_allow_pickle_model_weights_cannot_run_code(run_cli, tmp_path):
+    """--allow-pickle reads a model's pickled .bin weights; a pickle there that would run code is refused in one
+    line (transformers loads it with weights_only=True), while real tensors in a .bin still load."""
+    from safetensors.torch import load_file
+
+    good = build_model(tmp_path / "good", "llama", seed=1)
+    state = load_file(str(good / "model.safetensors"))
+    (good / "model.safetensors").unlink()
+    torch.save(state, good / "pytorch_model.bin")
+    evil = tmp_path / "evil"
+    shutil.copytree(good, evil)
+    marker = tmp_path / "pwned"
+    torch.save({**state, "model.embed_tokens.weight": _Payload(marker)}, evil / "pytorch_model.bin")
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("Hello")
+    one_line_error(run_cli("generate", str(evil), "--allow-pickle", "-p", str(prompt), "-n", "2"), "refusing",
+                   str(evil), "posix.system")
+    assert not marker.exists(), "the model's weights ran code"
+    code, out, err = run_cli("generate", str(good), "--allow-pickle", "-p", str(prompt), "-n", "2", "--draft", "none")
+    assert code == 0, err
 
 
 # --- 7. an option only --regenerate uses is checked only with --regenerate ---------------------------------------

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from clover_cli import torchfile
+from clover_cli import torchload
 from clover_cli.data import ascii_share, is_heldout, iter_conversations, tokenize_conversation
 from clover_cli.templates import VICUNA_V11
 
@@ -145,7 +145,7 @@ def main():
     step = 0
     log_path = work / "train_log.jsonl"
     if ckpt.exists():
-        state = torchfile.load(ckpt, "checkpoint")
+        state = torchload.load(ckpt, "checkpoint")
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         step = state["step"]
