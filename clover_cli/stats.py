@@ -519,6 +519,7 @@ def read_all(path: Path, agg: "Aggregate | None" = None) -> list[bytes]:
 
 # ----------------------------------------------------------------------------------------------- dashboard
 
+SHOWN_ROWS = 16  # depths and accepted lengths the dashboard shows a row each (--json: all)
 BAR_WIDTH = 24
 SPARK = "▁▂▃▄▅▆▇█"
 
@@ -587,9 +588,12 @@ def render(snap: dict, waiting: str | None = None, max_sessions: int = 12, width
     depth.add_column(justify="right", style="dim")
     depth.add_column()
     depth.add_column(justify="right")
-    for d, rate in enumerate(snap["hit_rate_by_depth"], 1):
+    rates = snap["hit_rate_by_depth"]
+    for d, rate in enumerate(rates[:SHOWN_ROWS], 1):
         depth.add_row(f"depth {d}", Text(_bar(rate), style="cyan"), f"{100 * rate:5.1f}%")
-    if not snap["hit_rate_by_depth"]:
+    if len(rates) > SHOWN_ROWS:  # a deep tree must not print a row per depth: --json has them all
+        depth.add_row(f"depths {SHOWN_ROWS + 1}–{len(rates)}", Text("--json lists them", style="dim"), "")
+    if not rates:
         depth.add_row("", "no drafted steps yet", "")
 
     hist = Table.grid(padding=(0, 1))
@@ -597,9 +601,12 @@ def render(snap: dict, waiting: str | None = None, max_sessions: int = 12, width
     hist.add_column()
     hist.add_column(justify="right")
     counts = snap["accepted_hist"]
-    top = max(counts, default=0) or 1
-    for a, c in enumerate(counts):
-        hist.add_row(f"{a} accepted", Text(_bar(c / top), style="green"), str(c))
+    rows = [(f"{a} accepted", c) for a, c in enumerate(counts[:SHOWN_ROWS])]
+    if len(counts) > SHOWN_ROWS:  # the longer accepted lengths in one row, not a row each
+        rows.append((f"{SHOWN_ROWS}+ accepted", sum(counts[SHOWN_ROWS:])))
+    top = max((c for _, c in rows), default=0) or 1
+    for label, c in rows:
+        hist.add_row(label, Text(_bar(c / top), style="green"), str(c))
     if not counts:
         hist.add_row("", "no steps yet", "")
 

@@ -585,3 +585,27 @@ def test_a_prompt_files_trailing_newline_is_not_part_of_the_prompt(run_cli, llam
 
 def _untimed(result: dict) -> dict:
     return {k: v for k, v in result.items() if not (k.endswith("_s") or k.startswith("tokens_per_s"))}
+
+
+# --- 11. smaller: bounded stats output, private history, --overwrite, piped chat status, atomic writes ----------
+
+
+def test_stats_of_a_deep_step_prints_a_bounded_dashboard(run_cli, tmp_path, monkeypatch):
+    """A step whose tree reached depth 4096 (the largest a record may say) printed a row per depth and per accepted
+    length (~4,100 lines); the dashboard shows the first depths and lengths and sums up the rest."""
+    monkeypatch.setenv("COLUMNS", "120")
+    f = tmp_path / "stats.jsonl"
+    rec = {"kind": "step", "session": "s", "t": 1.0, "model": "m", "draft": "ngram", "tokens": 4097,
+           "accepted": 4096, "proposed": 4096, "depth": 4096, "elapsed_s": 0.5, "draft_s": 0.1, "verify_s": 0.4}
+    small = {**rec, "tokens": 3, "accepted": 2, "proposed": 4, "depth": 3}
+    f.write_text(json.dumps(small) + "\n" + json.dumps(rec) + "\n")
+    code, out, err = run_cli("stats", "--stats-file", str(f), "--once")
+    assert code == 0, err
+    assert len(out.splitlines()) < 60, len(out.splitlines())
+    assert "depth 1 " in out and "depth 4096" not in out and "depths 17–4096" in out
+    assert "16+ accepted" in out  # the longer accepted lengths, counted together: both steps ...
+    row = next(line for line in out.splitlines() if "16+ accepted" in line)
+    assert row.rstrip(" │").endswith(" 1"), row  # ... but only the deep one accepted 16 or more
+    code, out, err = run_cli("stats", "--stats-file", str(f), "--once", "--json")
+    snap = json.loads(out)
+    assert len(snap["hit_rate_by_depth"]) == 4096  # --json keeps every depth
