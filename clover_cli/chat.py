@@ -264,6 +264,7 @@ class Chat:
         self.total = SessionStats(self.sid or "", "chat", session.resolved.name, session.draft_name)
         self.generations = 0
         self.interrupts = 0  # Ctrl-C presses caught while replying
+        self.replied = self.failed = 0  # replies given, and messages (or /regen) that ended in an error
         self.notices: list[str] = []  # said between replies, never into one (the compiled step's news)
         session.compiler.warn = self.notices.append
         if writer:
@@ -304,6 +305,7 @@ class Chat:
             gen = s.generate(ids, self.max_new_tokens, Sampling(self.temperature, self.top_p, seed))
         except CloverError as e:
             self.conv.restore(before)
+            self.failed += 1
             self.out.error(str(e))
             return
         except KeyboardInterrupt:
@@ -313,6 +315,7 @@ class Chat:
             return
         except Exception as e:  # a template that refuses the conversation, for one
             self.conv.restore(before)
+            self.failed += 1
             self.out.error(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
             return
 
@@ -358,11 +361,13 @@ class Chat:
                 self.conv.restore(before)
                 reply.end_line()
                 if failed is not None:
+                    self.failed += 1
                     self.out.error(failed + (" (the partial reply was discarded)" if reply.any_output else ""))
                 else:
                     self.out.note("[interrupted before the reply began: your message was not kept; "
                                   "Up recalls it]" if self.interactive else "[interrupted]", "yellow")
                 return
+            self.replied += 1
             msg = {"role": "assistant", "content": content}
             if interrupted:
                 msg["interrupted"] = True
@@ -839,10 +844,16 @@ def _repl(chat: Chat, prompt):
 
 
 def _lines(chat: Chat):
-    """Standard input that is not a terminal: one message or command per line, until its end."""
+    """Standard input that is not a terminal: one message or command per line, until its end (or /exit). When
+    messages were sent and not one got a reply, the run fails (exit status 2): a script learns that it got
+    nothing."""
     for raw in sys.stdin.buffer:
         text = raw.decode("utf-8", errors="replace").rstrip("\r\n")
         if not text.strip():
             continue
         if not _handle(chat, text):
-            return
+            break
+    if chat.failed and not chat.replied:
+        n = chat.failed
+        raise CloverError(f"{'the message' if n == 1 else f'all {n} messages'} failed (see the errors above): "
+                          f"no reply was given")

@@ -283,7 +283,8 @@ def chat(
 
     Enter sends, Esc Enter (Alt-Enter) adds a line, /help lists the slash commands. Ctrl-C stops a reply: the
     part already shown is kept in the conversation, marked [interrupted] (/regen redoes it, /undo removes it).
-    With standard input not a terminal, each line is one message (or command) and plain replies are printed.
+    With standard input not a terminal, each line is one message (or command) and plain replies are printed;
+    when messages were sent and none got a reply, the run exits with status 2.
     """
     from .chat import run_chat
 

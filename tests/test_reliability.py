@@ -609,3 +609,18 @@ def test_stats_of_a_deep_step_prints_a_bounded_dashboard(run_cli, tmp_path, monk
     code, out, err = run_cli("stats", "--stats-file", str(f), "--once", "--json")
     snap = json.loads(out)
     assert len(snap["hit_rate_by_depth"]) == 4096  # --json keeps every depth
+
+
+def test_piped_chat_fails_when_no_message_got_a_reply(run_cli, llama_dir):
+    """Every message failing (here: too long for the context) exited 0, so a script could not tell; one reply
+    among failures is still a success."""
+    too_long = "word " * 2000
+    code, out, err = run_cli("chat", str(llama_dir), "-n", "4", "--stats-file", "off", stdin=f"{too_long}\n" * 2)
+    assert code == 2, err
+    assert err.count("error: the message is too long") == 2 and "Traceback" not in err
+    assert err.splitlines()[-1] == "clover: error: all 2 messages failed (see the errors above): no reply was given"
+    code, out, err = run_cli("chat", str(llama_dir), "-n", "4", "--stats-file", "off", stdin=f"{too_long}\nHello\n")
+    assert code == 0, err
+    assert "error: the message is too long" in err and "clover: error" not in err
+    code, out, err = run_cli("chat", str(llama_dir), "-n", "4", "--stats-file", "off", stdin="/help\n")
+    assert code == 0, err  # no message at all: nothing failed
