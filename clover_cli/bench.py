@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from . import atomic
 from .errors import CloverError
 
 LLAMA_METHODS = ("llama.cpp", "llama.cpp-lookup")
@@ -319,6 +320,7 @@ def run_bench(cfg: BenchConfig):
             import matplotlib  # noqa: F401
         except ImportError:
             raise CloverError("--plot needs matplotlib: pip install 'clover-cli[plot]'")
+        _plot_format(cfg.plot)  # before the runs, not after them
     prompts = load_prompts(cfg.prompts, cfg.limit)
     bs = BenchSession(cfg)
     methods = choose_methods(cfg.methods, bs, cfg)
@@ -458,12 +460,23 @@ def plot(report: dict, path: Path):
     if b.lines:
         b.legend()
     fig.tight_layout()
+    fmt = _plot_format(path)  # the temporary file's name says nothing: the target's does
     try:
-        fig.savefig(path, dpi=110)
+        atomic.write_with(Path(path), lambda tmp: fig.savefig(tmp, dpi=110, format=fmt))
     except OSError as e:
-        raise CloverError(f"cannot write the plot {path}: {e.strerror}")
+        raise CloverError(f"cannot write the plot {path}: {e.strerror or e}")
     finally:
         plt.close(fig)
+
+
+def _plot_format(path: Path) -> str:
+    """The image format --plot writes, from its suffix (PNG without one)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    fmt = Path(path).suffix[1:].lower() or "png"
+    if fmt not in FigureCanvasBase.get_supported_filetypes():
+        raise CloverError(f"--plot {path}: matplotlib cannot write .{fmt} files (use .png)")
+    return fmt
 
 
 class _progress:

@@ -258,7 +258,10 @@ def build_heads(cfg: HeadsConfig, target_model) -> nn.Module:
 
 
 def save_heads(heads: nn.Module, out: Path, card: str):
+    """Weights, config.json and model card, each written atomically and readable by all (0644)."""
     from safetensors.torch import save_file
+
+    from . import atomic
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -266,11 +269,9 @@ def save_heads(heads: nn.Module, out: Path, card: str):
     vocab = getattr(heads, "draft_vocab", None)
     if vocab is not None:
         state[DRAFT_VOCAB_KEY] = vocab.to("cpu", torch.long).contiguous()
-    tmp = out / "model.safetensors.tmp"
-    save_file(state, str(tmp), metadata={"format": "pt"})
-    tmp.replace(out / "model.safetensors")
-    (out / "config.json").write_text(json.dumps(asdict(heads.cfg), indent=2) + "\n")
-    (out / "README.md").write_text(card)
+    atomic.write_with(out / "model.safetensors", lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
+    atomic.write_text(out / "config.json", json.dumps(asdict(heads.cfg), indent=2) + "\n")
+    atomic.write_text(out / "README.md", card)
 
 
 def is_heads_dir(path: Path) -> bool:

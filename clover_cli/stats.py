@@ -39,6 +39,7 @@ import uuid
 from collections import deque
 from pathlib import Path
 
+from . import atomic
 from .errors import CloverError
 
 ROTATE_BYTES = 8 * 1024 * 1024
@@ -103,8 +104,7 @@ class StatsWriter:
             if path.is_dir():
                 raise IsADirectoryError(21, "Is a directory")
             path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-            os.close(fd)
+            os.close(atomic.open_append(path, 0o600))
         except OSError as e:
             if arg:
                 raise CloverError(f"cannot write the stats file {path}: {e.strerror or e}")
@@ -115,14 +115,7 @@ class StatsWriter:
         return StatsWriter(path)
 
     def _open(self) -> int:
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        try:
-            st = os.fstat(fd)
-            if st.st_mode & 0o077 and st.st_uid == os.getuid():
-                os.fchmod(fd, 0o600)
-        except (OSError, AttributeError):
-            pass
-        return fd
+        return atomic.open_append(self.path, 0o600)  # private, even when someone made it readable
 
     def _rotate(self, fd: int) -> int:
         """Move a full file aside to <file>.1 (once, even with several writers) and open the new one."""

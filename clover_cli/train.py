@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from . import atomic
 from .errors import CloverError
 
 EVAL_PROMPTS = 4
@@ -177,7 +178,7 @@ def make_out(cfg: TrainConfig, resuming: bool) -> str | None:
                 p.unlink(missing_ok=True)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        (out / MARKER).write_text(json.dumps(_marker(cfg), indent=2) + "\n")
+        atomic.write_text(out / MARKER, json.dumps(_marker(cfg), indent=2) + "\n")
     except OSError as e:
         if made == "created":
             shutil.rmtree(out, ignore_errors=True)
@@ -275,8 +276,8 @@ def _read_jsonl(path: Path, repair: bool = True) -> list:
         except ValueError:
             break
         good += len(line) + 1
-    if repair and good < len(text):
-        path.write_text(text[:good].rstrip("\n") + "\n" if rows else "")
+    if repair and good < len(text):  # atomically: a crash while repairing must not lose the good rows
+        atomic.write_text(path, text[:good].rstrip("\n") + "\n" if rows else "")
     return rows
 
 
@@ -372,9 +373,7 @@ def regenerate(cfg: TrainConfig, model, tokenizer, template: str, stop_strings, 
             for (k, a), ids in zip(where, outs):
                 reply = strip_stop(tokenizer.decode(ids, skip_special_tokens=True), stop_strings).strip()
                 chunk[k][a] = {"role": "assistant", "content": reply}
-        with part.open("a", encoding="utf-8") as f:
-            for c in chunk:
-                f.write(json.dumps(c, ensure_ascii=False) + "\n")
+        atomic.append(part, "".join(json.dumps(c, ensure_ascii=False) + "\n" for c in chunk).encode(), 0o644)
         mine.extend(chunk)
         share = "" if world == 1 else f" (this process: {len(mine)}/{len(todo)})"
         log(f"regenerated {start + min(len(convs) - start, len(mine) * world)}/{len(convs)} conversations"
@@ -384,9 +383,8 @@ def regenerate(cfg: TrainConfig, model, tokenizer, template: str, stop_strings, 
     barrier()
     if rank == 0:
         parts = [_read_jsonl(cache.with_name(f"regenerated.{start}.{r}-of-{world}.jsonl")) for r in range(world)]
-        with cache.open("a", encoding="utf-8") as f:
-            for k in range(len(convs) - start):
-                f.write(json.dumps(parts[k % world][k // world], ensure_ascii=False) + "\n")
+        atomic.append(cache, "".join(json.dumps(parts[k % world][k // world], ensure_ascii=False) + "\n"
+                                     for k in range(len(convs) - start)).encode(), 0o644)
         for r in range(world):
             cache.with_name(f"regenerated.{start}.{r}-of-{world}.jsonl").unlink(missing_ok=True)
     barrier()
@@ -467,9 +465,7 @@ class FeatureCache:
                 pre, post = _hidden(self.model, x)
             tensors[f"{i}.pre"] = pre[0].to(self.dtype).cpu()
             tensors[f"{i}.post"] = post[0].to(self.dtype).cpu()
-        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp")
-        save_file(tensors, str(tmp))
-        tmp.replace(path)
+        atomic.write_with(path, lambda tmp: save_file(tensors, str(tmp)))
 
     def precompute(self, rank: int, world: int, barrier):
         """Several processes: each computes every world-th missing shard, then all wait for the others."""
@@ -912,12 +908,13 @@ def _save_checkpoint(out: Path, heads, opt, sched, step: int, history: list):
     new, cur, old = out / "checkpoint-new", out / "checkpoint", out / "checkpoint-old"
     shutil.rmtree(new, ignore_errors=True)
     new.mkdir()
-    save_file({k: v.detach().cpu().contiguous() for k, v in heads.state_dict().items()},
-              str(new / "heads.safetensors"))
-    torch.save({"opt": opt.state_dict(), "sched": sched.state_dict()}, new / "optimizer.pt")
+    tensors = {k: v.detach().cpu().contiguous() for k, v in heads.state_dict().items()}
+    atomic.write_with(new / "heads.safetensors", lambda tmp: save_file(tensors, str(tmp)))
+    optimizer = {"opt": opt.state_dict(), "sched": sched.state_dict()}
+    atomic.write_with(new / "optimizer.pt", lambda tmp: torch.save(optimizer, tmp))
     settings = _heads_settings("clover" if heads.cfg.architecture == "clover2" else "medusa", heads.cfg.num_heads,
                                heads.cfg.num_layers)
-    (new / "state.json").write_text(json.dumps({"step": step, "history": history, "settings": settings}))
+    atomic.write_text(new / "state.json", json.dumps({"step": step, "history": history, "settings": settings}))
     shutil.rmtree(old, ignore_errors=True)
     if cur.exists():
         os.replace(cur, old)

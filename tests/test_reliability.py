@@ -624,3 +624,109 @@ def test_piped_chat_fails_when_no_message_got_a_reply(run_cli, llama_dir):
     assert "error: the message is too long" in err and "clover: error" not in err
     code, out, err = run_cli("chat", str(llama_dir), "-n", "4", "--stats-file", "off", stdin="/help\n")
     assert code == 0, err  # no message at all: nothing failed
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has ended."""
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_trained_heads_files_are_all_readable_by_all(checkpointed):
+    """model.safetensors was 0600 (safetensors' own temporary file) while config.json was 0644."""
+    for name in ("model.safetensors", "config.json", "README.md"):
+        assert (checkpointed / name).stat().st_mode & 0o777 == 0o644, name
+
+
+def test_heads_files_are_replaced_never_rewritten_in_place(heads_dir, llama_dir, tmp_path):
+    """A reader holding the old config.json / README.md / weights (here: a hard link to each) keeps the old file
+    whole: saving writes a new file and renames it over the old one. A lone surrogate in the model card cannot be
+    written at all: the old card stays, and no temporary file is left."""
+    from transformers import AutoModelForCausalLM
+
+    from clover_cli.heads import HeadsConfig, build_heads, save_heads
+
+    out = tmp_path / "h"
+    shutil.copytree(heads_dir, out)
+    names = ("model.safetensors", "config.json", "README.md")
+    before = {n: (out / n).read_bytes() for n in names}
+    for n in names:
+        os.link(out / n, tmp_path / f"held-{n}")
+    model = AutoModelForCausalLM.from_pretrained(llama_dir)
+    heads = build_heads(HeadsConfig.for_target(model.config, num_heads=2, num_layers=1, name="other"), model)
+    save_heads(heads, out, "another card\n")
+    for n in names:
+        assert (tmp_path / f"held-{n}").read_bytes() == before[n], n
+    assert (out / "README.md").read_text() == "another card\n" and json.loads((out / "config.json").read_text())
+    with pytest.raises(UnicodeEncodeError):
+        save_heads(heads, out, "a card with a lone surrogate \ud800\n")
+    assert (out / "README.md").read_text() == "another card\n"
+    assert sorted(p.name for p in out.iterdir()) == sorted(names)
+
+
+def test_the_regenerated_data_repair_is_atomic(tmp_path):
+    """A row cut short by a crash is dropped from regenerated.jsonl by writing the good rows to a new file, not by
+    truncating the old one in place (a crash while repairing lost every row)."""
+    from clover_cli.train import _read_jsonl
+
+    path = tmp_path / "regenerated.jsonl"
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}]} for i in range(3)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"messages": [{"ro')
+    os.link(path, tmp_path / "held")
+    assert _read_jsonl(path) == rows
+    assert path.read_text() == "".join(json.dumps(r) + "\n" for r in rows)
+    assert (tmp_path / "held").read_text().endswith('{"messages": [{"ro')  # the old file was not cut in place
+    assert path.stat().st_mode & 0o777 == 0o644
+
+
+def test_what_a_crashed_writer_left_is_cleaned(heads_dir, llama_dir, tmp_path):
+    """Temporary files and directories of a writer that died are removed by the next write of the same name; those
+    of a live process stay (it may still rename them into place)."""
+    from clover_cli import compiled
+
+    out = tmp_path / "h"
+    shutil.copytree(heads_dir, out)
+    dead, live = _dead_pid(), os.getppid()
+    stale = [out / f".model.safetensors.clover-{dead}-k2x9_q.tmp", out / f".config.json.clover-{dead}-abc.tmp"]
+    kept = out / f".README.md.clover-{live}-abc.tmp"
+    for p in [*stale, kept]:
+        p.write_bytes(b"half a file")
+    stale_dir = tmp_path / f".pkg.clover-{dead}.tmp"
+    (stale_dir / "inner").mkdir(parents=True)
+    from transformers import AutoModelForCausalLM
+
+    from clover_cli.heads import HeadsConfig, build_heads, save_heads
+
+    model = AutoModelForCausalLM.from_pretrained(llama_dir)
+    save_heads(build_heads(HeadsConfig.for_target(model.config, num_heads=2, num_layers=1), model), out, "card\n")
+    assert not any(p.exists() for p in stale) and kept.exists()
+    with compiled.building(tmp_path / "pkg") as tmp:
+        (tmp / "whole.pt2").write_bytes(b"x")
+    assert not stale_dir.exists() and sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".pkg")) == []
+
+
+def test_atomic_writes_have_the_mode_asked_for_and_leave_nothing_on_failure(tmp_path):
+    from clover_cli import atomic
+
+    old = os.umask(0o077)
+    try:
+        atomic.write_text(tmp_path / "a.json", "{}")
+        atomic.write_bytes(tmp_path / "b", b"x", mode=0o600)
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "b").stat().st_mode & 0o777 == 0o600
+
+    def half(tmp):
+        tmp.write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError):
+        atomic.write_with(tmp_path / "a.json", half)
+    assert (tmp_path / "a.json").read_text() == "{}" and sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "b"]
+    # a file of another name that merely starts like this one's is not taken for its leftover
+    other = tmp_path / f".a.json.5.clover-{_dead_pid()}-x.tmp"
+    other.write_bytes(b"")
+    atomic.write_text(tmp_path / "a.json", "{}")
+    assert other.exists()
