@@ -915,9 +915,13 @@ def _save_checkpoint(out: Path, heads, opt, sched, step: int, history: list):
     settings = _heads_settings("clover" if heads.cfg.architecture == "clover2" else "medusa", heads.cfg.num_heads,
                                heads.cfg.num_layers)
     atomic.write_text(new / "state.json", json.dumps({"step": step, "history": history, "settings": settings}))
-    shutil.rmtree(old, ignore_errors=True)
-    if cur.exists():
+    # at every moment one complete checkpoint is on disk: checkpoint-old goes only once checkpoint is complete
+    # (a run resumed from checkpoint-old has none) and the new one is in place
+    if (cur / "state.json").is_file():
+        shutil.rmtree(old, ignore_errors=True)
         os.replace(cur, old)
+    else:
+        shutil.rmtree(cur, ignore_errors=True)  # absent, or not a checkpoint
     os.replace(new, cur)
     shutil.rmtree(old, ignore_errors=True)
 

@@ -730,3 +730,28 @@ def test_atomic_writes_have_the_mode_asked_for_and_leave_nothing_on_failure(tmp_
     other.write_bytes(b"")
     atomic.write_text(tmp_path / "a.json", "{}")
     assert other.exists()
+
+
+def test_resuming_from_checkpoint_old_keeps_it_until_the_new_one_is_in_place(run_cli, llama_dir, data_file,
+                                                                             run_dir, monkeypatch):
+    """A crash between moving `checkpoint` aside and moving the new one in leaves only `checkpoint-old`. Resuming
+    from it, the next save deleted it before the new checkpoint was in place: a second crash there left none."""
+    from clover_cli.train import _checkpoint_dir
+
+    os.replace(run_dir / "checkpoint", run_dir / "checkpoint-old")
+    replace = os.replace
+
+    def crash_before_the_new_one_is_in_place(src, dst, *a, **k):
+        if Path(src).name == "checkpoint-new":
+            raise OSError(5, "Input/output error")
+        return replace(src, dst, *a, **k)
+
+    monkeypatch.setattr(os, "replace", crash_before_the_new_one_is_in_place)
+    code, _, err = train(run_cli, llama_dir, data_file, run_dir, "--max-steps", "4", "--resume")
+    assert code != 0 and "resumed from step 2" in err and "Traceback" not in err
+    monkeypatch.setattr(os, "replace", replace)
+    assert _checkpoint_dir(run_dir) == run_dir / "checkpoint-old"
+    code, _, err = train(run_cli, llama_dir, data_file, run_dir, "--max-steps", "4", "--resume")
+    assert code == 0 and "resumed from step 2" in err, err
+    assert _checkpoint_dir(run_dir) == run_dir / "checkpoint" and not (run_dir / "checkpoint-old").exists()
+    assert json.loads((run_dir / "checkpoint" / "state.json").read_text())["step"] == 4
