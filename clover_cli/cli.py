@@ -348,7 +348,8 @@ def train(
     cache_features: bool = typer.Option(False, "--cache-features", help="Precompute the target's hidden states "
                                                                         "to a safetensors shard cache."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the last checkpoint in --out."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out directory."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Start again in an --out that holds heads or a run "
+                                                              "(a directory of other files is refused)."),
     push_to_hub: Optional[str] = typer.Option(None, "--push-to-hub", help="Upload the heads to this Hub repo."),
     seed: int = typer.Option(0, "--seed", help="Random seed."),
     device: str = Common.device, dtype: str = Common.dtype, revision: Optional[str] = Common.revision,

@@ -121,8 +121,9 @@ def check_out(cfg: TrainConfig) -> bool:
         raise CloverError(f"cannot read --out {out}: {e.strerror or e}")
     if populated:
         ours = (out / MARKER).is_file() or is_heads_dir(out)
-        if not ours and not cfg.overwrite:
-            raise CloverError(f"--out {out} exists and is not a heads directory (pass --overwrite to write into it)")
+        if not ours:  # someone's own files: never written over, --overwrite or not
+            raise CloverError(f"--out {out} exists and is not a heads directory: choose a new or empty directory "
+                              f"(--overwrite replaces only what clover train made)")
         if ours and not (cfg.resume or cfg.overwrite):
             if _checkpoint_dir(out) is None and not is_heads_dir(out):
                 kept = " (its regenerated replies are reused)" if any(out.glob("regenerated*.jsonl")) else ""

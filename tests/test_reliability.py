@@ -755,3 +755,17 @@ def test_resuming_from_checkpoint_old_keeps_it_until_the_new_one_is_in_place(run
     assert code == 0 and "resumed from step 2" in err, err
     assert _checkpoint_dir(run_dir) == run_dir / "checkpoint" and not (run_dir / "checkpoint-old").exists()
     assert json.loads((run_dir / "checkpoint" / "state.json").read_text())["step"] == 4
+
+
+def test_overwrite_refuses_a_directory_that_is_not_clovers(run_cli, llama_dir, data_file, tmp_path):
+    """--overwrite on a directory of someone's own files (here a README.md and a config.json that are not a heads
+    config) trained into it and replaced them; it replaces only what clover made."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "README.md").write_text("my notes\n")
+    (mine / "config.json").write_text('{"my": "settings"}\n')
+    one_line_error(train(run_cli, llama_dir, data_file, mine, "--max-steps", "1", "--overwrite"), str(mine),
+                   "not a heads directory")
+    assert sorted(p.name for p in mine.iterdir()) == ["README.md", "config.json"]
+    assert (mine / "README.md").read_text() == "my notes\n"
+    assert (mine / "config.json").read_text() == '{"my": "settings"}\n'
