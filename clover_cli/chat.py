@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from .atomic import write_bytes
+from . import atomic
 from .errors import CloverError
 
 HELP_KEYS = [
@@ -176,7 +176,7 @@ class Conversation:
             raise CloverError(f"cannot save to {path}: it is a directory")
         data = (json.dumps(self.to_json(model), ensure_ascii=False, indent=1) + "\n").encode()
         try:
-            write_bytes(p, data, mode=0o600, make_parents=False)  # a conversation is private
+            atomic.write_bytes(p, data, mode=0o600, make_parents=False)  # a conversation is private
         except OSError as e:
             raise CloverError(f"cannot save to {path}: {e.strerror or e}")
         return p
@@ -676,8 +676,12 @@ def _history(path_arg: str | None):
 
     class QuietFileHistory(FileHistory):
         def store_string(self, string: str) -> None:
+            """prompt-toolkit's format, appended privately (0600, an existing file tightened) in one write."""
+            import datetime
+
+            entry = f"\n# {datetime.datetime.now()}\n" + "".join(f"+{line}\n" for line in string.split("\n"))
             try:
-                super().store_string(string)
+                atomic.append(Path(self.filename), entry.encode("utf-8", errors="replace"), 0o600)
             except OSError:
                 pass  # a full disk must not end the chat
 
@@ -688,7 +692,7 @@ def _history(path_arg: str | None):
         if path.is_dir():
             raise IsADirectoryError(21, "Is a directory")
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600))
+        os.close(atomic.open_append(path, 0o600))  # a history of prompts is private: an existing file too
     except OSError as e:
         if path_arg:
             raise CloverError(f"cannot use the history file {path}: {e.strerror or e}")

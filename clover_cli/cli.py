@@ -274,8 +274,8 @@ def chat(
     tree_budget: str = Common.tree_budget, load_in_8bit: bool = Common.load_in_8bit, device: str = Common.device,
     dtype: str = Common.dtype, revision: Optional[str] = Common.revision,
     trust_remote_code: bool = Common.trust_remote_code, allow_pickle: bool = Common.allow_pickle,
-    history_file: Optional[str] = typer.Option(None, "--history-file", help="Input history (default: user "
-                                                                            "cache directory)."),
+    history_file: Optional[str] = typer.Option(None, "--history-file", help="Input history, kept private (mode "
+                                                                            "0600; default: user cache directory)."),
     stats_file: Optional[str] = Common.stats_file, no_color: bool = Common.no_color,
     compile: Optional[str] = Common.compile,
 ):
