@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -704,6 +705,25 @@ def test_what_a_crashed_writer_left_is_cleaned(heads_dir, llama_dir, tmp_path):
     with compiled.building(tmp_path / "pkg") as tmp:
         (tmp / "whole.pt2").write_bytes(b"x")
     assert not stale_dir.exists() and sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".pkg")) == []
+
+
+WRITES = re.compile(r"""\bopen\([^)]*["'][^"']*[wax+][^"']*["']|\.write_(text|bytes)\(|\bsave_file\(|torch\.save\(|"""
+                    r"""json\.dump\(|\.savefig\(|\.save_pretrained\(|\bO_CREAT\b|GGUFWriter\(|mkstemp\(|"""
+                    r"""shutil\.copy\w*\(|np\.save\w*\(""")
+
+
+def test_every_file_the_project_writes_goes_through_atomic():
+    """A call that writes a file is allowed outside clover_cli/atomic.py only on a line that hands the writing to
+    atomic (`atomic.write_with(path, lambda tmp: ...)`), writes the temporary path atomic gave (`tmp`, or `tmp_file` opened on it), or says why
+    it cannot be atomic (`# not atomic: ...`: a lock, a log being streamed, a directory transformers writes)."""
+    offenders = []
+    for path in sorted([*ROOT.glob("clover_cli/**/*.py"), *ROOT.glob("scripts/**/*.py")]):
+        if path.name == "atomic.py":
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if WRITES.search(line) and not re.search(r"\batomic\.|\btmp(_\w+)?\b|# not atomic: \S", line):
+                offenders.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert offenders == []
 
 
 def test_atomic_writes_have_the_mode_asked_for_and_leave_nothing_on_failure(tmp_path):
