@@ -92,7 +92,13 @@ def load_prompts(spec: str | None, limit: int | None) -> list[dict]:
                 if text:
                     rows.append({"id": f.stem, "category": "file", "messages": [{"role": "user", "content": text}]})
         elif path.is_file():
-            for n, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
+            try:
+                text = path.read_text(encoding="utf-8")
+            except UnicodeDecodeError as e:
+                raise CloverError(f"--prompts {spec}: not UTF-8 text (byte {e.start})") from None
+            except OSError as e:
+                raise CloverError(f"--prompts {spec}: cannot read it ({e.strerror or e})") from None
+            for n, line in enumerate(text.split("\n"), 1):
                 if not line.strip():
                     continue
                 try:
@@ -106,7 +112,7 @@ def load_prompts(spec: str | None, limit: int | None) -> list[dict]:
         else:
             raise CloverError(f"--prompts {spec}: no such file or directory")
     if not rows:
-        raise CloverError("no prompts to run")
+        raise CloverError(f"--prompts {spec}: no prompts in it" if spec else "no prompts to run")
     return rows[:limit] if limit else rows
 
 

@@ -433,6 +433,8 @@ def compile_step(
     except Exception as e:
         raise CloverError(f"cannot read the model config in {resolved.path}: {str(e).splitlines()[0] if str(e) else e}")
     heads_path = None if no_heads else resolve_heads(heads, resolved)
+    if heads_path is not None:  # before the target's step is built (a minute), not after it
+        _check_heads(heads_path, config)
     capacity = capacity_for(context_limit(config))
     out = package_dir(resolved.path, torch.float32, capacity)
     job = Job(resolved.path, out, capacity, trust_remote_code, allow_pickle, heads_path,
@@ -457,6 +459,21 @@ def compile_step(
     typer.echo(f"verify forward: {costs}")
     if heads_path is not None:
         typer.echo(f"heads ({find_heads(job.heads_out)['kind']}): {job.heads_out}")
+
+
+def _check_heads(path: Path, config):
+    """Refuse heads whose config is bad, that do not fit the target or whose weights are damaged, in one line."""
+    from safetensors import safe_open
+
+    from .heads import load_heads_config
+
+    load_heads_config(path).check_target(config, str(path))
+    try:
+        with safe_open(str(Path(path) / "model.safetensors"), "pt") as f:
+            f.keys()
+    except Exception as e:  # SafetensorError, OSError
+        why = getattr(e, "strerror", None) or _first_line(e) or type(e).__name__
+        raise CloverError(f"heads {path}: unreadable model.safetensors ({why})") from None
 
 
 def _fail(message: str, code: int = 2):

@@ -80,7 +80,7 @@ class Loaded:
 def load(path: Path, device: str = "auto", dtype: str = "auto", load_in_8bit: bool = False,
          trust_remote_code: bool = False, allow_pickle: bool = False) -> Loaded:
     from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -98,6 +98,13 @@ def load(path: Path, device: str = "auto", dtype: str = "auto", load_in_8bit: bo
             dt = torch.float16
         kwargs.update(quantization_config=BitsAndBytesConfig(load_in_8bit=True), device_map={"": str(dev)},
                       dtype=dt)
+    try:  # first: the tokenizer reads it too, and would be blamed for a bad config.json
+        AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as e:
+        msg = _first_line(e)
+        if "trust_remote_code" in msg:
+            msg = "it needs custom code from its repository; pass --trust-remote-code if you trust it"
+        raise CloverError(f"cannot read the model config in {path}: {msg}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as e:

@@ -12,25 +12,46 @@ import torch
 from .errors import CloverError
 
 
-def load(path: Path, what: str):
+def load(path: Path, what: str, mmap: bool = False):
     """The contents of the torch.save file `path` (`what` it is, e.g. "optimizer state", names it in errors),
     holding tensors, numbers, strings and containers of them. Anything more (a pickled object that would run code
-    while loading) is refused in one line, as is a file that is missing, damaged or cannot be read."""
+    while loading) is refused in one line, as is a file that is missing, damaged or cannot be read. With `mmap` the
+    tensors are mapped, not read: a cheap check of a file loaded later."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
-        raise refusal(path, what, e) from None
+        if _names_code(e):
+            raise refusal(path, what, e) from None
+        raise CloverError(f"{what} {path} is damaged or not a torch.save file ({_detail(e)})") from None
+    except RuntimeError as e:
+        if mmap and "mmap can only be used" in str(e):  # not the zip format: only a full read can tell what it is
+            return load(path, what)
+        raise CloverError(f"{what} {path} is damaged ({_sentence(e)})") from None
     except FileNotFoundError:
         raise CloverError(f"{what} {path} is missing") from None
-    except (OSError, RuntimeError, EOFError, ValueError) as e:
-        why = e.strerror if isinstance(e, OSError) and e.strerror else (str(e).strip().splitlines() or ["?"])[0]
-        raise CloverError(f"{what} {path} is unreadable ({why[:120]})") from None
+    except EOFError:
+        raise CloverError(f"{what} {path} is damaged (it ends too early: empty or cut short)") from None
+    except OSError as e:
+        raise CloverError(f"{what} {path} is unreadable ({e.strerror or _sentence(e)})") from None
+    except Exception as e:  # torch's reader fails in other ways too on a damaged file
+        raise CloverError(f"{what} {path} is damaged ({_sentence(e)})") from None
 
 
 def refusal(path: Path, what: str, e: pickle.UnpicklingError) -> CloverError:
     """The one-line error for a pickle that holds more than tensors and plain data."""
     return CloverError(f"refusing {what} {path}: it holds more than tensors and plain data, and clover never "
                        f"loads code from a file ({_detail(e)})")
+
+
+def _sentence(e: Exception) -> str:
+    """The first sentence of an error's message (torch's go on with advice that does not apply)."""
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return first.split(". ")[0].rstrip(".")[:160]
+
+
+def _names_code(e: pickle.UnpicklingError) -> bool:
+    """Whether torch refused the pickle for what it would import or call (rather than for being damaged)."""
+    return any(w in _detail(e).lower() for w in ("global", "reduce", "call", "build"))
 
 
 def _detail(e: Exception) -> str:

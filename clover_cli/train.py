@@ -208,16 +208,42 @@ def _heads_settings(arch: str, num_heads: int, num_layers: int) -> dict:
 
 
 def _check_resumable(path: Path, cfg: TrainConfig):
-    """Refuse --resume with options that build other heads than the checkpoint's (before anything loads)."""
+    """Refuse --resume from a damaged checkpoint, or with options that build other heads than the checkpoint's
+    (before the model and the data load: a run that cannot resume says so in one line, up front)."""
+    from safetensors import safe_open
+
+    from . import torchload
+
+    def damaged(why: str):
+        return CloverError(f"--resume: the checkpoint in {path} is damaged ({why}); pass --overwrite to start again")
+
     try:
-        made = json.loads((path / "state.json").read_text()).get("settings")
-    except (OSError, ValueError, AttributeError):
-        made = None  # an unreadable state is refused when it loads
+        state = json.loads((path / "state.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
+        raise damaged(f"state.json: {getattr(e, 'strerror', None) or _first_line(e)}") from None
+    if not (isinstance(state, dict) and type(state.get("step")) is int and isinstance(state.get("history"), list)):
+        raise damaged("state.json does not hold a step and a history")
+    try:
+        saved = torchload.load(path / "optimizer.pt", "optimizer state", mmap=True)  # mapped: a cheap check
+    except CloverError as e:
+        raise CloverError(f"--resume: {e}; pass --overwrite to start again") from None
+    if not (isinstance(saved, dict) and {"opt", "sched"} <= set(saved)):
+        raise damaged("optimizer.pt does not hold an optimizer and a schedule")
+    try:
+        with safe_open(str(path / "heads.safetensors"), "pt") as f:
+            f.keys()
+    except Exception as e:  # SafetensorError, OSError
+        raise damaged(f"heads.safetensors: {getattr(e, 'strerror', None) or _first_line(e)}") from None
+    made = state.get("settings")
     want = _heads_settings(cfg.arch, cfg.num_heads, cfg.num_layers)
     if isinstance(made, dict) and made != want:
         flags = " ".join(f"--{k} {v}" for k, v in made.items())
         raise CloverError(f"--resume: the checkpoint in {path} was made with {flags}; resume with those options, "
                           f"or pass --overwrite to start again")
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
 
 
 def _checkpoint_dir(out: Path) -> Path | None:

@@ -130,9 +130,11 @@ def test_torchload_reads_tensors_and_refuses_the_rest(tmp_path):
     torch.save({"t": torch.arange(3), "step": 4, "betas": (0.9, 0.95)}, good)
     assert torchload.load(good, "optimizer state")["step"] == 4
     (tmp_path / "cut.pt").write_bytes(good.read_bytes()[:60])
+    (tmp_path / "garbage.pt").write_bytes(b"\x07" * 4096)
     marker = tmp_path / "pwned"
     torch.save({"opt": _Payload(marker)}, tmp_path / "evil.pt")
-    for name, needle in [("cut.pt", "unreadable"), ("missing.pt", "missing"), ("evil.pt", "refusing")]:
+    for name, needle in [("cut.pt", "damaged"), ("garbage.pt", "not a torch.save file"), ("missing.pt", "missing"),
+                         ("evil.pt", "refusing")]:
         with pytest.raises(CloverError, match=needle) as e:
             torchload.load(tmp_path / name, "optimizer state")
         message = str(e.value)
