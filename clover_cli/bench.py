@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from . import atomic
 from .errors import CloverError
 
 LLAMA_METHODS = ("llama.cpp", "llama.cpp-lookup")
@@ -120,7 +121,13 @@ def load_prompts(spec: str | None, limit: int | None) -> list[dict]:
                 if text:
                     rows.append({"id": f.stem, "category": "file", "messages": [{"role": "user", "content": text}]})
         elif path.is_file():
-            for n, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
+            try:
+                text = path.read_text(encoding="utf-8")
+            except UnicodeDecodeError as e:
+                raise CloverError(f"--prompts {spec}: not UTF-8 text (byte {e.start})") from None
+            except OSError as e:
+                raise CloverError(f"--prompts {spec}: cannot read it ({e.strerror or e})") from None
+            for n, line in enumerate(text.split("\n"), 1):
                 if not line.strip():
                     continue
                 try:
@@ -137,7 +144,7 @@ def load_prompts(spec: str | None, limit: int | None) -> list[dict]:
         else:
             raise CloverError(f"--prompts {spec}: no such file or directory")
     if not rows:
-        raise CloverError("no prompts to run")
+        raise CloverError(f"--prompts {spec}: no prompts in it" if spec else "no prompts to run")
     return rows[:limit] if limit else rows
 
 
@@ -362,6 +369,7 @@ def run_bench(cfg: BenchConfig):
             import matplotlib  # noqa: F401
         except ImportError:
             raise CloverError("--plot needs matplotlib: pip install 'clover-cli[plot]'")
+        _plot_format(cfg.plot)  # before the runs, not after them
     prompts = load_prompts(cfg.prompts, cfg.limit)
     bs = BenchSession(cfg)
     methods = choose_methods(cfg.methods, bs, cfg)
@@ -510,12 +518,23 @@ def plot(report: dict, path: Path):
     if b.lines:
         b.legend()
     fig.tight_layout()
+    fmt = _plot_format(path)  # the temporary file's name says nothing: the target's does
     try:
-        fig.savefig(path, dpi=110)
+        atomic.write_with(Path(path), lambda tmp: fig.savefig(tmp, dpi=110, format=fmt))
     except OSError as e:
-        raise CloverError(f"cannot write the plot {path}: {e.strerror}")
+        raise CloverError(f"cannot write the plot {path}: {e.strerror or e}")
     finally:
         plt.close(fig)
+
+
+def _plot_format(path: Path) -> str:
+    """The image format --plot writes, from its suffix (PNG without one)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    fmt = Path(path).suffix[1:].lower() or "png"
+    if fmt not in FigureCanvasBase.get_supported_filetypes():
+        raise CloverError(f"--plot {path}: matplotlib cannot write .{fmt} files (use .png)")
+    return fmt
 
 
 class _progress:

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from .atomic import write_bytes
+from . import atomic
 from .errors import CloverError
 
 HELP_KEYS = [
@@ -176,26 +176,45 @@ class Conversation:
             raise CloverError(f"cannot save to {path}: it is a directory")
         data = (json.dumps(self.to_json(model), ensure_ascii=False, indent=1) + "\n").encode()
         try:
-            write_bytes(p, data, mode=0o600, make_parents=False)  # a conversation is private
+            atomic.write_bytes(p, data, mode=0o600, make_parents=False)  # a conversation is private
         except OSError as e:
             raise CloverError(f"cannot save to {path}: {e.strerror or e}")
         return p
 
 
 def fit_context(conv: Conversation, encode, limit: int) -> tuple[list[int], int]:
-    """Token ids of the conversation for the model, leaving out the oldest exchanges while they exceed `limit`
-    tokens. Returns (ids, messages newly left out). The window only moves forward, so the model's cache of the
-    kept prefix stays valid from one reply to the next."""
-    dropped = 0
-    while True:
-        ids = encode(conv.for_model())
+    """Token ids of the conversation for the model, leaving out the fewest oldest exchanges for the rest to fit in
+    `limit` tokens. Returns (ids, messages newly left out). The window only moves forward, so the model's cache of
+    the kept prefix stays valid from one reply to the next.
+
+    The window is found by bisection over whole exchanges: each encoding tried is of a suffix at most as long as
+    the rest of the interval plus one that fits, so a long conversation (a /load) costs about two encodings of it
+    in all, not one per exchange left out."""
+    start = conv.window
+
+    def encode_from(window: int) -> list[int]:
+        conv.window = window
+        return encode(conv.for_model())
+
+    ids = encode_from(start)
+    if len(ids) <= limit:
+        return ids, 0
+    last = start + 2 * ((len(conv.messages) - start) // 2)  # the window that keeps the final message alone
+    fits = encode_from(last)
+    if len(fits) > limit:
+        conv.window = start
+        raise CloverError(f"the message is too long: {len(fits)} tokens with the chat template and system "
+                          f"message, and at most {limit} fit (the rest of the context is kept for the reply)")
+    lo, hi = start, last  # lo does not fit, hi does
+    while hi - lo > 2:
+        mid = lo + 2 * ((hi - lo) // 4)
+        ids = encode_from(mid)
         if len(ids) <= limit:
-            return ids, dropped
-        if len(conv.messages) - conv.window <= 1:
-            raise CloverError(f"the message is too long: {len(ids)} tokens with the chat template and system "
-                              f"message, and at most {limit} fit (the rest of the context is kept for the reply)")
-        conv.window += 2
-        dropped += 2
+            hi, fits = mid, ids
+        else:
+            lo = mid
+    conv.window = hi
+    return fits, hi - start
 
 
 # ------------------------------------------------------------------------------------------- output
@@ -245,8 +264,11 @@ class Chat:
         self.total = SessionStats(self.sid or "", "chat", session.resolved.name, session.draft_name)
         self.generations = 0
         self.interrupts = 0  # Ctrl-C presses caught while replying
+        self.replied = self.failed = 0  # replies given, and messages (or /regen) that ended in an error
         self.notices: list[str] = []  # said between replies, never into one (the compiled step's news)
         session.compiler.warn = self.notices.append
+        if writer:
+            writer.warn = self.notices.append
 
     # --- replies
 
@@ -283,6 +305,7 @@ class Chat:
             gen = s.generate(ids, self.max_new_tokens, Sampling(self.temperature, self.top_p, seed))
         except CloverError as e:
             self.conv.restore(before)
+            self.failed += 1
             self.out.error(str(e))
             return
         except KeyboardInterrupt:
@@ -292,6 +315,7 @@ class Chat:
             return
         except Exception as e:  # a template that refuses the conversation, for one
             self.conv.restore(before)
+            self.failed += 1
             self.out.error(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
             return
 
@@ -337,11 +361,13 @@ class Chat:
                 self.conv.restore(before)
                 reply.end_line()
                 if failed is not None:
+                    self.failed += 1
                     self.out.error(failed + (" (the partial reply was discarded)" if reply.any_output else ""))
                 else:
                     self.out.note("[interrupted before the reply began: your message was not kept; "
                                   "Up recalls it]" if self.interactive else "[interrupted]", "yellow")
                 return
+            self.replied += 1
             msg = {"role": "assistant", "content": content}
             if interrupted:
                 msg["interrupted"] = True
@@ -650,8 +676,12 @@ def _history(path_arg: str | None):
 
     class QuietFileHistory(FileHistory):
         def store_string(self, string: str) -> None:
+            """prompt-toolkit's format, appended privately (0600, an existing file tightened) in one write."""
+            import datetime
+
+            entry = f"\n# {datetime.datetime.now()}\n" + "".join(f"+{line}\n" for line in string.split("\n"))
             try:
-                super().store_string(string)
+                atomic.append(Path(self.filename), entry.encode("utf-8", errors="replace"), 0o600)
             except OSError:
                 pass  # a full disk must not end the chat
 
@@ -662,7 +692,7 @@ def _history(path_arg: str | None):
         if path.is_dir():
             raise IsADirectoryError(21, "Is a directory")
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600))
+        os.close(atomic.open_append(path, 0o600))  # a history of prompts is private: an existing file too
     except OSError as e:
         if path_arg:
             raise CloverError(f"cannot use the history file {path}: {e.strerror or e}")
@@ -833,10 +863,16 @@ def _repl(chat: Chat, prompt):
 
 
 def _lines(chat: Chat):
-    """Standard input that is not a terminal: one message or command per line, until its end."""
+    """Standard input that is not a terminal: one message or command per line, until its end (or /exit). When
+    messages were sent and not one got a reply, the run fails (exit status 2): a script learns that it got
+    nothing."""
     for raw in sys.stdin.buffer:
         text = raw.decode("utf-8", errors="replace").rstrip("\r\n")
         if not text.strip():
             continue
         if not _handle(chat, text):
-            return
+            break
+    if chat.failed and not chat.replied:
+        n = chat.failed
+        raise CloverError(f"{'the message' if n == 1 else f'all {n} messages'} failed (see the errors above): "
+                          f"no reply was given")

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Optional
 
@@ -35,10 +37,15 @@ def _version(value: bool):
         raise typer.Exit()
 
 
+_state = {"debug": False}
+
+
 @app.callback()
 def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                        help="Print the version and exit.")):
-    pass
+                                        help="Print the version and exit."),
+          debug: bool = typer.Option(False, "--debug", help="On an error, show its traceback too (also "
+                                                            "CLOVER_DEBUG=1).")):
+    _state["debug"] = debug
 
 
 # Options shared by the commands that load a model.
@@ -87,7 +94,9 @@ def check_sampling(max_new_tokens: int, temperature: float, top_p: float, seed: 
         raise CloverError(f"--top-p must be in (0, 1], not {top_p}")
 
 
-def read_prompt(path: str) -> str:
+def read_prompt(path: str, keep_newline: bool = False) -> str:
+    """The prompt in a file (or standard input for "-"): UTF-8 text, without the one newline that ends a file
+    (so that it is the same prompt as the same text typed in a chat) unless keep_newline."""
     if path == "-":
         data = sys.stdin.buffer.read()
         where = "standard input"
@@ -95,12 +104,12 @@ def read_prompt(path: str) -> str:
         p = Path(path).expanduser()
         if p.is_dir():
             raise CloverError(f"prompt file {path} is a directory")
-        if not p.is_file():
-            raise CloverError(f"prompt file not found: {path}")
-        try:
+        try:  # a regular file, or a pipe or device: a FIFO, /dev/stdin, a shell's <(...)
             data = p.read_bytes()
+        except FileNotFoundError:
+            raise CloverError(f"prompt file not found: {path}")
         except OSError as e:
-            raise CloverError(f"cannot read prompt file {path}: {e.strerror}")
+            raise CloverError(f"cannot read prompt file {path}: {e.strerror or e}")
         where = path
     if b"\x00" in data:
         raise CloverError(f"{where} looks binary, not a text prompt")
@@ -110,6 +119,8 @@ def read_prompt(path: str) -> str:
         raise CloverError(f"{where} is not UTF-8 text")
     if not text.strip():
         raise CloverError(f"{where} is empty")
+    if not keep_newline and text.endswith("\n"):
+        text = text[:-2] if text.endswith("\r\n") else text[:-1]
     return text
 
 
@@ -175,10 +186,13 @@ def download(model: str = typer.Argument(..., help="Alias or Hub repo id."),
 @app.command()
 def generate(
     model: Optional[str] = MODEL_ARG,
-    prompt: str = typer.Option(..., "--prompt", "-p", help="File holding the prompt; - reads standard input."),
+    prompt: str = typer.Option(..., "--prompt", "-p", help="File holding the prompt (a pipe or device too); - reads "
+                                                           "standard input."),
     max_new_tokens: int = Common.max_new_tokens, temperature: float = Common.temperature,
     top_p: float = Common.top_p, seed: Optional[int] = Common.seed,
     raw: bool = typer.Option(False, "--raw", help="Feed the prompt as is, without the chat template."),
+    keep_newline: bool = typer.Option(False, "--keep-newline", help="Keep the newline that ends the prompt file "
+                                      "(by default one trailing newline is dropped, as a typed message has none)."),
     system: Optional[str] = typer.Option(None, "--system", help="System message for the chat template."),
     draft: str = Common.draft, heads: Optional[str] = Common.heads, tree: str = Common.tree,
     tree_budget: str = Common.tree_budget, load_in_8bit: bool = Common.load_in_8bit,
@@ -198,7 +212,7 @@ def generate(
     from .stats import StatsWriter
 
     check_sampling(max_new_tokens, temperature, top_p, seed)
-    text = read_prompt(prompt)
+    text = read_prompt(prompt, keep_newline)
     t_start = time.perf_counter()
     session = Session(_options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, device, dtype,
                                trust_remote_code, allow_pickle, compile, load_in_4bit, device_map, max_memory),
@@ -278,8 +292,8 @@ def chat(
     device_map: Optional[str] = Common.device_map, max_memory: Optional[str] = Common.max_memory,
     dtype: str = Common.dtype, revision: Optional[str] = Common.revision,
     trust_remote_code: bool = Common.trust_remote_code, allow_pickle: bool = Common.allow_pickle,
-    history_file: Optional[str] = typer.Option(None, "--history-file", help="Input history (default: user "
-                                                                            "cache directory)."),
+    history_file: Optional[str] = typer.Option(None, "--history-file", help="Input history, kept private (mode "
+                                                                            "0600; default: user cache directory)."),
     stats_file: Optional[str] = Common.stats_file, no_color: bool = Common.no_color,
     compile: Optional[str] = Common.compile,
 ):
@@ -287,7 +301,8 @@ def chat(
 
     Enter sends, Esc Enter (Alt-Enter) adds a line, /help lists the slash commands. Ctrl-C stops a reply: the
     part already shown is kept in the conversation, marked [interrupted] (/regen redoes it, /undo removes it).
-    With standard input not a terminal, each line is one message (or command) and plain replies are printed.
+    With standard input not a terminal, each line is one message (or command) and plain replies are printed;
+    when messages were sent and none got a reply, the run exits with status 2.
     """
     from .chat import run_chat
 
@@ -411,7 +426,8 @@ def train(
     cache_features: bool = typer.Option(False, "--cache-features", help="Precompute the target's hidden states "
                                                                         "to a safetensors shard cache."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the last checkpoint in --out."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out directory."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Start again in an --out that holds heads or a run "
+                                                              "(a directory of other files is refused)."),
     push_to_hub: Optional[str] = typer.Option(None, "--push-to-hub", help="Upload the heads to this Hub repo."),
     seed: int = typer.Option(0, "--seed", help="Random seed."),
     reg_weight: float = typer.Option(1.0, "--reg-weight", help="Weight of the hidden-state regression (SmoothL1) "
@@ -491,7 +507,7 @@ def compile_step(
     from transformers import AutoConfig
 
     from .compiled import Job, Package, build_locked, capacity_for, failure_line, find_heads, heads_dir, package_dir
-    from .drafters.layouts import family
+    from .drafters.layouts import detect, family
     from .hub import resolve_heads, resolve_model
     from .target import context_limit
 
@@ -505,6 +521,8 @@ def compile_step(
         typer.echo("EAGLE heads run eager (they have no compiled programs): compiling the target's step only",
                    err=True)
         heads_path = None
+    if heads_path is not None and detect(heads_path) == "clover":  # before the target's step is built (a minute)
+        _check_heads(heads_path, config)
     capacity = capacity_for(context_limit(config))
     out = package_dir(resolved.path, torch.float32, capacity)
     job = Job(resolved.path, out, capacity, trust_remote_code, allow_pickle, heads_path,
@@ -531,8 +549,25 @@ def compile_step(
         typer.echo(f"heads ({find_heads(job.heads_out)['kind']}): {job.heads_out}")
 
 
+def _check_heads(path: Path, config):
+    """Refuse heads whose config is bad, that do not fit the target or whose weights are damaged, in one line."""
+    from safetensors import safe_open
+
+    from .heads import load_heads_config
+
+    load_heads_config(path).check_target(config, str(path))
+    try:
+        with safe_open(str(Path(path) / "model.safetensors"), "pt") as f:
+            f.keys()
+    except Exception as e:  # SafetensorError, OSError
+        why = getattr(e, "strerror", None) or _first_line(e) or type(e).__name__
+        raise CloverError(f"heads {path}: unreadable model.safetensors ({why})") from None
+
+
 def _fail(message: str, code: int = 2):
     message = " ".join(line.strip() for line in str(message).splitlines() if line.strip()) or "failed"
+    if _state["debug"] or os.environ.get("CLOVER_DEBUG", "") not in ("", "0"):
+        traceback.print_exc()
     sys.stderr.write(f"clover: error: {message}\n")
     sys.stderr.flush()
     raise SystemExit(code)
@@ -540,7 +575,8 @@ def _fail(message: str, code: int = 2):
 
 # Typer >= 0.20 vendors click (typer._click): its exceptions derive from typer.TyperException, not from click's.
 _USAGE_ERRORS = (click.exceptions.ClickException, getattr(typer, "TyperException", click.exceptions.ClickException))
-_ABORTS = (KeyboardInterrupt, click.exceptions.Abort, getattr(typer, "Abort", click.exceptions.Abort))
+_ABORTS = (KeyboardInterrupt, EOFError, click.exceptions.Abort, getattr(typer, "Abort", click.exceptions.Abort))
+_EXITS = (click.exceptions.Exit, getattr(typer, "Exit", click.exceptions.Exit))
 
 
 def _usage_message(e) -> str:
@@ -551,12 +587,49 @@ def _usage_message(e) -> str:
     return message
 
 
-def main(argv=None):
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:300]
+
+
+def _stdout_ok() -> bool:
+    """Flush standard output; when it can no longer be written (its reader left, its device is full), point it at
+    /dev/null so that what Python still holds for it is not tried again at exit ("Exception ignored ...")."""
+    try:
+        sys.stdout.flush()
+        return True
+    except (OSError, ValueError):
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (OSError, ValueError):
+            pass
+        return False
+
+
+def _run(argv) -> int:
+    """Parse and run one command. Click is called directly, not through typer's main: that one turns a closed
+    output pipe into a silent exit 1 before any of this module's handling could run."""
     command = typer.main.get_command(app)
     try:
-        code = command.main(args=argv, prog_name="clover", standalone_mode=False)
+        with command.make_context("clover", sys.argv[1:] if argv is None else list(argv)) as ctx:
+            command.invoke(ctx)
+        code = 0
+    except _EXITS as e:  # --help, --version, typer.Exit(n)
+        code = e.exit_code
+    sys.stdout.flush()  # here, inside the error boundary, rather than at interpreter exit
+    return code
+
+
+def main(argv=None):
+    """The error boundary: whatever escapes a command ends as one line on stderr and an exit code: 2 for a problem
+    the user can fix (CloverError, a usage error), 1 for anything else, 130 for Ctrl-C. --debug or CLOVER_DEBUG=1
+    also print the traceback."""
+    _state["debug"] = False
+    try:
+        code = _run(argv)
     except CloverError as e:
-        _fail(str(e))
+        _fail(str(e), e.code)
     except _USAGE_ERRORS as e:
         if type(e).__name__ == "NoArgsIsHelpError":  # bare `clover`: the help (typer has printed it), as click does
             help_text = e.format_message().strip()
@@ -567,15 +640,21 @@ def main(argv=None):
     except _ABORTS:
         sys.stderr.write("\nclover: interrupted\n")
         raise SystemExit(130)
-    except BrokenPipeError:
+    except BrokenPipeError:  # the reader of the output went away (`clover ... | head -1`): nothing to say
+        _stdout_ok()
         raise SystemExit(0)
     except MemoryError:
         _fail("out of memory; try a smaller model, --load-in-8bit or a smaller --tree-budget")
+    except OSError as e:
+        if not _stdout_ok():
+            _fail(f"cannot write the output: {e.strerror or _first_line(e)}", 1)
+        _fail(f"{e.strerror or _first_line(e) or type(e).__name__}" + (f": {e.filename}" if e.filename else ""), 1)
     except Exception as e:  # torch.cuda.OutOfMemoryError included
         if type(e).__name__ == "OutOfMemoryError":
             _fail("out of GPU memory; try --load-in-8bit, a smaller model or a smaller --tree-budget")
-        raise
-    if code == 130:  # typer turns a KeyboardInterrupt inside a command into Exit(130)
+        _fail(f"unexpected {type(e).__name__}: {_first_line(e)} (clover --debug or CLOVER_DEBUG=1 shows the "
+              f"traceback; please report it)", 1)
+    if code == 130:  # a KeyboardInterrupt a command turned into Exit(130)
         sys.stderr.write("\nclover: interrupted\n")
     raise SystemExit(code if isinstance(code, int) else 0)
 

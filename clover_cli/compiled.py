@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from . import atomic
 from .errors import CloverError
 
 PROGRAM_VERSION = 5  # bump when the program's inputs, outputs or semantics change: old packages are not reused
@@ -307,7 +308,8 @@ def building(out: Path):
     removed when it fails: a package directory is complete or absent."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    atomic.clean_stale(out)  # what builds that were killed left
+    tmp = atomic.temp_dir(out)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
@@ -349,7 +351,7 @@ def build_for(target, out: Path, log=print) -> dict:
             meta = {"program": PROGRAM_VERSION, "capacity": capacity, "ranges": ranges, "torch": torch.__version__,
                     "threads": torch.get_num_threads(), "verify_s": measure(step, target),
                     "build_s": round(time.perf_counter() - t0, 1)}
-            (tmp / META).write_text(json.dumps(meta, indent=1))
+            atomic.write_text(tmp / META, json.dumps(meta, indent=1))
     finally:
         target.cache.truncate(0)
     return meta
@@ -607,7 +609,7 @@ def build_heads_for(drafter, capacity: int, out: Path, log=print) -> dict:
         check_heads(HeadsPrograms(tmp, kind, capacity, ranges), drafter)
         meta = {"program": PROGRAM_VERSION, "kind": kind, "capacity": capacity, "topk": drafter.grower.topk,
                 "augment_ranges": ranges, "build_s": round(time.perf_counter() - t0, 1)}
-        (tmp / META).write_text(json.dumps(meta, indent=1))
+        atomic.write_text(tmp / META, json.dumps(meta, indent=1))
     drafter.reset(0)
     return meta
 
@@ -888,10 +890,8 @@ class StepCosts:
         return table or None
 
     def save(self, table: dict[int, float]) -> None:
-        from .atomic import write_text
-
         try:
-            write_text(self._path(), json.dumps({str(k): v for k, v in sorted(table.items())}))
+            atomic.write_text(self._path(), json.dumps({str(k): v for k, v in sorted(table.items())}))
         except OSError:
             pass  # a cache that cannot be written only costs the next process a measurement
 
@@ -928,7 +928,8 @@ class Builder:
         self.proc = None
         if _lock_holder(out) is not None:
             return
-        with open(self.log_path, "w") as log:
+        log_fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)  # not atomic: a log it streams
+        with os.fdopen(log_fd, "w") as log:
             # its own session: Ctrl-C in the chat does not reach it, and a build under way finishes (into the
             # cache) even when the chat ends first. At the lowest priority: the replies meanwhile run eager on the
             # same cores, and must not wait on it.
@@ -963,7 +964,7 @@ def build_locked(job: Job, log=print) -> dict | None:
     out.parent.mkdir(parents=True, exist_ok=True)
     for _ in range(2):
         try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)  # not atomic: a lock, made exclusively
             break
         except FileExistsError:
             if _lock_holder(out) is not None:

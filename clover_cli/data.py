@@ -68,6 +68,8 @@ def iter_conversations(source: str = "sharegpt") -> Iterator[tuple[str, list[dic
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise CloverError(f"{source}: not UTF-8 text")
+    except OSError as e:
+        raise CloverError(f"cannot read the data file {source}: {e.strerror or e}")
     if path.suffix == ".jsonl" or (strict and not text.lstrip().startswith("[")):
         items = []
         for lineno, line in enumerate(text.split("\n"), 1):  # not splitlines(): U+2028 may sit in a string

@@ -49,8 +49,12 @@ class StepEvent:
 
 
 def warp(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
-    """Sampling probabilities: softmax(logits / temperature), restricted to the top-p nucleus."""
-    probs = torch.softmax(logits.float() / s.temperature, dim=-1)
+    """Sampling probabilities: softmax(logits / temperature), restricted to the top-p nucleus. The largest logit is
+    taken off first (the same softmax), so that a tiny temperature overflows to -inf only for the others, never to
+    inf - inf = nan: such a temperature samples the argmax."""
+    z = logits.float()
+    z = (z - z.max(-1, keepdim=True).values) / max(s.temperature, torch.finfo(torch.float32).tiny)
+    probs = torch.softmax(z, dim=-1)
     if s.top_p < 1.0:
         sorted_p, order = probs.sort(descending=True)
         outside = (sorted_p.cumsum(-1) - sorted_p) >= s.top_p  # mass before this token already reaches top_p
@@ -146,6 +150,7 @@ class CostModel:
     refreshed: bool = False  # verify_s changed since it was loaded or measured
     recent: dict = field(default_factory=dict)  # size -> its last forward times (refresh)
     padded: bool = False  # the step runs n tokens as the next size of verify_s (compiled): costs are steps
+    partial: bool = False  # measured where the context had no room for the larger sizes: never stored
 
     def use_mode(self, mode):
         """Switch to the calibration learned under `mode` (e.g. the temperature), keeping the current one."""
@@ -255,8 +260,10 @@ class Engine:
             self.cost = CostModel(verify_s=stored, padded=self.costs.padded)
             self.cost.monotone()
             return
+        room = self.target.max_context - self.target.length  # the test forwards must fit the context
         sizes = sorted({1, 2, 4, 8, 16, 32, 64, 128} & set(range(1, self.budget + 2)) | {self.budget + 1})
-        cost = CostModel()
+        cost = CostModel(partial=sizes[-1] > room)
+        sizes = [n for n in sizes if n <= room]
         for n in sizes:
             tree = DraftTree([root] * n, [-1] + [0] * (n - 1))
             tokens, depths, mask = tree.tensors(self.target.device)
@@ -273,7 +280,7 @@ class Engine:
             cost.verify_s[2] = cost.verify_s[1] * 1.05
         cost.monotone()
         self.cost = cost
-        if self.costs is not None:
+        if self.costs is not None and not cost.partial:
             self.costs.save(cost.verify_s)
 
     def reset(self):
@@ -294,7 +301,7 @@ class Engine:
         finally:
             if not done:
                 self.reset()
-            if self.cost is not None and self.cost.refreshed and self.costs is not None:
+            if self.cost is not None and self.cost.refreshed and self.costs is not None and not self.cost.partial:
                 self.costs.save(self.cost.verify_s)
                 self.cost.refreshed = False
 
@@ -336,6 +343,7 @@ class Engine:
         while finish is None:
             t0 = time.perf_counter()
             probe = False
+            room = max(0, self.target.max_context - self.target.length - 1)  # drafted nodes the context can take
             if self.cost is not None and idle >= 3 and idle % 8:
                 tree = DraftTree.root_only(root)  # drafting does not pay here: plain steps, retrying now and then
                 idle += 1
@@ -343,7 +351,7 @@ class Engine:
                 probe = idle >= 3
                 if self.cost is not None and hasattr(self.drafter, "min_score"):
                     self.drafter.min_score = self.cost.min_score()
-                tree = self.drafter.propose(self.context + [root], self.budget)
+                tree = self.drafter.propose(self.context + [root], min(self.budget, room))
             t1 = time.perf_counter()
             if self.cost is not None and len(tree) > 1:
                 # a retry verifies a few nodes even when the estimate says no: only verified drafts teach the
@@ -351,7 +359,7 @@ class Engine:
                 n = self.cost.best_budget(tree.scores[1:])
                 tree = tree.prune(n if n or not probe else PROBE_NODES)
                 idle = 0 if n else idle + 1
-            tree = tree.prune(max(0, self.target.max_context - self.target.length - 1))  # room left in context
+            tree = tree.prune(room)
             tokens, depths, mask = tree.tensors(device)
             tv = time.perf_counter()
             hidden, logits = self.target.forward(tokens, self.target.length + depths, mask)

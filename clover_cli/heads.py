@@ -28,7 +28,8 @@ from __future__ import annotations
 import copy
 import inspect
 import json
-from dataclasses import asdict, dataclass, field
+import math
+from dataclasses import MISSING, asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -344,7 +345,10 @@ def build_heads(cfg: HeadsConfig, target_model) -> nn.Module:
 
 
 def save_heads(heads: nn.Module, out: Path, card: str):
+    """Weights, config.json and model card, each written atomically and readable by all (0644)."""
     from safetensors.torch import save_file
+
+    from . import atomic
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -352,11 +356,9 @@ def save_heads(heads: nn.Module, out: Path, card: str):
     vocab = getattr(heads, "draft_vocab", None)
     if vocab is not None:
         state[DRAFT_VOCAB_KEY] = vocab.to("cpu", torch.long).contiguous()
-    tmp = out / "model.safetensors.tmp"
-    save_file(state, str(tmp), metadata={"format": "pt"})
-    tmp.replace(out / "model.safetensors")
-    (out / "config.json").write_text(json.dumps(asdict(heads.cfg), indent=2) + "\n")
-    (out / "README.md").write_text(card)
+    atomic.write_with(out / "model.safetensors", lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
+    atomic.write_text(out / "config.json", json.dumps(asdict(heads.cfg), indent=2) + "\n")
+    atomic.write_text(out / "README.md", card)
 
 
 def is_heads_dir(path: Path) -> bool:
@@ -374,10 +376,41 @@ def load_heads_config(path: Path) -> HeadsConfig:
         raw = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
         raise CloverError(f"{path} is not a heads directory (no readable config.json)")
-    known = set(HeadsConfig.__dataclass_fields__)
-    if "architecture" not in raw:
+    if not isinstance(raw, dict) or "architecture" not in raw:
         raise CloverError(f"{path} is not a heads directory (config.json has no 'architecture')")
-    return HeadsConfig(**{k: v for k, v in raw.items() if k in known})
+    known = set(HeadsConfig.__dataclass_fields__)
+    cfg = HeadsConfig(**{k: v for k, v in raw.items() if k in known})
+    why = _config_problem(cfg)
+    if why:
+        raise CloverError(f"heads {path}: config.json is not valid ({why})")
+    return cfg
+
+
+def _config_problem(cfg: HeadsConfig) -> str | None:
+    """What is wrong with a heads config read from a file (types, ranges, a gate that cannot split the state), or
+    None: a config that passes builds heads whose every step runs."""
+    for name, f in HeadsConfig.__dataclass_fields__.items():
+        value, want = getattr(cfg, name), type(f.default) if f.default_factory is MISSING else dict
+        if f.default is None:  # optional numbers (rope_theta)
+            want = float
+            if value is None:
+                continue
+        ok = isinstance(value, (int, float)) if want is float else isinstance(value, want)
+        if not ok or (want is not bool and isinstance(value, bool)):
+            return f"{name} must be {'a number' if want is float else f'a {want.__name__}'}, not {value!r}"
+    if cfg.architecture not in (*ARCHITECTURES, "eagle"):
+        return f"unknown architecture {cfg.architecture!r}"
+    if cfg.embed not in ("input", "lm_head", "own"):
+        return f"embed must be input, lm_head or own, not {cfg.embed!r}"
+    for name, lo, hi in (("num_heads", 1, 64), ("num_layers", 0, 64), ("hidden_size", 1, 1 << 20),
+                         ("vocab_size", 1, 1 << 24), ("draft_vocab_size", 0, cfg.vocab_size)):
+        if not lo <= getattr(cfg, name) <= hi:
+            return f"{name} must be between {lo} and {hi}, not {getattr(cfg, name)}"
+    if cfg.architecture == "clover2" and not (cfg.num_gate_heads >= 1 and cfg.hidden_size % cfg.num_gate_heads == 0):
+        return f"num_gate_heads must divide hidden_size {cfg.hidden_size}, not {cfg.num_gate_heads}"
+    if not (math.isfinite(cfg.rms_norm_eps) and 0 < cfg.rms_norm_eps < 1):
+        return f"rms_norm_eps must be in (0, 1), not {cfg.rms_norm_eps}"
+    return None
 
 
 def load_heads(path: Path, target_model, dtype=None) -> nn.Module:
@@ -402,7 +435,11 @@ def load_heads(path: Path, target_model, dtype=None) -> nn.Module:
                 or int(vocab.max()) >= cfg.vocab_size or int(vocab.min()) < 0):
             raise CloverError(f"heads {path}: the draft vocabulary does not match the config")
         heads.draft_vocab = vocab.to(device, torch.long)
-    missing, unexpected = heads.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = heads.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # a tensor of another shape than the config gives
+        shape = next((line.strip() for line in str(e).splitlines() if "size mismatch" in line), str(e)[:200])
+        raise CloverError(f"heads {path} do not match their config ({shape})")
     if missing or unexpected:
         raise CloverError(f"heads {path} do not match their config ({len(missing)} missing, "
                           f"{len(unexpected)} unexpected tensors)")

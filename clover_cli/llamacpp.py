@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import sys
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import atomic
 from .errors import CloverError
 
 INSTALL_HINT = "pip install 'clover-cli[llama]'"
@@ -103,45 +103,45 @@ def write_gguf(model, tokenizer, path: Path, name: str):
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     n_kv = cfg.num_key_value_heads or cfg.num_attention_heads
     rope = getattr(cfg, "rope_parameters", None) or {}
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    writer = gguf.GGUFWriter(tmp, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
-    try:
-        writer.add_name(name)
-        writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-        writer.add_context_length(cfg.max_position_embeddings)
-        writer.add_embedding_length(cfg.hidden_size)
-        writer.add_block_count(cfg.num_hidden_layers)
-        writer.add_feed_forward_length(cfg.intermediate_size)
-        writer.add_head_count(cfg.num_attention_heads)
-        writer.add_head_count_kv(n_kv)
-        writer.add_key_length(head_dim)
-        writer.add_value_length(head_dim)
-        writer.add_rope_dimension_count(head_dim)
-        writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
-        writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-        writer.add_vocab_size(cfg.vocab_size)
-        _add_vocab(writer, tokenizer, cfg.vocab_size)
 
-        names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
-        for hf_name, param in model.named_parameters():  # a tied lm_head is the embedding: listed once
-            gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-            if gguf_name is None:
-                raise CloverError(f"cannot write a GGUF of this model: llama.cpp has no name for its tensor {hf_name}")
-            data = param.detach().float().cpu().numpy()
-            if hf_name.endswith("self_attn.q_proj.weight"):
-                data = rotary_to_interleaved(data, cfg.num_attention_heads)
-            elif hf_name.endswith("self_attn.k_proj.weight"):
-                data = rotary_to_interleaved(data, n_kv)
-            writer.add_tensor(gguf_name, np.ascontiguousarray(data))
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.replace(tmp, path)
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
+    def fill(tmp: Path):
+        writer = gguf.GGUFWriter(tmp, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
+        try:
+            writer.add_name(name)
+            writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+            writer.add_context_length(cfg.max_position_embeddings)
+            writer.add_embedding_length(cfg.hidden_size)
+            writer.add_block_count(cfg.num_hidden_layers)
+            writer.add_feed_forward_length(cfg.intermediate_size)
+            writer.add_head_count(cfg.num_attention_heads)
+            writer.add_head_count_kv(n_kv)
+            writer.add_key_length(head_dim)
+            writer.add_value_length(head_dim)
+            writer.add_rope_dimension_count(head_dim)
+            writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
+            writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+            writer.add_vocab_size(cfg.vocab_size)
+            _add_vocab(writer, tokenizer, cfg.vocab_size)
+
+            names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
+            for hf_name, param in model.named_parameters():  # a tied lm_head is the embedding: listed once
+                gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+                if gguf_name is None:
+                    raise CloverError(f"cannot write a GGUF of this model: llama.cpp has no name for its tensor "
+                                      f"{hf_name}")
+                data = param.detach().float().cpu().numpy()
+                if hf_name.endswith("self_attn.q_proj.weight"):
+                    data = rotary_to_interleaved(data, cfg.num_attention_heads)
+                elif hf_name.endswith("self_attn.k_proj.weight"):
+                    data = rotary_to_interleaved(data, n_kv)
+                writer.add_tensor(gguf_name, np.ascontiguousarray(data))
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_tensors_to_file()
+        finally:
+            writer.close()
+
+    atomic.write_with(path, fill)
 
 
 def _add_vocab(writer, tokenizer, n_vocab: int):

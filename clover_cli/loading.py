@@ -4,6 +4,7 @@ clear errors."""
 from __future__ import annotations
 
 import json
+import pickle
 import tempfile
 import warnings
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from . import torchload
 from .errors import CloverError
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
@@ -157,7 +159,8 @@ def load(path: Path, device: str = "auto", dtype: str = "auto", load_in_8bit: bo
          device_map: str | None = None, max_memory: str | None = None) -> Loaded:
     """The model and tokenizer in `path`: on one device, or spread by accelerate with `device_map` (auto, balanced
     or a JSON map; `max_memory` caps each device); in 8 or 4 bits (NF4) through bitsandbytes."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from safetensors import SafetensorError
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -172,7 +175,9 @@ def load(path: Path, device: str = "auto", dtype: str = "auto", load_in_8bit: bo
     memory = parse_max_memory(max_memory) if max_memory is not None else None
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
-    kwargs = dict(dtype=dt, trust_remote_code=trust_remote_code, use_safetensors=not allow_pickle or None)
+    # weights_only: pickled .bin weights (--allow-pickle) hold tensors only; a pickle that would run code is refused
+    kwargs = dict(dtype=dt, trust_remote_code=trust_remote_code, use_safetensors=not allow_pickle or None,
+                  weights_only=True)
     offload = None
     if placed is not None:
         import logging
@@ -190,6 +195,13 @@ def load(path: Path, device: str = "auto", dtype: str = "auto", load_in_8bit: bo
                  BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dt))
         kwargs.update(quantization_config=quant, dtype=dt)
         kwargs.setdefault("device_map", {"": str(dev)})
+    try:  # first: the tokenizer reads it too, and would be blamed for a bad config.json
+        AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as e:
+        msg = _first_line(e)
+        if "trust_remote_code" in msg:
+            msg = "it needs custom code from its repository; pass --trust-remote-code if you trust it"
+        raise CloverError(f"cannot read the model config in {path}: {msg}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as e:
@@ -205,6 +217,11 @@ def load(path: Path, device: str = "auto", dtype: str = "auto", load_in_8bit: bo
                           f"model or --device cpu")
     except ImportError as e:
         raise CloverError(f"cannot load {path}: {_first_line(e)}")
+    except pickle.UnpicklingError as e:
+        raise torchload.refusal(path, "the model weights in", e) from None
+    except SafetensorError as e:
+        raise CloverError(f"cannot load the model from {path}: its safetensors weights are damaged or incomplete "
+                          f"({_first_line(e)}); fetch them again")
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         msg = _first_line(e)
         if "trust_remote_code" in msg:

@@ -39,6 +39,7 @@ import uuid
 from collections import deque
 from pathlib import Path
 
+from . import atomic
 from .errors import CloverError
 
 ROTATE_BYTES = 8 * 1024 * 1024
@@ -79,10 +80,20 @@ def step_record(sid: str | None, ev, model: str | None = None, draft: str | None
     return rec
 
 
+def _stderr_warning(text: str):
+    sys.stderr.write(f"clover: warning: {text}\n")
+    sys.stderr.flush()
+
+
 class StatsWriter:
-    def __init__(self, path: Path):
+    """Appends records to the stream. A stream that cannot be written never interrupts a session: it is said once
+    (through `warn`: a chat says it between replies), and the session goes on without it."""
+
+    def __init__(self, path: Path, warn=_stderr_warning):
         self.path = path
         self.meta: dict[str, dict] = {}  # session id -> model and drafter, stamped on each of its steps
+        self.warn = warn
+        self.failed = False
 
     @staticmethod
     def open(arg: str | None) -> "StatsWriter | None":
@@ -93,23 +104,18 @@ class StatsWriter:
             if path.is_dir():
                 raise IsADirectoryError(21, "Is a directory")
             path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-            os.close(fd)
+            os.close(atomic.open_append(path, 0o600))
         except OSError as e:
             if arg:
                 raise CloverError(f"cannot write the stats file {path}: {e.strerror or e}")
-            return None  # the default location is a convenience: never fail a chat over it
+            # the default location is a convenience: never fail a chat over it
+            _stderr_warning(f"cannot write the stats stream {path}: {e.strerror or e}; this session's statistics "
+                            f"are not recorded (--stats-file chooses another file, 'off' says nothing)")
+            return None
         return StatsWriter(path)
 
     def _open(self) -> int:
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        try:
-            st = os.fstat(fd)
-            if st.st_mode & 0o077 and st.st_uid == os.getuid():
-                os.fchmod(fd, 0o600)
-        except (OSError, AttributeError):
-            pass
-        return fd
+        return atomic.open_append(self.path, 0o600)  # private, even when someone made it readable
 
     def _rotate(self, fd: int) -> int:
         """Move a full file aside to <file>.1 (once, even with several writers) and open the new one."""
@@ -142,8 +148,11 @@ class StatsWriter:
                 os.write(fd, line)  # one write of one whole line, O_APPEND: never interleaved
             finally:
                 os.close(fd)
-        except OSError:
-            pass  # statistics must never interrupt a conversation
+        except OSError as e:  # statistics must never interrupt a conversation
+            if not self.failed:
+                self.failed = True
+                self.warn(f"cannot write the stats stream {self.path}: {e.strerror or e}; statistics of this "
+                          f"session may be incomplete")
 
     def new_session(self, command: str, session) -> str:
         sid = uuid.uuid4().hex[:8]
@@ -503,6 +512,7 @@ def read_all(path: Path, agg: "Aggregate | None" = None) -> list[bytes]:
 
 # ----------------------------------------------------------------------------------------------- dashboard
 
+SHOWN_ROWS = 16  # depths and accepted lengths the dashboard shows a row each (--json: all)
 BAR_WIDTH = 24
 SPARK = "▁▂▃▄▅▆▇█"
 
@@ -571,9 +581,12 @@ def render(snap: dict, waiting: str | None = None, max_sessions: int = 12, width
     depth.add_column(justify="right", style="dim")
     depth.add_column()
     depth.add_column(justify="right")
-    for d, rate in enumerate(snap["hit_rate_by_depth"], 1):
+    rates = snap["hit_rate_by_depth"]
+    for d, rate in enumerate(rates[:SHOWN_ROWS], 1):
         depth.add_row(f"depth {d}", Text(_bar(rate), style="cyan"), f"{100 * rate:5.1f}%")
-    if not snap["hit_rate_by_depth"]:
+    if len(rates) > SHOWN_ROWS:  # a deep tree must not print a row per depth: --json has them all
+        depth.add_row(f"depths {SHOWN_ROWS + 1}–{len(rates)}", Text("--json lists them", style="dim"), "")
+    if not rates:
         depth.add_row("", "no drafted steps yet", "")
 
     hist = Table.grid(padding=(0, 1))
@@ -581,9 +594,12 @@ def render(snap: dict, waiting: str | None = None, max_sessions: int = 12, width
     hist.add_column()
     hist.add_column(justify="right")
     counts = snap["accepted_hist"]
-    top = max(counts, default=0) or 1
-    for a, c in enumerate(counts):
-        hist.add_row(f"{a} accepted", Text(_bar(c / top), style="green"), str(c))
+    rows = [(f"{a} accepted", c) for a, c in enumerate(counts[:SHOWN_ROWS])]
+    if len(counts) > SHOWN_ROWS:  # the longer accepted lengths in one row, not a row each
+        rows.append((f"{SHOWN_ROWS}+ accepted", sum(counts[SHOWN_ROWS:])))
+    top = max((c for _, c in rows), default=0) or 1
+    for label, c in rows:
+        hist.add_row(label, Text(_bar(c / top), style="green"), str(c))
     if not counts:
         hist.add_row("", "no steps yet", "")
 
@@ -646,6 +662,13 @@ def run_stats(stats_file, once, json_out, session, interval):
     live = not once and not json_out and sys.stdout.isatty()
     if not live and not path.exists():
         raise CloverError(f"no stats file at {path} (chat and generate write it; --stats-file chooses another)")
+    for part in (path.with_name(path.name + ".1"), path):  # one that exists but cannot be read is no empty stream
+        try:
+            open(part, "rb").close()
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise CloverError(f"cannot read the stats file {part}: {e.strerror or e}")
 
     agg = Aggregate()
     read_all(path.with_name(path.name + ".1"), agg)  # the rotated part first: its sessions go on in the file

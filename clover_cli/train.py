@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from . import atomic
 from .errors import CloverError
 
 ARCHS = {"clover": "clover2", "medusa": "medusa", "eagle": "eagle"}  # --arch -> the heads' architecture
@@ -108,7 +109,7 @@ def validate(cfg: TrainConfig):
         raise CloverError(f"--draft-vocab must be 0 (the whole vocabulary) or positive, not {cfg.draft_vocab}")
     if not 1 <= cfg.regen_turns <= 64:
         raise CloverError(f"--regen-turns must be between 1 and 64, not {cfg.regen_turns}")
-    if not 1 <= cfg.regen_max_tokens < cfg.max_len:
+    if cfg.regenerate and not 1 <= cfg.regen_max_tokens < cfg.max_len:
         raise CloverError(f"--regen-max-tokens must be between 1 and --max-len - 1, not {cfg.regen_max_tokens}")
     if not (math.isfinite(cfg.reg_weight) and 0 <= cfg.reg_weight <= 1000):
         raise CloverError(f"--reg-weight must be between 0 and 1000, not {cfg.reg_weight}")
@@ -129,8 +130,9 @@ def check_out(cfg: TrainConfig) -> bool:
         raise CloverError(f"cannot read --out {out}: {e.strerror or e}")
     if populated:
         ours = (out / MARKER).is_file() or is_heads_dir(out)
-        if not ours and not cfg.overwrite:
-            raise CloverError(f"--out {out} exists and is not a heads directory (pass --overwrite to write into it)")
+        if not ours:  # someone's own files: never written over, --overwrite or not
+            raise CloverError(f"--out {out} exists and is not a heads directory: choose a new or empty directory "
+                              f"(--overwrite replaces only what clover train made)")
         if ours and not (cfg.resume or cfg.overwrite):
             if _checkpoint_dir(out) is None and not is_heads_dir(out):
                 kept = " (its regenerated replies are reused)" if any(out.glob("regenerated*.jsonl")) else ""
@@ -140,6 +142,7 @@ def check_out(cfg: TrainConfig) -> bool:
     if cfg.resume:
         if _checkpoint_dir(out) is None:
             raise CloverError(f"--resume: no checkpoint in {out}")
+        _check_resumable(_checkpoint_dir(out), cfg)
         return True
     if not out.exists():
         parent = out.absolute().parent
@@ -185,7 +188,7 @@ def make_out(cfg: TrainConfig, resuming: bool) -> str | None:
                 p.unlink(missing_ok=True)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        (out / MARKER).write_text(json.dumps(_marker(cfg), indent=2) + "\n")
+        atomic.write_text(out / MARKER, json.dumps(_marker(cfg), indent=2) + "\n")
     except OSError as e:
         if made == "created":
             shutil.rmtree(out, ignore_errors=True)
@@ -206,6 +209,50 @@ def discard_unfinished(out: Path, made: str | None):
         return
     for p in out.iterdir():
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+
+
+def _heads_settings(arch: str, num_heads: int, num_layers: int) -> dict:
+    """What a checkpoint's heads were built with: resuming with other options cannot load it."""
+    return {"arch": arch, "heads": num_heads, **({"layers": num_layers} if arch == "clover" else {})}
+
+
+def _check_resumable(path: Path, cfg: TrainConfig):
+    """Refuse --resume from a damaged checkpoint, or with options that build other heads than the checkpoint's
+    (before the model and the data load: a run that cannot resume says so in one line, up front)."""
+    from safetensors import safe_open
+
+    from . import torchload
+
+    def damaged(why: str):
+        return CloverError(f"--resume: the checkpoint in {path} is damaged ({why}); pass --overwrite to start again")
+
+    try:
+        state = json.loads((path / "state.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
+        raise damaged(f"state.json: {getattr(e, 'strerror', None) or _first_line(e)}") from None
+    if not (isinstance(state, dict) and type(state.get("step")) is int and isinstance(state.get("history"), list)):
+        raise damaged("state.json does not hold a step and a history")
+    try:
+        saved = torchload.load(path / "optimizer.pt", "optimizer state", mmap=True)  # mapped: a cheap check
+    except CloverError as e:
+        raise CloverError(f"--resume: {e}; pass --overwrite to start again") from None
+    if not (isinstance(saved, dict) and {"opt", "sched"} <= set(saved)):
+        raise damaged("optimizer.pt does not hold an optimizer and a schedule")
+    try:
+        with safe_open(str(path / "heads.safetensors"), "pt") as f:
+            f.keys()
+    except Exception as e:  # SafetensorError, OSError
+        raise damaged(f"heads.safetensors: {getattr(e, 'strerror', None) or _first_line(e)}") from None
+    made = state.get("settings")
+    want = _heads_settings(cfg.arch, cfg.num_heads, cfg.num_layers)
+    if isinstance(made, dict) and made != want:
+        flags = " ".join(f"--{k} {v}" for k, v in made.items())
+        raise CloverError(f"--resume: the checkpoint in {path} was made with {flags}; resume with those options, "
+                          f"or pass --overwrite to start again")
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
 
 
 def _checkpoint_dir(out: Path) -> Path | None:
@@ -265,8 +312,8 @@ def _read_jsonl(path: Path, repair: bool = True) -> list:
         except ValueError:
             break
         good += len(line) + 1
-    if repair and good < len(text):
-        path.write_text(text[:good].rstrip("\n") + "\n" if rows else "")
+    if repair and good < len(text):  # atomically: a crash while repairing must not lose the good rows
+        atomic.write_text(path, text[:good].rstrip("\n") + "\n" if rows else "")
     return rows
 
 
@@ -362,9 +409,7 @@ def regenerate(cfg: TrainConfig, model, tokenizer, template: str, stop_strings, 
             for (k, a), ids in zip(where, outs):
                 reply = strip_stop(tokenizer.decode(ids, skip_special_tokens=True), stop_strings).strip()
                 chunk[k][a] = {"role": "assistant", "content": reply}
-        with part.open("a", encoding="utf-8") as f:
-            for c in chunk:
-                f.write(json.dumps(c, ensure_ascii=False) + "\n")
+        atomic.append(part, "".join(json.dumps(c, ensure_ascii=False) + "\n" for c in chunk).encode(), 0o644)
         mine.extend(chunk)
         share = "" if world == 1 else f" (this process: {len(mine)}/{len(todo)})"
         log(f"regenerated {start + min(len(convs) - start, len(mine) * world)}/{len(convs)} conversations"
@@ -374,9 +419,8 @@ def regenerate(cfg: TrainConfig, model, tokenizer, template: str, stop_strings, 
     barrier()
     if rank == 0:
         parts = [_read_jsonl(cache.with_name(f"regenerated.{start}.{r}-of-{world}.jsonl")) for r in range(world)]
-        with cache.open("a", encoding="utf-8") as f:
-            for k in range(len(convs) - start):
-                f.write(json.dumps(parts[k % world][k // world], ensure_ascii=False) + "\n")
+        atomic.append(cache, "".join(json.dumps(parts[k % world][k // world], ensure_ascii=False) + "\n"
+                                     for k in range(len(convs) - start)).encode(), 0o644)
         for r in range(world):
             cache.with_name(f"regenerated.{start}.{r}-of-{world}.jsonl").unlink(missing_ok=True)
     barrier()
@@ -457,9 +501,7 @@ class FeatureCache:
                 pre, post = _hidden(self.model, x)
             tensors[f"{i}.pre"] = pre[0].to(self.dtype).cpu()
             tensors[f"{i}.post"] = post[0].to(self.dtype).cpu()
-        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp")
-        save_file(tensors, str(tmp))
-        tmp.replace(path)
+        atomic.write_with(path, lambda tmp: save_file(tensors, str(tmp)))
 
     def precompute(self, rank: int, world: int, barrier):
         """Several processes: each computes every world-th missing shard, then all wait for the others."""
@@ -909,26 +951,42 @@ def _save_checkpoint(out: Path, heads, opt, sched, step: int, history: list):
     new, cur, old = out / "checkpoint-new", out / "checkpoint", out / "checkpoint-old"
     shutil.rmtree(new, ignore_errors=True)
     new.mkdir()
-    save_file({k: v.detach().cpu().contiguous() for k, v in heads.state_dict().items()},
-              str(new / "heads.safetensors"))
-    torch.save({"opt": opt.state_dict(), "sched": sched.state_dict()}, new / "optimizer.pt")
-    (new / "state.json").write_text(json.dumps({"step": step, "history": history}))
-    shutil.rmtree(old, ignore_errors=True)
-    if cur.exists():
+    tensors = {k: v.detach().cpu().contiguous() for k, v in heads.state_dict().items()}
+    atomic.write_with(new / "heads.safetensors", lambda tmp: save_file(tensors, str(tmp)))
+    optimizer = {"opt": opt.state_dict(), "sched": sched.state_dict()}
+    atomic.write_with(new / "optimizer.pt", lambda tmp: torch.save(optimizer, tmp))
+    settings = _heads_settings("clover" if heads.cfg.architecture == "clover2" else "medusa", heads.cfg.num_heads,
+                               heads.cfg.num_layers)
+    atomic.write_text(new / "state.json", json.dumps({"step": step, "history": history, "settings": settings}))
+    # at every moment one complete checkpoint is on disk: checkpoint-old goes only once checkpoint is complete
+    # (a run resumed from checkpoint-old has none) and the new one is in place
+    if (cur / "state.json").is_file():
+        shutil.rmtree(old, ignore_errors=True)
         os.replace(cur, old)
+    else:
+        shutil.rmtree(cur, ignore_errors=True)  # absent, or not a checkpoint
     os.replace(new, cur)
     shutil.rmtree(old, ignore_errors=True)
 
 
 def _load_checkpoint(path: Path, heads, opt, sched):
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    state = json.loads((path / "state.json").read_text())
-    heads.load_state_dict(load_file(str(path / "heads.safetensors")))
-    saved = torch.load(path / "optimizer.pt", weights_only=False)
-    opt.load_state_dict(saved["opt"])
-    sched.load_state_dict(saved["sched"])
-    return state["step"], state["history"]
+    from . import torchload
+
+    saved = torchload.load(path / "optimizer.pt", "optimizer state")
+    try:
+        state = json.loads((path / "state.json").read_text())
+        heads.load_state_dict(load_file(str(path / "heads.safetensors")))
+        opt.load_state_dict(saved["opt"])
+        sched.load_state_dict(saved["sched"])
+        return int(state["step"]), list(state["history"])
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError) as e:
+        # made with other options (before checkpoints recorded them), or damaged
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise CloverError(f"--resume: the checkpoint in {path} does not fit these options or is damaged ({why}); "
+                          f"resume with the options it was made with, or pass --overwrite to start again") from None
 
 
 def _logger(accelerator):

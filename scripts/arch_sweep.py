@@ -23,6 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import torch  # noqa: E402
 
+from clover_cli.atomic import write_text  # noqa: E402
+
 BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
             head_dim=16)
@@ -111,7 +113,7 @@ def main():
         counts[key] = counts.get(key, 0) + 1
     print(json.dumps(counts))
     if args.json:
-        Path(args.json).write_text(json.dumps({"counts": counts, "results": results}, indent=1))
+        write_text(Path(args.json), json.dumps({"counts": counts, "results": results}, indent=1))
 
 
 if __name__ == "__main__":

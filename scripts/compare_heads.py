@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from clover_cli.atomic import write_text
+
 
 def drafter_class(architecture: str):
     from clover_cli.drafters.heads import CloverDrafter, MedusaDrafter
@@ -107,7 +109,7 @@ def main():
         print(f"{name:28s} {r['all']['tau']:7.3f} {r['all']['tokens_per_s']:7.1f} "
               + " ".join(f"{r['by_category'][c]['tau']:12.3f}" for c in cats) + f"  {r['identical_to_plain']}")
     if args.json:
-        args.json.write_text(json.dumps(report, indent=1) + "\n")
+        write_text(args.json, json.dumps(report, indent=1) + "\n")
 
 
 if __name__ == "__main__":

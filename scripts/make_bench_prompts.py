@@ -12,6 +12,7 @@ import json
 import re
 from pathlib import Path
 
+from clover_cli import atomic
 from clover_cli.data import ascii_share, is_heldout, iter_conversations
 
 PER_CATEGORY = 5
@@ -58,10 +59,9 @@ def main():
             turns = [m for m in messages if m["role"] == "user"][:1]
         turns = [{"role": m["role"], "content": m["content"][:MAX_CHARS]} for m in turns]
         picked.setdefault(cat, []).append({"id": conv_id, "category": cat, "messages": turns})
-    with OUT.open("w") as f:
-        for cat in ("multi-turn", "translation", "summarisation", "qa", "math", "retrieval"):
-            for row in picked.get(cat, []):
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    atomic.write_text(OUT, "".join(json.dumps(row, ensure_ascii=False) + "\n"
+                                   for cat in ("multi-turn", "translation", "summarisation", "qa", "math", "retrieval")
+                                   for row in picked.get(cat, [])))
     print({k: len(v) for k, v in picked.items()}, "->", OUT)
 
 

@@ -112,7 +112,12 @@ def main():
         ax.set_ylim(bottom=0)
         ax.legend()
         fig.tight_layout()
-        fig.savefig(args.plot, dpi=110)
+        from pathlib import Path
+
+        from clover_cli import atomic
+
+        fmt = Path(args.plot).suffix[1:] or "png"
+        atomic.write_with(Path(args.plot), lambda tmp: fig.savefig(tmp, dpi=110, format=fmt))
 
 
 if __name__ == "__main__":

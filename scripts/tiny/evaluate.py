@@ -131,7 +131,9 @@ def main():
     report["speedup_vs_none"] = {k: round(v / report["tokens_per_s"]["none"], 3)
                                  for k, v in report["tokens_per_s"].items() if k != "none"}
     print(json.dumps({k: report[k] for k in ("tokens_per_s", "speedup_vs_none", "greedy_loop_share")}), flush=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    from clover_cli import atomic
+
+    atomic.write_text(Path(args.out), json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":

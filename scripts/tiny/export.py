@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 from pathlib import Path
 
 import torch
+
+from clover_cli import atomic
 
 ROOT = Path(__file__).resolve().parents[2]
 DEST = ROOT / "clover_cli" / "bundled" / "tiny"
@@ -28,22 +31,25 @@ def main():
     ap.add_argument("--work", default="runs/tiny")
     args = ap.parse_args()
     work = Path(args.work)
-    if DEST.exists():
-        shutil.rmtree(DEST)
-    DEST.mkdir(parents=True)
+    tmp = atomic.temp_dir(DEST)  # built beside the package's copy and renamed over it: whole or not at all
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
     model = AutoModelForCausalLM.from_pretrained(work / "target", dtype=torch.float16)
-    model.save_pretrained(DEST)
-    AutoTokenizer.from_pretrained(work / "target").save_pretrained(DEST)
+    model.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(work / "target").save_pretrained(tmp)
     heads_src = work / "heads-clover"
-    (DEST / "heads").mkdir()
+    (tmp / "heads").mkdir()
     state = load_file(str(heads_src / "model.safetensors"))
     half = {k: (v.to(torch.float16) if v.is_floating_point() else v).contiguous() for k, v in state.items()}
-    save_file(half, str(DEST / "heads" / "model.safetensors"), metadata={"format": "pt"})  # token ids stay int64
+    meta = {"format": "pt"}  # token ids stay int64
+    atomic.write_with(tmp / "heads" / "model.safetensors", lambda f: save_file(half, str(f), metadata=meta))
     cfg = json.loads((heads_src / "config.json").read_text())
     cfg["target"]["name_or_path"] = "tiny"
-    (DEST / "heads" / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    shutil.copy(heads_src / "README.md", DEST / "heads" / "README.md")
-    (DEST / "README.md").write_text(model_card(work, cfg))
+    atomic.write_text(tmp / "heads" / "config.json", json.dumps(cfg, indent=2) + "\n")
+    atomic.write_text(tmp / "heads" / "README.md", (heads_src / "README.md").read_text())
+    atomic.write_text(tmp / "README.md", model_card(work, cfg))
+    shutil.rmtree(DEST, ignore_errors=True)
+    os.replace(tmp, DEST)
     for p in sorted(DEST.rglob("*")):
         if p.is_file():
             print(f"{p.relative_to(ROOT)}  {p.stat().st_size / 1e6:.2f} MB")

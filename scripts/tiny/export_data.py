@@ -10,6 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
+from clover_cli import atomic
 from clover_cli.data import ascii_share, iter_conversations
 
 
@@ -21,11 +22,16 @@ def main():
     recipe = json.loads(Path(args.recipe).read_text())
     out = Path(args.work) / "sharegpt_en.jsonl"
     n = 0
-    with out.open("w") as f:
-        for conv_id, messages in iter_conversations("sharegpt"):
-            if ascii_share(messages) >= recipe["ascii_share_min"]:
-                f.write(json.dumps({"id": conv_id, "messages": messages}, ensure_ascii=False) + "\n")
-                n += 1
+
+    def fill(tmp: Path):
+        nonlocal n
+        with tmp.open("w") as f:
+            for conv_id, messages in iter_conversations("sharegpt"):
+                if ascii_share(messages) >= recipe["ascii_share_min"]:
+                    f.write(json.dumps({"id": conv_id, "messages": messages}, ensure_ascii=False) + "\n")
+                    n += 1
+
+    atomic.write_with(out, fill)
     print(f"{n} conversations -> {out}")
 
 

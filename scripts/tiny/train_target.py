@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from clover_cli import atomic, torchload
 from clover_cli.data import ascii_share, is_heldout, iter_conversations, tokenize_conversation
 from clover_cli.templates import VICUNA_V11
 
@@ -40,7 +41,7 @@ def build_tokenizer(out: Path, texts, cfg):
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", chat_template=VICUNA_V11,
         model_max_length=2048, clean_up_tokenization_spaces=False,
     )
-    fast.save_pretrained(out)
+    fast.save_pretrained(out)  # not atomic: prepare() redoes it until data.npz, written last, exists
     return fast
 
 
@@ -74,7 +75,12 @@ def prepare(work: Path, recipe: dict):
         arrays[f"{name}_mask"] = np.asarray(mask, dtype=np.uint8)
         arrays[f"{name}_starts"] = np.asarray(starts, dtype=np.int64)
         print(f"{name}: {len(ids)} tokens, {sum(mask)} assistant tokens", flush=True)
-    np.savez(data_file, **arrays)
+
+    def fill(tmp: Path):
+        with tmp.open("wb") as tmp_file:  # a file object: given a name, savez would add .npz to it
+            np.savez(tmp_file, **arrays)
+
+    atomic.write_with(data_file, fill)
     return tok, arrays
 
 
@@ -144,7 +150,7 @@ def main():
     step = 0
     log_path = work / "train_log.jsonl"
     if ckpt.exists():
-        state = torch.load(ckpt, weights_only=False)
+        state = torchload.load(ckpt, "checkpoint")
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         step = state["step"]
@@ -185,14 +191,15 @@ def main():
             held = evaluate(model, arrays, pc["eval_conversations"], pc["seq_len"])
             rec = {"step": step, "train_loss": loss.item(), "heldout_assistant_loss": held,
                    "heldout_ppl": math.exp(held), "elapsed_s": time.time() - t0, "time": time.time()}
-            with log_path.open("a") as f:
-                f.write(json.dumps(rec) + "\n")
+            atomic.append(log_path, (json.dumps(rec) + "\n").encode(), 0o644)
             print(rec, flush=True)
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, ckpt)
+            state = {"model": model.state_dict(), "opt": opt.state_dict(), "step": step}
+            atomic.write_with(ckpt, lambda tmp: torch.save(state, tmp))
     out = work / "target"
     model.config.use_cache = True
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
+    # not atomic: transformers writes the directory; a crash here is undone by running again (from the checkpoint)
+    model.save_pretrained(out)  # not atomic: see above
+    tok.save_pretrained(out)  # not atomic: see above
     print(f"saved {out}", flush=True)
 
 
