@@ -26,6 +26,7 @@ import torch.nn.functional as F
 PACKED_DTYPES = (torch.float32,)
 MAX_PACKED_BYTES = 4 << 30  # the packed copies double the linears' memory: larger models on a CPU are left as they are
 WARM_ROWS = 64
+PIECE_ROWS = (2048, 1024, 512, 256, 128, WARM_ROWS)  # the row counts a linear over more rows is run in pieces of
 WARM_MAX_BYTES = 256 << 20  # above this the kernels' one-time compile is small next to the products themselves
 _state = threading.local()  # .depth: how many packed_linears() blocks this thread is in
 _warmed: set = set()  # (weight shape, dtype, bias) whose kernels were compiled for 1..WARM_ROWS rows
@@ -95,7 +96,28 @@ class PackedLinear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         if self._key() != self.packed_key:  # replaced, cast or changed in place since it was packed
             self.repack()
-        return _linear(x, self.packed, self.bias)
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if rows <= WARM_ROWS:
+            return _linear(x, self.packed, self.bias)
+        return _linear_in_chunks(x, self.packed, self.bias, rows)
+
+
+def _linear_in_chunks(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
+    """A linear over many rows (a prompt) in pieces of PIECE_ROWS (the largest that fit, in turn) and the rest, under
+    WARM_ROWS: oneDNN keeps a kernel for every row count it meets (in a cache of 1,024 kernels, emptied only as it
+    fills), so a prompt of each new length left kernels behind, about 0.2 MiB each, and a long chat's memory grew
+    by hundreds of MiB. In pieces only PIECE_ROWS are added to the row counts kept, and a prompt of up to 4,095
+    rows takes at most seven pieces. The result is the same, bit for bit: rows are computed independently."""
+    flat = x.reshape(rows, x.shape[-1])
+    pieces, start = [], 0
+    for size in PIECE_ROWS:
+        while rows - start >= size:
+            pieces.append(_linear(flat[start:start + size], packed, bias))
+            start += size
+    if start < rows:
+        pieces.append(_linear(flat[start:], packed, bias))
+    out = torch.cat(pieces)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def pack_linears(module: nn.Module, max_bytes: int = MAX_PACKED_BYTES) -> int:
