@@ -664,7 +664,7 @@ def _completer():
     from prompt_toolkit.completion import Completer, Completion, PathCompleter
     from prompt_toolkit.document import Document
 
-    from .session import DRAFTS
+    from .options import DRAFTS
 
     paths = PathCompleter(expanduser=True)
 
@@ -756,6 +756,18 @@ def _may_download(opts) -> bool:
     return bool(opts.heads and not Path(opts.heads).expanduser().exists())
 
 
+def _check_local(opts):
+    """Resolve a model that needs no download (the bundled one, a directory, a name that is none of these): the
+    one-line error of a wrong one comes before the prompt. Hub repos and aliases are left to the load."""
+    from .hub import ALIASES, looks_like_repo, resolve_model
+
+    name = opts.model or "tiny"
+    spec = ALIASES.get(name)
+    if (spec is not None and spec.repo is None) or (spec is None and not looks_like_repo(name)) \
+            or Path(name).expanduser().exists():
+        resolve_model(opts.model, opts.revision, opts.allow_pickle, quiet=True)
+
+
 def _load(opts, out: Out, show_progress: bool):
     from .session import Session
 
@@ -838,17 +850,107 @@ def run_chat(opts, system=None, max_new_tokens=256, temperature=0.0, top_p=1.0, 
     colour = use_colour(no_color, sys.stdout)
     out = Out(colour)
     history, history_path = _history(history_file) if interactive else (None, None)
-    session, load_s = _load(opts, out, show_progress=sys.stderr.isatty())
-    writer = StatsWriter.open(stats_file)  # after loading: a run that fails to start leaves no record
-    chat = Chat(session, Conversation(system or None), out, max_new_tokens, temperature, top_p, seed, writer,
-                writer.path if writer else None, interactive)
-    session.compiler.start(background=True)  # auto: replies run eager until the compiled step is built
-    _banner(session, out, load_s, chat, history_path, interactive)
-    chat.say_notices()
+
+    def start(progress: bool):
+        """Load the model and open the stats stream: the chat, and what prints its banner."""
+        session, load_s = _load(opts, out, show_progress=progress)
+        writer = StatsWriter.open(stats_file)  # after loading: a run that fails to start leaves no record
+        chat = Chat(session, Conversation(system or None), out, max_new_tokens, temperature, top_p, seed, writer,
+                    writer.path if writer else None, interactive)
+        session.compiler.start(background=True)  # auto: replies run eager until the compiled step is built
+
+        def banner():
+            _banner(session, out, load_s, chat, history_path, interactive)
+            chat.say_notices()
+        return chat, banner
+
+    # In a terminal the prompt comes up at once and the model loads behind it (importing torch and transformers is
+    # most of a start-up); a download draws progress bars, so it happens before the prompt.
+    if interactive and not _may_download(opts):
+        name = opts.model or "tiny"
+        _check_local(opts)  # a mistyped name fails at once, not after the libraries have loaded
+        out.note(f"clover chat · loading {name} … (type away: your first message waits for it)")
+        _repl(Loading(lambda: start(progress=False), out, name), _prompt_session(history, colour))
+        return
+    chat, banner = start(progress=sys.stderr.isatty())
+    banner()
     if interactive:
         _repl(chat, _prompt_session(history, colour))
     else:
         _lines(chat)
+
+
+class Loading:
+    """The chat being made in a thread while the prompt is already up. When it is ready while the prompt is shown,
+    its banner is printed above the prompt (prompt-toolkit's run_in_terminal keeps what was typed); when a message
+    is sent first, `wait` shows a spinner until it is ready. A load that fails ends the prompt with its error."""
+
+    def __init__(self, start, out: Out, name: str):
+        import threading
+
+        self.out, self.name = out, name
+        self.chat: Chat | None = None
+        self.banner = None
+        self.error: BaseException | None = None
+        self.shown = False
+        self.done = threading.Event()
+        self._lock = threading.Lock()
+        self._app = None
+        threading.Thread(target=self._run, args=(start,), name="clover-load", daemon=True).start()
+
+    def _run(self, start):
+        try:
+            self.chat, self.banner = start()
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread, which raises it
+            self.error = e
+        with self._lock:
+            self.done.set()
+            app = self._app
+        if app is not None:
+            app.loop.call_soon_threadsafe(self._ready, app)
+
+    def attach(self):
+        """prompt-toolkit's pre_run: the prompt is up; tell it when the chat is ready."""
+        from prompt_toolkit.application import get_app
+
+        app = get_app()
+        with self._lock:
+            self._app = app
+            ready = self.done.is_set()
+        if ready:
+            self._ready(app)
+
+    def detach(self):
+        with self._lock:
+            self._app = None
+
+    def _ready(self, app):
+        """In the prompt's event loop: end the prompt with the error, or print the banner above it."""
+        from prompt_toolkit.application import run_in_terminal
+        from prompt_toolkit.application.current import set_app
+
+        if not app.is_running or app.future is None or app.future.done():
+            return  # the prompt ended meanwhile: wait() takes over
+        if self.error is not None:
+            app.exit(exception=self.error)
+        elif not self.shown:
+            self.shown = True
+            with set_app(app):
+                run_in_terminal(self.banner)
+
+    def wait(self) -> Chat:
+        """The chat, once loaded (a spinner meanwhile); its banner printed if it was not yet."""
+        if not self.done.is_set():
+            from rich.console import Console
+
+            with Console(stderr=True).status(f"loading {self.name} …", spinner="dots"):
+                self.done.wait()
+        if self.error is not None:
+            raise self.error
+        if not self.shown:
+            self.shown = True
+            self.banner()
+        return self.chat
 
 
 def _handle(chat: Chat, text: str) -> bool:
@@ -868,17 +970,29 @@ def _handle(chat: Chat, text: str) -> bool:
     return True
 
 
-def _repl(chat: Chat, prompt):
+def _repl(chat, prompt):
+    """The terminal's loop. `chat` may still be Loading: the prompt is up before the model is; the first message
+    (or command) waits for it, and Ctrl-D leaves without waiting."""
     while True:
+        loading = chat if isinstance(chat, Loading) else None
         try:
-            text = prompt.prompt(">>> ")
+            text = prompt.prompt(">>> ", pre_run=loading.attach if loading else None)
         except KeyboardInterrupt:
             continue  # Ctrl-C at the prompt clears the line
         except EOFError:
-            chat.out.write("\n")
+            sys.stdout.write("\n")
             return
+        finally:
+            if loading:
+                loading.detach()
         if not text.strip():
             continue
+        if loading:
+            try:
+                chat = loading.wait()
+            except KeyboardInterrupt:
+                loading.out.note("(not sent: the model was still loading)")
+                continue
         if not _handle(chat, text.strip("\n") if text.startswith("/") else text):
             return
 

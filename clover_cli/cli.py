@@ -126,8 +126,7 @@ def read_prompt(path: str, keep_newline: bool = False) -> str:
 
 def _options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, device, dtype, trust_remote_code,
              allow_pickle, compile=None, load_in_4bit=False, device_map=None, max_memory=None):
-    from .compiled import compile_mode
-    from .session import Options
+    from .options import Options, compile_mode
 
     # bad values fail here, before anything loads
     if compile_mode(compile) == "on" and device_map is not None:
@@ -476,7 +475,7 @@ def bench(
 ):
     """Compare every decoding method on the same prompts: speed, τ, and identity with HF greedy."""
     from .bench import BenchConfig, run_bench
-    from .compiled import compile_mode
+    from .options import compile_mode
 
     compile_mode(compile)
     run_bench(BenchConfig(model=model, prompts=prompts, methods=methods, max_new_tokens=max_new_tokens,

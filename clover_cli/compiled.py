@@ -45,11 +45,11 @@ import torch
 
 from . import atomic
 from .errors import CloverError
+from .options import MODES, compile_mode  # noqa: F401 - importable from here too
 
 PROGRAM_VERSION = 5  # bump when the program's inputs, outputs or semantics change: old packages are not reused
 MAX_CAPACITY = 8192  # KV buffers of the compiled program (tokens); longer contexts run eager past this point
 MAX_WEIGHT_BYTES = 4 << 30  # the package holds a frozen copy of the weights: larger models stay eager
-MODES = ("auto", "on", "off")
 # A step of n new tokens runs as the smallest of these sizes >= n (beyond them: the next multiple of 64), the extra
 # rows padding that no real token sees. oneDNN builds its kernels for every new row count the first time it meets
 # it (about 4 ms a size here): a few sizes keep that one-time cost small, and cost almost nothing per step, since
@@ -62,15 +62,6 @@ SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 80)
 PROGRAMS = (("step-small.pt2", 1, 4, 2, True), ("step-medium.pt2", 5, 16, 8, False),
             ("step.pt2", 17, None, 32, False))
 META = "meta.json"
-
-
-def compile_mode(flag: str | None) -> str:
-    """The --compile value, else CLOVER_COMPILE, else auto; a one-line error for anything else."""
-    mode = flag or os.environ.get("CLOVER_COMPILE") or "auto"
-    if mode not in MODES:
-        where = "--compile" if flag else "CLOVER_COMPILE"
-        raise CloverError(f"{where} must be auto, on or off, not {mode!r}")
-    return mode
 
 
 def unsupported(model, device: torch.device, dtype: torch.dtype, load_in_8bit: bool) -> str | None:

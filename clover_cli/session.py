@@ -15,44 +15,8 @@ from .errors import CloverError
 from .hub import looks_like_repo, resolve_heads, resolve_model
 from .loading import load
 from .target import Target, check_exact
+from .options import DRAFTS, HEADS_DRAFTS, Options, parse_budget  # noqa: F401 - importable from here too
 from .templates import STOP_STRINGS, chat_template, render
-
-DRAFTS = ("auto", "clover", "medusa", "eagle", "ngram", "none")
-HEADS_DRAFTS = {"clover": "clover2", "medusa": "medusa", "eagle": "eagle"}  # drafter -> the heads it runs
-
-
-@dataclass
-class Options:
-    model: str | None = None
-    revision: str | None = None
-    heads: str | None = None
-    draft: str = "auto"
-    tree: str = "dynamic"
-    tree_budget: str = "auto"
-    load_in_8bit: bool = False
-    load_in_4bit: bool = False
-    device: str = "auto"
-    device_map: str | None = None  # auto, balanced or a JSON map (accelerate); max_memory caps its devices
-    max_memory: str | None = None
-    dtype: str = "auto"
-    trust_remote_code: bool = False
-    allow_pickle: bool = False
-    max_context: int | None = None
-    compile: str | None = None  # auto, on or off (None: CLOVER_COMPILE, else auto); see clover_cli/compiled.py
-
-
-def parse_budget(text: str) -> tuple[int, bool]:
-    """'auto' -> (64, True): up to 64 nodes, sized per step by measured cost; 'N' -> (N, False)."""
-    if text == "auto":
-        return 64, True
-    try:
-        n = int(text)
-    except ValueError:
-        raise CloverError(f"--tree-budget must be a whole number or 'auto', not {text!r}")
-    if not 0 <= n <= 512:
-        raise CloverError(f"--tree-budget must be between 0 and 512, not {n}")
-    return n, False
-
 
 class Session:
     def __init__(self, opts: Options, quiet: bool = False):

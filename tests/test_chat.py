@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import stat
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -335,6 +336,43 @@ def test_terminal_session(llama_dir, tmp_path):
     assert {r["draft"] for r in steps} == {"ngram"} and all(r["session"] == recs[0]["session"] for r in steps)
 
 
+def test_prompt_comes_up_before_the_model(llama_dir, tmp_path):
+    """In a terminal the prompt is up before torch and the model load (they load behind it): what runs before the
+    prompt imports no torch; text being typed when the banner arrives is kept; a wrong model name still fails before
+    any prompt, in one line. (test_terminal_ctrl_c sends its first message at once: it waits for the model.)"""
+    import pexpect
+
+    before_prompt = ("import sys, clover_cli.cli, clover_cli.chat as c, clover_cli.options as o\n"
+                     f"opts = o.Options(model={str(llama_dir)!r})\n"
+                     "c._history(None); c._completer(); c._may_download(opts); c._check_local(opts)\n"
+                     "c._check_local(o.Options())\n"
+                     "assert 'torch' not in sys.modules, 'torch was imported before the prompt'\n")
+    subprocess.run([sys.executable, "-c", before_prompt], check=True, env={**os.environ, "HOME": str(tmp_path)})
+
+    child = spawn(["chat", str(llama_dir), "-n", "8", "--stats-file", "off"], tmp_path)
+    try:
+        child.expect("loading " + re.escape(str(llama_dir)))
+        child.expect(PROMPT)
+        child.send("Hello")  # typed while the model loads
+        child.expect("Ctrl-D or /exit leaves")  # its banner, printed above the prompt once loaded
+        child.expect(PROMPT + " Hello")  # the prompt again, with what was typed
+        child.send(" there\r")
+        child.expect(STATS_LINE)
+        command(child, f"/save {tmp_path / 'c.json'}", "saved")
+        assert json.loads((tmp_path / "c.json").read_text())["messages"][0]["content"] == "Hello there"
+        child.sendeof()
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
+
+    child = spawn(["chat", str(tmp_path / "no-such-model"), "--stats-file", "off"], tmp_path)
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus != 0 and PROMPT not in child.before and "Traceback" not in child.before
+    assert "unknown model" in child.before
+
+
 def test_terminal_ctrl_c(long_dir, tmp_path):
     import pexpect
 
@@ -342,9 +380,11 @@ def test_terminal_ctrl_c(long_dir, tmp_path):
     # plain decoding (--draft none), one token per step: thousands of steps, seconds to interrupt them in
     child = spawn(["chat", str(long_dir), "-n", "7000", "--draft", "none", "--no-color", "--stats-file", "off",
                    "--history-file", str(tmp_path / "hist")], tmp_path)
-    started = r"\x1b\[\?2004l[^\x1b]{40}"  # the prompt gave the terminal back, then 40 characters of reply
+    # the prompt gave the terminal back (or, when the first message waited for the model, its banner was printed),
+    # then 40 characters of reply
+    started = r"(\x1b\[\?2004l|Ctrl-D or /exit leaves\r\n)[^\x1b]{40}"
     try:
-        child.expect(PROMPT)
+        child.expect(PROMPT)  # sent at once: the model may still be loading
         for message in ("Tell me a long story", "And then?"):
             child.send(message + "\r")
             child.expect(started)
