@@ -55,6 +55,10 @@ MAX_WEIGHT_BYTES = 4 << 30  # the package holds a frozen copy of the weights: la
 # it (about 4 ms a size here): a few sizes keep that one-time cost small, and cost almost nothing per step, since
 # a product over a few rows more reads the same weights.
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 80)
+# A causal forward of more than SIZES[-1] tokens (a prefill) runs in pieces of these many rows (the largest that fit,
+# in turn), then the rest as a step: every new row count left kernels and buffers behind for good (a prefill of
+# each new length to 2,000 tokens grew a process by ~280 MiB), and in pieces there are a few row counts only.
+PIECES = (1024, 512, 256, 128, 64)
 # One program per range of step sizes, each compiled for its rows: (file, fewest, most (None: the capacity), the
 # example size it is tuned at, autotuned). Up to 4 rows (plain decoding, short drafts) inductor's own C++
 # matrix-vector kernels, timed on this machine at build, read the weights faster than oneDNN's; above that oneDNN's,
@@ -451,9 +455,20 @@ class CompiledStep:
         self._inputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._past: dict[int, torch.Tensor] = {}
         self._tril = torch.ones(SIZES[-1], SIZES[-1], dtype=torch.bool).tril()
+        self._first = torch.zeros(1, dtype=torch.long)
 
     def fits(self, cache, n: int) -> bool:
         return fits(self.capacity, cache, n) and self._route(n, cache.length) is not None
+
+    @staticmethod
+    def pieces(n: int) -> list[int]:
+        """The row counts a causal forward of n tokens runs as, in order (see PIECES)."""
+        out = []
+        for size in PIECES:
+            while n > SIZES[-1] and n >= size:
+                out.append(size)
+                n -= size
+        return out + [n] * (n > 0)
 
     def _route(self, n: int, past: int):
         """(size to run, program) for n new tokens after `past`: the padded size when a program takes it, else n
@@ -480,7 +495,31 @@ class CompiledStep:
 
     @torch.inference_mode()
     def __call__(self, cache, tokens, positions, tree_mask, logits_for):
-        n, past = tokens.numel(), cache.length
+        n = tokens.numel()
+        if tree_mask is None and n > SIZES[-1]:
+            wanted = None if logits_for is None else torch.arange(n)[logits_for]
+            if wanted is None or bool((wanted[1:] > wanted[:-1]).all()):
+                return self._in_pieces(cache, tokens, positions, wanted)
+        return self._run(cache, tokens, positions, tree_mask, logits_for, cache.length)
+
+    def _in_pieces(self, cache, tokens, positions, wanted):
+        """A causal forward in PIECES: each piece sees the ones before it as committed (their keys are in the
+        buffers already), so the result is the whole forward's, up to rounding."""
+        pres, logits, start = [], [], 0
+        for size in self.pieces(tokens.numel()):
+            end = start + size
+            rows = None if wanted is None else wanted[(wanted >= start) & (wanted < end)] - start
+            keep = None if rows is None else rows.numel()
+            if keep == 0:
+                rows = self._first  # a program makes the logits of one row at least: made, then dropped
+            pre, out = self._run(cache, tokens[start:end], positions[start:end], None, rows, cache.length + start)
+            pres.append(pre)
+            logits.append(out if keep is None else out[:keep])
+            start = end
+        return torch.cat(pres), torch.cat(logits)
+
+    def _run(self, cache, tokens, positions, tree_mask, logits_for, past):
+        n = tokens.numel()
         size, run = self._route(n, past)
         tok, pos, tree, rows = self._scratch(size)
         tok[:n] = tokens

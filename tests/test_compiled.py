@@ -117,6 +117,35 @@ def test_compiled_sampling_draws_what_eager_draws(programs, temperature, top_p):
         assert runs[0] == runs[1]
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_long_prompts_run_in_pieces_and_stay_exact(programs, family):
+    """A prompt longer than the largest step size runs through the compiled program in PIECES (a few row counts, so
+    no memory is left behind per prompt length): the eager step's hidden states and logits, and greedy output
+    identical to transformers' generate."""
+    model, target = compiled_target(programs, family)
+    eager = Target(model)
+    step, seen = target.program, []
+    real = step._run
+    step._run = lambda cache, tokens, *rest: seen.append(tokens.numel()) or real(cache, tokens, *rest)
+    rng = random.Random(f"long-{family}")
+    for n in (81, 200, 333, 460):
+        prompt = [rng.randrange(3, 96) for _ in range(n)]
+        ids = torch.tensor(prompt)
+        for rows in (None, slice(-1, None), torch.tensor([0, n // 2, n - 1])):
+            got, want = [], []
+            for t, into in ((target, got), (eager, want)):
+                t.reset(0)
+                into.extend(t.forward(ids, logits_for=rows))
+            assert got[1].shape == want[1].shape, (n, rows)
+            for a, b in zip(got, want):
+                assert (a - b).abs().max() <= 1e-3 * max(1.0, b.abs().max()), (n, rows)
+        target.reset(0)
+        engine = Engine(target, drafter_for("ngram", model, target, rng, [], 0), budget=8, auto_budget=False)
+        out, _ = run_engine(engine, prompt, StopCheck(12))
+        assert out == hf_greedy(model, prompt, 12), n
+    assert {n for n in seen if n > compiled.SIZES[-1]} <= set(compiled.PIECES) and max(seen) > compiled.SIZES[-1]
+
+
 def test_program_serves_only_what_fits(programs):
     model, target = compiled_target(programs, "qwen2")
     step = target.program
