@@ -30,10 +30,24 @@ BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_lay
             head_dim=16)
 
 
+# What a type needs beyond BASE for a tiny config to be valid (None: leave that BASE key out)
+OVERRIDES = {
+    "falcon": {"head_dim": None, "new_decoder_architecture": True, "num_kv_heads": 2},
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]], "num_layers": 2, "num_heads": 4},
+    "zamba2": {"layer_types": ["linear_attention", "hybrid"], "layers_block_type": ["mamba", "hybrid"],
+               "hybrid_layer_ids": [1], "head_dim": None},
+    "mamba2": {"num_heads": 8, "head_dim": 16, "expand": 2, "n_groups": 1},
+    "plbart": {"encoder_attention_heads": 4, "decoder_attention_heads": 4, "d_model": 64},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_experts": 4, "moe_intermediate_size": 32},
+}
+
+
 def tiny(model_type: str):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model(model_type, **BASE)
+    over = OVERRIDES.get(model_type, {})
+    kwargs = {k: v for k, v in {**BASE, **over}.items() if v is not None}
+    cfg = AutoConfig.for_model(model_type, **kwargs)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(cfg).eval()
 
