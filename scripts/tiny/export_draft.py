@@ -87,7 +87,7 @@ Like its target it is a demonstration model: its only job is to guess what `tiny
 - Distilled from the target, offline, on CPU: {last['step']} steps of up to {dc['batch_tokens']} tokens over the target's own greedy
   replies to ShareGPT prompts of the training split (the regenerated conversations of the heads' recipe, cut to
   {dc['max_len']} tokens): soft cross-entropy against the target's top-{dc['teacher_topk']} distribution at every position plus
-  {dc['hard_weight']} x hard cross-entropy on the reply tokens; AdamW, cosine schedule, seed {recipe['seed']}; {last['elapsed_s'] / 60:.0f} min on one CPU thread
+  {dc['hard_weight']} x hard cross-entropy on the reply tokens; AdamW, cosine schedule, seed {recipe['seed']}; {last['elapsed_s'] / 60:.0f} min of wall time on one thread of a shared 2-core CPU
   (besides the one-off teacher pass).
 - Embedding initialised from the target's: its 8192 x 256 embedding projected onto its top {a['hidden_size']} right singular
   vectors (a truncated SVD, which keeps the dot products tied logits are made of as far as {a['hidden_size']} directions can).
