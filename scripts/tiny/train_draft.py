@@ -86,8 +86,8 @@ def build_teacher_cache(work: Path, target, tok, regenerated: Path, dc: dict) ->
           f"top-{k}, {time.time() - t0:.0f}s", flush=True)
 
     def fill(tmp: Path):
-        with tmp.open("wb") as f:
-            np.savez(f, **arrays)
+        with tmp.open("wb") as tmp_file:  # a file object: given a name, savez would add .npz to it
+            np.savez(tmp_file, **arrays)
 
     atomic.write_with(path, fill)
     return arrays
@@ -327,7 +327,7 @@ def main():
     model.config.clover_draft = {"target": "tiny", "embedding_init": f"target SVD top-{dc['arch']['hidden_size']}",
                                  "embedding_energy_kept": round(kept, 4)}
     model.save_pretrained(out)  # not atomic: a crash here is undone by running again (from the checkpoint)
-    tok.save_pretrained(out)
+    tok.save_pretrained(out)  # not atomic: see above
     print(f"saved {out}", flush=True)
 
 
