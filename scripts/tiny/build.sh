@@ -9,6 +9,9 @@
 # 4. Medusa heads on the same data and steps  clover train --arch medusa (for comparison; not shipped)
 # 5. evaluation on held-out prompts           scripts/tiny/evaluate.py -> docs/tiny_eval.json
 # 6. fp16 weights into clover_cli/bundled     scripts/tiny/export.py
+# 7. draft model, distilled from the bundled  scripts/tiny/train_draft.py (recipe.json "draft"), then
+#    target on its regenerated replies         scripts/tiny/export_draft.py -> clover_cli/bundled/tiny/draft,
+#                                              scripts/tiny/evaluate_draft.py -> docs/tiny_draft_eval.json
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 WORK=${WORK:-runs/tiny}
@@ -31,3 +34,9 @@ cp "$WORK/heads-clover/regenerated.jsonl" "$WORK/heads-clover/clover-train.json"
   clover train "$WORK/target" --out "$WORK/heads-medusa" --arch medusa --overwrite --max-steps "$MEDUSA_STEPS" "${HEADS_ARGS[@]}"
 python scripts/tiny/evaluate.py --model "$WORK/target" --clover "$WORK/heads-clover" --medusa "$WORK/heads-medusa"
 python scripts/tiny/export.py --work "$WORK"
+# the draft model drafts for the shipped (fp16) target, so it is distilled from that one; one thread
+python scripts/tiny/train_draft.py --work "$WORK" --regenerated "$WORK/heads-clover/regenerated.jsonl" \
+  --sharegpt "$WORK/sharegpt_en.jsonl"
+python scripts/tiny/export_draft.py --work "$WORK"
+python scripts/tiny/evaluate_draft.py --work "$WORK"  # measures the exported (fp16) draft
+python scripts/tiny/export_draft.py --work "$WORK"    # again, for the model card's numbers

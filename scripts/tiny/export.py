@@ -3,7 +3,8 @@
     python scripts/tiny/export.py --work runs/tiny
 
 Writes clover_cli/bundled/tiny/ (config, tokenizer, chat template, weights, README.md model card) and
-clover_cli/bundled/tiny/heads/ (the Clover-2 heads directory). The model card is filled in from the recorded
+clover_cli/bundled/tiny/heads/ (the Clover-2 heads directory); an existing draft/ (the draft model, written by
+scripts/tiny/export_draft.py) is kept. The model card is filled in from the recorded
 training logs and from docs/tiny_eval.json (written by scripts/tiny/evaluate.py).
 """
 
@@ -48,6 +49,8 @@ def main():
     atomic.write_text(tmp / "heads" / "config.json", json.dumps(cfg, indent=2) + "\n")
     atomic.write_text(tmp / "heads" / "README.md", (heads_src / "README.md").read_text())
     atomic.write_text(tmp / "README.md", model_card(work, cfg))
+    if (DEST / "draft").is_dir():  # the draft model (scripts/tiny/export_draft.py) stays
+        shutil.copytree(DEST / "draft", tmp / "draft")
     shutil.rmtree(DEST, ignore_errors=True)
     os.replace(tmp, DEST)
     for p in sorted(DEST.rglob("*")):
