@@ -52,11 +52,16 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 class Common:
     revision = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit) of the model.")
     heads = typer.Option(None, "--heads", help="Draft heads: a local directory or a Hub repo id.")
-    draft = typer.Option("auto", "--draft", help="Drafter: auto, clover, medusa, eagle, ngram or none. auto = the "
-                                                 "model's heads merged with n-gram lookup when it has heads, "
-                                                 "else ngram.")
+    draft = typer.Option("auto", "--draft", help="Drafter: auto, clover, medusa, eagle, ngram, model or none. auto = "
+                                                 "the model's heads merged with n-gram lookup when it has heads, "
+                                                 "else ngram. model = a smaller draft model (--draft-model) "
+                                                 "drafting a multi-candidate (MCSD) tree.")
+    draft_model = typer.Option(None, "--draft-model", help="The draft model of --draft model: an alias, a local "
+                               "directory or a Hub repo id, with the target's tokenizer and fewer parameters "
+                               "(default: the one the model's alias names).", show_default=False)
     tree = typer.Option("dynamic", "--tree", help="Draft tree of the heads: dynamic (grown by probability) "
-                        "or static (a fixed shape of 24 nodes, cut to --tree-budget when given). With --draft auto the "
+                        "or static (a fixed shape of 24 nodes, cut to --tree-budget when given); with --draft model, "
+                        "dynamic = the MCSD tree, static = the draft's plain top-1 chain. With --draft auto the "
                         "n-gram matches are merged in either way.")
     tree_budget = typer.Option("auto", "--tree-budget", help="Most draft nodes verified per step, or auto: "
                                                              "sized each step from the measured cost on this device.")
@@ -125,7 +130,7 @@ def read_prompt(path: str, keep_newline: bool = False) -> str:
 
 
 def _options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, device, dtype, trust_remote_code,
-             allow_pickle, compile=None, load_in_4bit=False, device_map=None, max_memory=None):
+             allow_pickle, compile=None, load_in_4bit=False, device_map=None, max_memory=None, draft_model=None):
     from .compiled import compile_mode
     from .session import Options
 
@@ -135,7 +140,7 @@ def _options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, dev
     return Options(model=model, revision=revision, heads=heads, draft=draft, tree=tree, tree_budget=tree_budget,
                    load_in_8bit=load_in_8bit, load_in_4bit=load_in_4bit, device=device, device_map=device_map,
                    max_memory=max_memory, dtype=dtype, trust_remote_code=trust_remote_code,
-                   allow_pickle=allow_pickle, compile=compile)
+                   allow_pickle=allow_pickle, compile=compile, draft_model=draft_model)
 
 
 @app.command()
@@ -194,7 +199,8 @@ def generate(
     keep_newline: bool = typer.Option(False, "--keep-newline", help="Keep the newline that ends the prompt file "
                                       "(by default one trailing newline is dropped, as a typed message has none)."),
     system: Optional[str] = typer.Option(None, "--system", help="System message for the chat template."),
-    draft: str = Common.draft, heads: Optional[str] = Common.heads, tree: str = Common.tree,
+    draft: str = Common.draft, draft_model: Optional[str] = Common.draft_model,
+    heads: Optional[str] = Common.heads, tree: str = Common.tree,
     tree_budget: str = Common.tree_budget, load_in_8bit: bool = Common.load_in_8bit,
     load_in_4bit: bool = Common.load_in_4bit, device: str = Common.device,
     device_map: Optional[str] = Common.device_map, max_memory: Optional[str] = Common.max_memory,
@@ -215,7 +221,8 @@ def generate(
     text = read_prompt(prompt, keep_newline)
     t_start = time.perf_counter()
     session = Session(_options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, device, dtype,
-                               trust_remote_code, allow_pickle, compile, load_in_4bit, device_map, max_memory),
+                               trust_remote_code, allow_pickle, compile, load_in_4bit, device_map, max_memory,
+                               draft_model),
                       quiet=json_out)
     session.compiler.start(background=False)  # --compile on: built now if needed; auto: a cached one or eager
     load_s = time.perf_counter() - t_start
@@ -286,7 +293,8 @@ def chat(
     system: Optional[str] = typer.Option(None, "--system", help="System message."),
     max_new_tokens: int = Common.max_new_tokens, temperature: float = Common.temperature,
     top_p: float = Common.top_p, seed: Optional[int] = Common.seed,
-    draft: str = Common.draft, heads: Optional[str] = Common.heads, tree: str = Common.tree,
+    draft: str = Common.draft, draft_model: Optional[str] = Common.draft_model,
+    heads: Optional[str] = Common.heads, tree: str = Common.tree,
     tree_budget: str = Common.tree_budget, load_in_8bit: bool = Common.load_in_8bit,
     load_in_4bit: bool = Common.load_in_4bit, device: str = Common.device,
     device_map: Optional[str] = Common.device_map, max_memory: Optional[str] = Common.max_memory,
@@ -308,7 +316,7 @@ def chat(
 
     check_sampling(max_new_tokens, temperature, top_p, seed)
     run_chat(_options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, device, dtype,
-                      trust_remote_code, allow_pickle, compile, load_in_4bit, device_map, max_memory),
+                      trust_remote_code, allow_pickle, compile, load_in_4bit, device_map, max_memory, draft_model),
              system=system, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
              history_file=history_file, stats_file=stats_file, no_color=no_color)
 
@@ -323,7 +331,8 @@ def serve(
                                           help="Require 'Authorization: Bearer KEY' on every request."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="Reply length when a request sets "
                                                                          "no max_tokens."),
-    draft: str = Common.draft, heads: Optional[str] = Common.heads, tree: str = Common.tree,
+    draft: str = Common.draft, draft_model: Optional[str] = Common.draft_model,
+    heads: Optional[str] = Common.heads, tree: str = Common.tree,
     tree_budget: str = Common.tree_budget, load_in_8bit: bool = Common.load_in_8bit,
     load_in_4bit: bool = Common.load_in_4bit, device: str = Common.device,
     device_map: Optional[str] = Common.device_map, max_memory: Optional[str] = Common.max_memory,
@@ -350,7 +359,7 @@ def serve(
         raise CloverError(f"--port must be between 0 and 65535, not {port}")
     check_sampling(max_new_tokens, 0.0, 1.0)
     opts = _options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, device, dtype, trust_remote_code,
-                    allow_pickle, compile, load_in_4bit, device_map, max_memory)
+                    allow_pickle, compile, load_in_4bit, device_map, max_memory, draft_model)
     sock = listen(host, port)  # a port in use fails now, before loading
     t0 = time.perf_counter()
     session = Session(opts)
@@ -455,6 +464,7 @@ def bench(
                                                                   "a 'prompt' field. Default: built-in set."),
     methods: Optional[str] = typer.Option(None, "--methods", help="Comma-separated: hf,hf-lookup,hf-assisted,"
                                                                   "plain,ngram,medusa,eagle,clover,clover+ngram,"
+                                                                  "model-chain,model,"
                                                                   "llama.cpp,llama.cpp-lookup (default: all that "
                                                                   "can run; clover+ngram is what --draft auto "
                                                                   "uses; llama.cpp needs the [llama] extra)."),
@@ -465,7 +475,11 @@ def bench(
     heads: Optional[str] = Common.heads,
     medusa_heads: Optional[str] = typer.Option(None, "--medusa-heads", help="Medusa heads for the medusa row."),
     eagle_heads: Optional[str] = typer.Option(None, "--eagle-heads", help="EAGLE heads for the eagle row."),
-    assistant: Optional[str] = typer.Option(None, "--assistant", help="Smaller model for hf-assisted."),
+    assistant: Optional[str] = typer.Option(None, "--assistant", help="Smaller model for hf-assisted (default: "
+                                            "the --draft-model)."),
+    draft_model: Optional[str] = typer.Option(None, "--draft-model", help="A draft model (alias, directory or Hub "
+                                              "repo) for the model-chain and model rows, and hf-assisted's "
+                                              "assistant."),
     tree_budget: str = Common.tree_budget, device: str = Common.device, dtype: str = Common.dtype,
     load_in_8bit: bool = Common.load_in_8bit,
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
@@ -482,6 +496,7 @@ def bench(
     run_bench(BenchConfig(model=model, prompts=prompts, methods=methods, max_new_tokens=max_new_tokens,
                           temperature=temperature, repeats=repeats, limit=limit, heads=heads,
                           medusa_heads=medusa_heads, eagle_heads=eagle_heads, assistant=assistant,
+                          draft_model=draft_model,
                           tree_budget=tree_budget, device=device, dtype=dtype, load_in_8bit=load_in_8bit,
                           json_out=json_out, plot=plot, compile=compile))
 
