@@ -181,11 +181,112 @@ def test_sampled_output_has_the_targets_distribution():
     assert tv(wrong) > bound  # the test can tell a subtly wrong rule from the right one
 
 
+def test_sampled_candidates_verified_q_aware_keep_the_targets_distribution():
+    """Item 4: candidates sampled from the draft's distribution q (three at the root without replacement, one below
+    each) and verified with q-aware multi-candidate rejection: the first token follows the target's distribution,
+    and the second (after an accepted candidate) the target's distribution after the first. Every draw samples new
+    candidates; a rule that forgets the residual after a rejection exceeds the same bound."""
+    vocab = 24
+    model = make_model(5, vocab=vocab)
+    draft = noisy_copy(model, 5, 0.3)
+    prompt = [5, 7, 9, 11]
+    s = Sampling(temperature=0.9)
+    with torch.inference_mode():
+        after = torch.tensor([prompt + [x] for x in range(vocab)])  # every possible first token
+        p_root = warp(model(torch.tensor([prompt])).logits[0, -1], s)
+        q_root = warp(draft(torch.tensor([prompt])).logits[0, -1], s)
+        p_next = warp(model(after).logits[:, -1], s)  # [x] -> the target's distribution after x
+        q_next = warp(draft(after).logits[:, -1], s)
+    assert 0.1 < 0.5 * float((p_root - q_root).abs().sum()) < 0.9  # the draft differs from the target, not wildly
+
+    def trial(rule, rng) -> tuple[int, int | None]:
+        firsts = []
+        q = q_root.clone()
+        for _ in range(3):
+            x = int(torch.multinomial(q, 1, generator=rng).item())
+            firsts.append(x)
+            q[x] = 0.0
+        tokens, parents, proposals = [prompt[-1]], [-1], {0: q_root}
+        for x in firsts:
+            tokens.append(x)
+            parents.append(0)
+            node = len(tokens) - 1
+            proposals[node] = q_next[x]
+            tokens.append(int(torch.multinomial(q_next[x], 1, generator=rng).item()))
+            parents.append(node)
+        tree = DraftTree(tokens, parents, [1.0] * len(tokens), proposals)
+        logits = torch.zeros(len(tokens), vocab)
+        logits[0] = torch.log(p_root.clamp(min=1e-30)) * s.temperature  # warp() gives back p_root
+        for i in range(1, len(tokens)):
+            if parents[i] == 0:
+                logits[i] = torch.log(p_next[tokens[i]].clamp(min=1e-30)) * s.temperature
+        path, bonus = rule(tree, logits, s, rng)
+        emitted = [tree.tokens[i] for i in path[1:]] + [bonus]
+        return emitted[0], (emitted[1] if len(path) > 1 else None)
+
+    draws = 12000
+
+    def distances(rule) -> tuple[float, float]:
+        rng = torch.Generator().manual_seed(1)
+        first = torch.zeros(vocab)
+        second = torch.zeros(vocab, vocab)  # [first, second] after an accepted candidate
+        for _ in range(draws):
+            a, b = trial(rule, rng)
+            first[a] += 1
+            if b is not None:
+                second[a, b] += 1
+        tv1 = 0.5 * float((first / draws - p_root).abs().sum())
+        seen = second.sum(1)
+        tv2 = sum(float(seen[a]) / draws * 0.5 * float((second[a] / seen[a] - p_next[a]).abs().sum())
+                  for a in range(vocab) if seen[a] > 0)
+        return tv1, tv2
+
+    # exact samples of these sizes give about 0.015 and 0.05 (measured with draws from p itself); the rule below that
+    # forgets the residual about 0.15 and 0.13
+    bound = 0.07
+    tv1, tv2 = distances(accept)
+    assert tv1 < bound and tv2 < bound, (tv1, tv2)
+
+    def forgets_residual(tree, logits, s, rng):  # min(1, p/q) per candidate, but p itself for what follows
+        kids, node, path = tree.children(), 0, [0]
+        while True:
+            p, q = warp(logits[node], s), tree.proposals.get(node)
+            for c in kids[node]:
+                tok = tree.tokens[c]
+                if torch.rand((), generator=rng).item() * q[tok].item() < p[tok].item():
+                    path.append(c)
+                    node = c
+                    break
+            else:
+                return path, int(torch.multinomial(p, 1, generator=rng).item())
+
+    assert max(distances(forgets_residual)) > bound
+
+
+def test_sampled_drafts_carry_their_proposals():
+    """At temperature > 0 the drafter samples its candidates and records the distribution of every node's children,
+    all within the budget (never pruned); greedy, it proposes its top tokens with no proposals."""
+    model = make_model(6)
+    target = Target(model)
+    drafter = ModelDrafter(noisy_copy(model, 6, 0.3), target, root_k=3, max_depth=4, stop_below=0.0)
+    drafter.sampling = Sampling(0.8, 1.0, seed=3)
+    for budget in (2, 5, 40):
+        tree = drafter.propose([4, 8, 15, 16], budget)
+        tree.validate()
+        assert 1 < len(tree) <= budget + 1 and tree.proposals is not None
+        kids = tree.children()
+        assert {n for n in range(len(tree)) if kids[n]} == set(tree.proposals)
+        for n, q in tree.proposals.items():
+            assert abs(float(q.sum()) - 1) < 1e-4 and all(q[tree.tokens[c]] > 0 for c in kids[n])
+    drafter.sampling = Sampling()
+    assert drafter.propose([4, 8, 15, 16], 40).proposals is None
+
+
 def test_sampling_through_the_engine_with_a_seed_is_reproducible():
     model = make_model(4)
     target = Target(model)
     drafter = ModelDrafter(noisy_copy(model, 4, 0.3), target)
-    engine = Engine(target, drafter, budget=12, auto_budget=False)
+    engine = Engine(target, drafter, budget=12, auto_budget=True)
     runs = [run_engine(engine, [4, 8, 15, 16], StopCheck(30), Sampling(0.8, 1.0, seed=11))[0] for _ in range(2)]
     assert runs[0] == runs[1] and len(runs[0]) == 30
     check_cache_is_a_fresh_prefill(drafter, [4, 8, 15, 16] + runs[1])

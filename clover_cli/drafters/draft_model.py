@@ -30,7 +30,6 @@ the verification itself; so the root's candidates come from the draft.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
@@ -167,7 +166,8 @@ class ModelDrafter:
     """A draft model proposing a chain or an MCSD tree (see the module docstring)."""
 
     def __init__(self, draft_model, target: Target, tree: str = "mcsd", root_k: int = ROOT_K,
-                 max_depth: int = MAX_DEPTH, stop_below: float = STOP_BELOW, root_min: float = ROOT_MIN):
+                 max_depth: int = MAX_DEPTH, stop_below: float = STOP_BELOW, root_min: float = ROOT_MIN,
+                 sample: bool = True):
         if tree not in TREES:
             raise CloverError(f"unknown draft-model tree {tree!r}; choose one of {', '.join(TREES)}")
         self.tree = tree
@@ -183,6 +183,12 @@ class ModelDrafter:
         self.vocab = min(self.draft.lm_head.weight.shape[0], target.lm_head.weight.shape[0])
         self.ids: list[int] = []  # the tokens whose keys and values the draft's cache holds, in order
         self.min_score = 0.0  # set by the engine: nodes scored below it do not pay for their verification
+        # set by the engine for each generation; at temperature > 0 (and `sample`) the candidates are samples of the
+        # draft's distribution at the same temperature, verified q-aware (engine.accept), else its top tokens
+        self.sampling = None
+        self.sample = sample
+        self._rng: torch.Generator | None = None
+        self._seeded_for = None
 
     # the draft keeps itself in step from the context it is given: nothing to do on reset/observe
     def reset(self, length: int) -> None:
@@ -197,9 +203,11 @@ class ModelDrafter:
     def cache(self):
         return self.draft.cache
 
-    def _sync(self, context: list[int]) -> torch.Tensor | None:
+    def _sync(self, context: list[int], logits: bool = False) -> torch.Tensor | None:
         """Roll the draft's cache back to what it shares with `context`, run the rest (the root at least) and
-        return the draft's probabilities of the token after the root; None when the context leaves no room."""
+        return the draft's probabilities (or with `logits`, its logits) of the token after the root; None when the
+        context leaves no room."""
+        want_logits = logits
         same = 0
         for a, b in zip(self.ids, context):
             if a != b:
@@ -212,12 +220,15 @@ class ModelDrafter:
         if len(context) + 1 > self.draft.max_context:
             return None
         tokens = torch.tensor(new, dtype=torch.long, device=self.draft.device)
-        _, logits = self.draft.forward(tokens, logits_for=slice(-1, None))
+        _, out = self.draft.forward(tokens, logits_for=slice(-1, None))
         self.draft.cache.append(len(new))
         self.ids += new
-        return torch.softmax(logits[-1, :self.vocab].float(), -1)
+        if want_logits:
+            return out[-1, :self.vocab].float()
+        return torch.softmax(out[-1, :self.vocab].float(), -1)
 
-    def _extend(self, tokens: torch.Tensor, positions: torch.Tensor, sees: torch.Tensor, committed: int):
+    def _extend(self, tokens: torch.Tensor, positions: torch.Tensor, sees: torch.Tensor, committed: int,
+                logits: bool = False):
         """Run tree nodes after the committed tokens and the tree nodes already written: each sees the committed
         tokens, the written nodes `sees` marks (its ancestors) and itself. Returns their next-token probabilities."""
         n = tokens.numel()
@@ -229,13 +240,34 @@ class ModelDrafter:
         mask[0, 0, :, committed:committed + written] = sees
         rows = torch.arange(n, device=dev)
         mask[0, 0, rows, committed + written + rows] = True
+        want_logits = logits
         with packed_linears():
-            _, logits = self.draft.run(tokens, positions, mask, self.draft.cache, None)
+            _, out = self.draft.run(tokens, positions, mask, self.draft.cache, None)
         self.draft.cache.append(n)
-        return torch.softmax(logits[:, :self.vocab].float(), -1)
+        if want_logits:
+            return out[:, :self.vocab].float()
+        return torch.softmax(out[:, :self.vocab].float(), -1)
+
+    def _sampling(self):
+        """The sampling settings when candidates are to be sampled (temperature > 0), else None; the generator is
+        seeded from the generation's seed (a seeded run stays reproducible)."""
+        s = self.sampling
+        if not self.sample or s is None or s.greedy:
+            return None
+        if self._rng is None or self._seeded_for is not s:
+            self._rng = torch.Generator()
+            if s.seed is not None:
+                self._rng.manual_seed(s.seed ^ 0x5EED)
+            else:
+                self._rng.seed()
+            self._seeded_for = s
+        return s
 
     @torch.inference_mode()
     def propose(self, context, budget) -> DraftTree:
+        s = self._sampling()
+        if s is not None:
+            return self._propose_sampled(context, budget, s)
         builder = TreeBuilder(context[-1])
         if budget <= 0:
             return builder.build(0)
@@ -282,7 +314,74 @@ class ModelDrafter:
             self.draft.reset(committed)  # the tree's keys and values are not kept
         return builder.build(budget)
 
+    def _propose_sampled(self, context, budget, s) -> DraftTree:
+        """The same tree shapes with sampled candidates: the root's `root_k` children drawn one after another without
+        replacement from the draft's distribution q (warped as the target's is: temperature, top-p), each branch
+        continued by one draw from q at its tip. Whether a node gets children, and how many, depends only on its own
+        q and the nodes drafted before it, never on the values drawn for those children: what q-aware verification
+        needs to stay exact. Each node that got children records its q in `proposals`."""
+        from ..engine import warp
 
-def say(text: str, quiet: bool) -> None:
-    if not quiet:
-        print(f"clover: {text}", file=sys.stderr)
+        builder = TreeBuilder(context[-1])
+        proposals: dict[int, torch.Tensor] = {}
+        if budget <= 0:
+            return builder.build(0)
+        logits_q = self._sync(context, logits=True)
+        if logits_q is None:
+            return builder.build(0)
+        committed = self.draft.cache.length
+        room = self.draft.max_context - committed
+        rng = self._rng
+
+        def draw(q: torch.Tensor, k: int) -> list[int]:
+            q = q.clone()
+            out = []
+            for _ in range(k):
+                if q.sum().item() <= 0:
+                    break
+                tok = int(torch.multinomial(q, 1, generator=rng).item())
+                out.append(tok)
+                q[tok] = 0.0
+            return out
+
+        q = warp(logits_q, s)
+        k = min(self.root_k, budget)
+        tips = []
+        for tok in draw(q, k):
+            tips.append(builder.add(0, tok, float(q[tok])))
+        if tips:
+            proposals[0] = q
+        slot: dict[int, int] = {}
+        try:
+            for depth in range(1, min(self.max_depth, room)):
+                if not tips or len(builder.tokens) > budget:
+                    break
+                sees = torch.zeros(len(tips), len(slot), dtype=torch.bool)
+                for r, node in enumerate(tips):
+                    a = builder.parents[node]
+                    while a > 0:
+                        sees[r, slot[a]] = True
+                        a = builder.parents[a]
+                tokens = torch.tensor([builder.tokens[t] for t in tips], dtype=torch.long, device=self.draft.device)
+                positions = torch.full((len(tips),), committed - 1 + depth, dtype=torch.long, device=self.draft.device)
+                logits = self._extend(tokens, positions, sees.to(self.draft.device), committed, logits=True)
+                for node in tips:
+                    slot[node] = len(slot)
+                nxt = []
+                for row, node in enumerate(tips):
+                    q = warp(logits[row], s)
+                    top = float(q.max())
+                    # the stop rule reads q only: the expected acceptance of the best next token
+                    if (top < self.stop_below or builder.scores[node] * top < self.min_score
+                            or len(builder.tokens) > budget):
+                        continue
+                    tok = draw(q, 1)[0]
+                    proposals[node] = q
+                    nxt.append(builder.add(node, tok, builder.scores[node] * top))
+                tips = nxt
+        finally:
+            self.draft.reset(committed)
+        tree = builder.build(budget)  # within the budget by construction: nothing is pruned
+        tree.proposals = proposals if len(tree) == len(builder.tokens) else None
+        return tree
+
