@@ -42,7 +42,7 @@ COMMANDS = {
     "/load": ("FILE", "load a conversation saved with /save (or a JSON list of {role, content})"),
     "/system": ("[TEXT | --clear]", "show, set or clear the system message"),
     "/temp": ("[X]", "show or set the sampling temperature, 0 to 10 (0 = greedy)"),
-    "/draft": ("[NAME]", "show or switch the drafter: auto, clover, medusa, eagle, ngram, none"),
+    "/draft": ("[NAME]", "show or switch the drafter: auto, clover, medusa, eagle, ngram, model, none"),
     "/stats": ("", "acceptance statistics of this chat so far"),
     "/exit": ("", "leave (also /quit and Ctrl-D)"),
 }

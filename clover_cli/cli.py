@@ -173,7 +173,8 @@ def models():
 def download(model: str = typer.Argument(..., help="Alias or Hub repo id."),
              heads: Optional[str] = typer.Option(None, "--heads", help="Also fetch this heads repository."),
              revision: Optional[str] = Common.revision, allow_pickle: bool = Common.allow_pickle):
-    """Fetch a model and the heads published for it (or --heads) into the local Hugging Face cache ahead of time."""
+    """Fetch a model, the heads published for it (or --heads) and its alias's draft model into the local Hugging Face
+    cache ahead of time."""
     from .hub import ALIASES, resolve_heads, resolve_model
 
     resolved = resolve_model(model, revision, allow_pickle)
@@ -183,9 +184,16 @@ def download(model: str = typer.Argument(..., help="Alias or Hub repo id."),
         fetched.append(resolve_heads(heads, resolved))
     elif spec is not None:  # every drafter's heads the alias publishes
         fetched += [resolve_heads(None, resolved, draft=family) for family, repo in spec.heads if repo != "bundled"]
+    draft_path = None
+    if spec is not None and spec.draft not in (None, "bundled"):  # and the draft model --draft model uses
+        from .drafters.draft_model import resolve_draft_model
+
+        draft_path = resolve_draft_model(spec.draft, resolved)[1]
     typer.echo(f"{model}: {resolved.path}")  # only once everything asked for is in the cache
     for hp in filter(None, fetched):
         typer.echo(f"heads: {hp}")
+    if draft_path is not None:
+        typer.echo(f"draft model: {draft_path}")
 
 
 @app.command()
