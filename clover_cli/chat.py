@@ -777,6 +777,8 @@ def _heads_source(session) -> str:
     from .hub import HEADS_SUBDIR
 
     hp = session.heads_path
+    if session.draft_name in ("model", "model-chain"):
+        return f"draft model {session.draft_model_name}"
     if hp is None or session.draft_name in ("ngram", "none"):
         return {"ngram": "no draft heads: prompt lookup and tri-gram statistics",
                 "none": "plain decoding, no drafting"}.get(session.draft_name, "no draft heads")

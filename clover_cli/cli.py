@@ -282,6 +282,7 @@ def generate(
         "model": session.resolved.name,
         "draft": session.draft_name,
         "heads": str(session.heads_path) if session.heads_path else None,
+        "draft_model": session.draft_model_name if session.draft_name.startswith("model") else None,
         "device": str(session.device),
         "dtype": str(session.dtype).replace("torch.", ""),
         "compiled": session.compiler.active,

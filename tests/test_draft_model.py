@@ -366,7 +366,7 @@ def test_generate_with_a_draft_model(run_cli, llama_dir, drafts, tmp_path):
                                  "--draft", draft, "--draft-model", str(drafts["good"]), "--stats-file", "off")
         assert code == 0, err
         runs[draft] = json.loads(out)
-    assert runs["model"]["draft"] == "model"
+    assert runs["model"]["draft"] == "model" and runs["model"]["draft_model"] == str(drafts["good"])
     assert runs["model"]["text"] == runs["none"]["text"]
 
 
