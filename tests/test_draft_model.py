@@ -389,3 +389,21 @@ def test_bad_draft_models_are_refused_in_one_line(run_cli, llama_dir, drafts, tm
     assert "Traceback" not in err
     if case == "other":
         assert str(drafts["other"]) in lines[0] and str(llama_dir) in lines[0]  # names both
+
+
+def test_bench_rows_with_a_draft_model(run_cli, llama_dir, drafts, prompts_file):
+    """`clover bench --draft-model`: the model-chain and model rows and hf-assisted with the same draft, each
+    identical to hf greedy; the model rows without a draft model are refused in one line."""
+    import json
+
+    code, out, err = run_cli("bench", str(llama_dir), "--prompts", str(prompts_file), "-n", "12", "--json",
+                             "--methods", "hf,hf-assisted,plain,model-chain,model",
+                             "--draft-model", str(drafts["good"]))
+    assert code == 0, err
+    report = json.loads(out)
+    rows = {r["method"]: r for r in report["methods"]}
+    assert set(rows) == {"hf", "hf-assisted", "plain", "model-chain", "model"}
+    assert all(r["identical"] for r in rows.values())
+    assert report["draft_model"]["parameters"] < 10**6
+    code, out, err = run_cli("bench", str(llama_dir), "--prompts", str(prompts_file), "--methods", "model")
+    assert code == 2 and err.count("\n") == 1 and "--draft model needs a draft model" in err, err
