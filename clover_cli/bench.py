@@ -1,7 +1,8 @@
 """`clover bench`: every decoding method on the same prompts, interleaved, with speed, τ and output identity.
 
 Methods: hf (transformers greedy generate), hf-lookup (its prompt-lookup assisted generation), hf-assisted (a
-smaller assistant model, when given), our engine with plain / ngram / medusa / eagle / clover drafting, and
+smaller assistant model: --assistant, else the --draft-model), our engine with plain / ngram / medusa / eagle /
+clover drafting or a draft model's top-1 chain (model-chain) and MCSD tree (model), and
 llama.cpp (plain and with prompt lookup) on a GGUF of the same weights (clover_cli/llamacpp.py). One model load
 serves every method. Each prompt is run by every method in turn (so drift on the machine hits all alike),
 after one untimed warm-up run of each method. Our engine starts every run from an empty cache (no reuse of a
@@ -25,8 +26,9 @@ from . import atomic
 from .errors import CloverError
 
 LLAMA_METHODS = ("llama.cpp", "llama.cpp-lookup")
+MODEL_METHODS = ("model-chain", "model")  # a draft model's top-1 chain, and its MCSD tree (--draft model)
 ALL_METHODS = ("hf", "hf-lookup", "hf-assisted", "plain", "ngram", "medusa", "eagle", "clover", "clover+ngram",
-               *LLAMA_METHODS)
+               *MODEL_METHODS, *LLAMA_METHODS)
 BUILTIN_PROMPTS = Path(__file__).parent / "bench_prompts.jsonl"
 LOOKUP_TOKENS = 10  # tokens proposed per prompt-lookup match, for hf-lookup and llama.cpp-lookup alike
 
@@ -44,6 +46,7 @@ class BenchConfig:
     medusa_heads: str | None = None
     eagle_heads: str | None = None
     assistant: str | None = None
+    draft_model: str | None = None  # the model rows' draft model, and hf-assisted's assistant unless --assistant
     tree_budget: str = "auto"
     device: str = "auto"
     dtype: str = "auto"
@@ -154,8 +157,10 @@ def choose_methods(spec: str | None, session, cfg: BenchConfig) -> list[str]:
         unknown = [m for m in methods if m not in ALL_METHODS]
         if unknown:
             raise CloverError(f"unknown method {unknown[0]!r}; choose from {', '.join(ALL_METHODS)}")
-        if "hf-assisted" in methods and not cfg.assistant:
-            raise CloverError("hf-assisted needs --assistant MODEL")
+        if "hf-assisted" in methods and session.assistant is None:
+            raise CloverError("hf-assisted needs --assistant MODEL (or --draft-model)")
+        if any(m in MODEL_METHODS for m in methods) and session.draft_model is None:
+            raise CloverError("the model rows need a draft model: pass --draft-model")
         if any(m.startswith("clover") for m in methods) and session.clover_heads is None:
             raise CloverError("the clover method needs Clover-2 heads: pass --heads")
         if "medusa" in methods and session.medusa_heads is None:
@@ -170,9 +175,11 @@ def choose_methods(spec: str | None, session, cfg: BenchConfig) -> list[str]:
             raise CloverError(f"{peers[0]} cannot run: {why}")
         return methods
     methods = ["hf", "hf-lookup"]
-    if cfg.assistant:
+    if session.assistant is not None:
         methods.append("hf-assisted")
     methods += ["plain", "ngram"]
+    if session.draft_model is not None:
+        methods += list(MODEL_METHODS)
     if session.medusa_heads is not None:
         methods.append("medusa")
     if session.eagle_heads is not None:
@@ -229,13 +236,25 @@ class BenchSession:
                 self.medusa_heads, self.medusa_path = heads, str(path)
             else:
                 self.eagle_heads, self.eagle_path = heads, str(path)
+        self.draft_model = None
+        wanted = [m.strip() for m in (cfg.methods or "").split(",")]
+        assistant_path = None
+        if cfg.draft_model or any(m in MODEL_METHODS for m in wanted):
+            from .drafters.draft_model import load_draft_model, resolve_draft_model
+
+            name, path = resolve_draft_model(cfg.draft_model, s.resolved, quiet=cfg.json_out)
+            self.draft_model = load_draft_model(name, path, s.resolved.name, s.model, s.tokenizer)
+            self.draft_model_name, assistant_path = name, path  # hf-assisted's assistant: the same draft model
         self.assistant = None
-        if cfg.assistant:
+        if cfg.assistant or (assistant_path is not None and (not cfg.methods or "hf-assisted" in wanted)):
             from .hub import resolve_model
             from .loading import load
 
-            res = resolve_model(cfg.assistant, quiet=cfg.json_out)
-            self.assistant = load(res.path, device=str(s.device), dtype=str(s.dtype).replace("torch.", "")).model
+            if cfg.assistant:
+                assistant_path = resolve_model(cfg.assistant, quiet=cfg.json_out).path
+            # its own copy: transformers runs it with its own attention, clover's rows with clover's
+            self.assistant = load(assistant_path, device=str(s.device),
+                                  dtype=str(s.dtype).replace("torch.", "")).model
             self.assistant.set_attn_implementation("sdpa")
         from .session import parse_budget
 
@@ -279,6 +298,11 @@ class BenchSession:
             drafter = NgramDrafter()
         elif method == "medusa":
             drafter = MedusaDrafter(self.medusa_heads, s.target)
+        elif method in MODEL_METHODS:
+            from .drafters.draft_model import ModelDrafter
+
+            drafter = (ModelDrafter(self.draft_model, s.target) if method == "model" else
+                       ModelDrafter(self.draft_model, s.target, tree="chain", stop_below=0.0))
         elif method == "eagle":
             from .drafters.eagle import EagleDrafter
 
@@ -447,6 +471,10 @@ def make_report(cfg, bs, methods, rows, prompts) -> dict:
         "machine": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} threads".strip(),
         "torch": torch.__version__, "date": date.today().isoformat(), "methods": out,
     }
+    if bs.draft_model is not None:
+        from .drafters.draft_model import parameter_count
+
+        report["draft_model"] = {"name": bs.draft_model_name, "parameters": parameter_count(bs.draft_model)}
     if any(m in LLAMA_METHODS for m in methods):
         import llama_cpp
 

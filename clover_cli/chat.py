@@ -42,7 +42,7 @@ COMMANDS = {
     "/load": ("FILE", "load a conversation saved with /save (or a JSON list of {role, content})"),
     "/system": ("[TEXT | --clear]", "show, set or clear the system message"),
     "/temp": ("[X]", "show or set the sampling temperature, 0 to 10 (0 = greedy)"),
-    "/draft": ("[NAME]", "show or switch the drafter: auto, clover, medusa, eagle, ngram, none"),
+    "/draft": ("[NAME]", "show or switch the drafter: auto, clover, medusa, eagle, ngram, model, none"),
     "/stats": ("", "acceptance statistics of this chat so far"),
     "/exit": ("", "leave (also /quit and Ctrl-D)"),
 }
@@ -789,6 +789,8 @@ def _heads_source(session) -> str:
     from .hub import HEADS_SUBDIR
 
     hp = session.heads_path
+    if session.draft_name in ("model", "model-chain"):
+        return f"draft model {session.draft_model_name}"
     if hp is None or session.draft_name in ("ngram", "none"):
         return {"ngram": "no draft heads: prompt lookup and tri-gram statistics",
                 "none": "plain decoding, no drafting"}.get(session.draft_name, "no draft heads")

@@ -52,11 +52,16 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 class Common:
     revision = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit) of the model.")
     heads = typer.Option(None, "--heads", help="Draft heads: a local directory or a Hub repo id.")
-    draft = typer.Option("auto", "--draft", help="Drafter: auto, clover, medusa, eagle, ngram or none. auto = the "
-                                                 "model's heads merged with n-gram lookup when it has heads, "
-                                                 "else ngram.")
+    draft = typer.Option("auto", "--draft", help="Drafter: auto, clover, medusa, eagle, ngram, model or none. auto = "
+                                                 "the model's heads merged with n-gram lookup when it has heads, "
+                                                 "else ngram. model = a smaller draft model (--draft-model) "
+                                                 "drafting a multi-candidate (MCSD) tree.")
+    draft_model = typer.Option(None, "--draft-model", help="The draft model of --draft model: an alias, a local "
+                               "directory or a Hub repo id, with the target's tokenizer and fewer parameters "
+                               "(default: the one the model's alias names).", show_default=False)
     tree = typer.Option("dynamic", "--tree", help="Draft tree of the heads: dynamic (grown by probability) "
-                        "or static (a fixed shape of 24 nodes, cut to --tree-budget when given). With --draft auto the "
+                        "or static (a fixed shape of 24 nodes, cut to --tree-budget when given); with --draft model, "
+                        "dynamic = the MCSD tree, static = the draft's plain top-1 chain. With --draft auto the "
                         "n-gram matches are merged in either way.")
     tree_budget = typer.Option("auto", "--tree-budget", help="Most draft nodes verified per step, or auto: "
                                                              "sized each step from the measured cost on this device.")
@@ -125,7 +130,7 @@ def read_prompt(path: str, keep_newline: bool = False) -> str:
 
 
 def _options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, device, dtype, trust_remote_code,
-             allow_pickle, compile=None, load_in_4bit=False, device_map=None, max_memory=None):
+             allow_pickle, compile=None, load_in_4bit=False, device_map=None, max_memory=None, draft_model=None):
     from .options import Options, compile_mode
 
     # bad values fail here, before anything loads
@@ -134,7 +139,7 @@ def _options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, dev
     return Options(model=model, revision=revision, heads=heads, draft=draft, tree=tree, tree_budget=tree_budget,
                    load_in_8bit=load_in_8bit, load_in_4bit=load_in_4bit, device=device, device_map=device_map,
                    max_memory=max_memory, dtype=dtype, trust_remote_code=trust_remote_code,
-                   allow_pickle=allow_pickle, compile=compile)
+                   allow_pickle=allow_pickle, compile=compile, draft_model=draft_model)
 
 
 @app.command()
@@ -167,7 +172,8 @@ def models():
 def download(model: str = typer.Argument(..., help="Alias or Hub repo id."),
              heads: Optional[str] = typer.Option(None, "--heads", help="Also fetch this heads repository."),
              revision: Optional[str] = Common.revision, allow_pickle: bool = Common.allow_pickle):
-    """Fetch a model and the heads published for it (or --heads) into the local Hugging Face cache ahead of time."""
+    """Fetch a model, the heads published for it (or --heads) and its alias's draft model into the local Hugging Face
+    cache ahead of time."""
     from .hub import ALIASES, resolve_heads, resolve_model
 
     resolved = resolve_model(model, revision, allow_pickle)
@@ -177,9 +183,16 @@ def download(model: str = typer.Argument(..., help="Alias or Hub repo id."),
         fetched.append(resolve_heads(heads, resolved))
     elif spec is not None:  # every drafter's heads the alias publishes
         fetched += [resolve_heads(None, resolved, draft=family) for family, repo in spec.heads if repo != "bundled"]
+    draft_path = None
+    if spec is not None and spec.draft not in (None, "bundled"):  # and the draft model --draft model uses
+        from .drafters.draft_model import resolve_draft_model
+
+        draft_path = resolve_draft_model(spec.draft, resolved)[1]
     typer.echo(f"{model}: {resolved.path}")  # only once everything asked for is in the cache
     for hp in filter(None, fetched):
         typer.echo(f"heads: {hp}")
+    if draft_path is not None:
+        typer.echo(f"draft model: {draft_path}")
 
 
 @app.command()
@@ -193,7 +206,8 @@ def generate(
     keep_newline: bool = typer.Option(False, "--keep-newline", help="Keep the newline that ends the prompt file "
                                       "(by default one trailing newline is dropped, as a typed message has none)."),
     system: Optional[str] = typer.Option(None, "--system", help="System message for the chat template."),
-    draft: str = Common.draft, heads: Optional[str] = Common.heads, tree: str = Common.tree,
+    draft: str = Common.draft, draft_model: Optional[str] = Common.draft_model,
+    heads: Optional[str] = Common.heads, tree: str = Common.tree,
     tree_budget: str = Common.tree_budget, load_in_8bit: bool = Common.load_in_8bit,
     load_in_4bit: bool = Common.load_in_4bit, device: str = Common.device,
     device_map: Optional[str] = Common.device_map, max_memory: Optional[str] = Common.max_memory,
@@ -214,7 +228,8 @@ def generate(
     text = read_prompt(prompt, keep_newline)
     t_start = time.perf_counter()
     session = Session(_options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, device, dtype,
-                               trust_remote_code, allow_pickle, compile, load_in_4bit, device_map, max_memory),
+                               trust_remote_code, allow_pickle, compile, load_in_4bit, device_map, max_memory,
+                               draft_model),
                       quiet=json_out)
     session.compiler.start(background=False)  # --compile on: built now if needed; auto: a cached one or eager
     load_s = time.perf_counter() - t_start
@@ -266,6 +281,7 @@ def generate(
         "model": session.resolved.name,
         "draft": session.draft_name,
         "heads": str(session.heads_path) if session.heads_path else None,
+        "draft_model": session.draft_model_name if session.draft_name.startswith("model") else None,
         "device": str(session.device),
         "dtype": str(session.dtype).replace("torch.", ""),
         "compiled": session.compiler.active,
@@ -285,7 +301,8 @@ def chat(
     system: Optional[str] = typer.Option(None, "--system", help="System message."),
     max_new_tokens: int = Common.max_new_tokens, temperature: float = Common.temperature,
     top_p: float = Common.top_p, seed: Optional[int] = Common.seed,
-    draft: str = Common.draft, heads: Optional[str] = Common.heads, tree: str = Common.tree,
+    draft: str = Common.draft, draft_model: Optional[str] = Common.draft_model,
+    heads: Optional[str] = Common.heads, tree: str = Common.tree,
     tree_budget: str = Common.tree_budget, load_in_8bit: bool = Common.load_in_8bit,
     load_in_4bit: bool = Common.load_in_4bit, device: str = Common.device,
     device_map: Optional[str] = Common.device_map, max_memory: Optional[str] = Common.max_memory,
@@ -307,7 +324,7 @@ def chat(
 
     check_sampling(max_new_tokens, temperature, top_p, seed)
     run_chat(_options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, device, dtype,
-                      trust_remote_code, allow_pickle, compile, load_in_4bit, device_map, max_memory),
+                      trust_remote_code, allow_pickle, compile, load_in_4bit, device_map, max_memory, draft_model),
              system=system, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
              history_file=history_file, stats_file=stats_file, no_color=no_color)
 
@@ -322,7 +339,8 @@ def serve(
                                           help="Require 'Authorization: Bearer KEY' on every request."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="Reply length when a request sets "
                                                                          "no max_tokens."),
-    draft: str = Common.draft, heads: Optional[str] = Common.heads, tree: str = Common.tree,
+    draft: str = Common.draft, draft_model: Optional[str] = Common.draft_model,
+    heads: Optional[str] = Common.heads, tree: str = Common.tree,
     tree_budget: str = Common.tree_budget, load_in_8bit: bool = Common.load_in_8bit,
     load_in_4bit: bool = Common.load_in_4bit, device: str = Common.device,
     device_map: Optional[str] = Common.device_map, max_memory: Optional[str] = Common.max_memory,
@@ -349,7 +367,7 @@ def serve(
         raise CloverError(f"--port must be between 0 and 65535, not {port}")
     check_sampling(max_new_tokens, 0.0, 1.0)
     opts = _options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, device, dtype, trust_remote_code,
-                    allow_pickle, compile, load_in_4bit, device_map, max_memory)
+                    allow_pickle, compile, load_in_4bit, device_map, max_memory, draft_model)
     sock = listen(host, port)  # a port in use fails now, before loading
     t0 = time.perf_counter()
     session = Session(opts)
@@ -454,6 +472,7 @@ def bench(
                                                                   "a 'prompt' field. Default: built-in set."),
     methods: Optional[str] = typer.Option(None, "--methods", help="Comma-separated: hf,hf-lookup,hf-assisted,"
                                                                   "plain,ngram,medusa,eagle,clover,clover+ngram,"
+                                                                  "model-chain,model,"
                                                                   "llama.cpp,llama.cpp-lookup (default: all that "
                                                                   "can run; clover+ngram is what --draft auto "
                                                                   "uses; llama.cpp needs the [llama] extra)."),
@@ -464,7 +483,11 @@ def bench(
     heads: Optional[str] = Common.heads,
     medusa_heads: Optional[str] = typer.Option(None, "--medusa-heads", help="Medusa heads for the medusa row."),
     eagle_heads: Optional[str] = typer.Option(None, "--eagle-heads", help="EAGLE heads for the eagle row."),
-    assistant: Optional[str] = typer.Option(None, "--assistant", help="Smaller model for hf-assisted."),
+    assistant: Optional[str] = typer.Option(None, "--assistant", help="Smaller model for hf-assisted (default: "
+                                            "the --draft-model)."),
+    draft_model: Optional[str] = typer.Option(None, "--draft-model", help="A draft model (alias, directory or Hub "
+                                              "repo) for the model-chain and model rows, and hf-assisted's "
+                                              "assistant."),
     tree_budget: str = Common.tree_budget, device: str = Common.device, dtype: str = Common.dtype,
     load_in_8bit: bool = Common.load_in_8bit,
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
@@ -481,6 +504,7 @@ def bench(
     run_bench(BenchConfig(model=model, prompts=prompts, methods=methods, max_new_tokens=max_new_tokens,
                           temperature=temperature, repeats=repeats, limit=limit, heads=heads,
                           medusa_heads=medusa_heads, eagle_heads=eagle_heads, assistant=assistant,
+                          draft_model=draft_model,
                           tree_budget=tree_budget, device=device, dtype=dtype, load_in_8bit=load_in_8bit,
                           json_out=json_out, plot=plot, compile=compile))
 

@@ -70,6 +70,12 @@ def accept(tree: DraftTree, logits: torch.Tensor, s: Sampling, rng: torch.Genera
     child x is accepted with probability p(x) under the target's (remaining) distribution p, otherwise x is removed
     from p. If no child is accepted the bonus token is drawn from what remains of p. The proposal of each try is
     the sibling itself, so the result is an exact sample of p (recursive rejection sampling over siblings).
+
+    A node whose children were sampled from a proposal distribution q (`tree.proposals[node]`, the children in the
+    order they were drawn, without replacement) is walked with q-aware multi-candidate rejection (SpecInfer / MCSD):
+    child x is accepted with probability min(1, p(x) / q(x)); on a rejection p becomes the normalised positive part
+    of p - q and x is taken out of q. Each accepted token is again an exact sample of p, and a draft close to the
+    target gets its samples accepted more often than fixed tokens would be.
     """
     kids = tree.children()
     node, path = 0, [0]
@@ -81,17 +87,35 @@ def accept(tree: DraftTree, logits: torch.Tensor, s: Sampling, rng: torch.Genera
                 return path, choice[node]
             path.append(nxt)
             node = nxt
+    proposals = tree.proposals or {}
     while True:
         p = warp(logits[node].cpu(), s)  # on the CPU, where the generator lives (the same draws on any device)
-        for c in kids[node]:
-            tok = tree.tokens[c]
-            if torch.rand((), generator=rng).item() * p.sum().item() < p[tok].item():
-                path.append(c)
-                node = c
-                break
-            p[tok] = 0.0
+        q, chosen = proposals.get(node), None
+        if q is None:
+            for c in kids[node]:
+                tok = tree.tokens[c]
+                if torch.rand((), generator=rng).item() * p.sum().item() < p[tok].item():
+                    chosen = c
+                    break
+                p[tok] = 0.0
         else:
+            q = q.float().cpu().clone()
+            for c in kids[node]:
+                tok = tree.tokens[c]
+                # accepted with probability min(1, p(x) / q(x)), p normalised
+                if torch.rand((), generator=rng).item() * q[tok].item() * p.sum().item() < p[tok].item():
+                    chosen = c
+                    break
+                residual = (p / p.sum() - q).clamp_(min=0.0)
+                if residual.sum().item() <= 0.0:  # p == q up to rounding: a rejection had probability ~0
+                    break
+                p = residual
+                q[tok] = 0.0
+                q = q / q.sum().clamp(min=1e-30)
+        if chosen is None:
             return path, int(torch.multinomial(p, 1, generator=rng).item())
+        path.append(chosen)
+        node = chosen
 
 
 class StopCheck:
@@ -339,6 +363,8 @@ class Engine:
 
         if self.cost is not None:
             self.cost.use_mode(sampling.temperature)
+        if hasattr(self.drafter, "sampling"):  # a drafter that samples its candidates at temperature > 0
+            self.drafter.sampling = sampling
         idle = 0  # steps in a row where no drafted node was worth verifying
         while finish is None:
             t0 = time.perf_counter()
@@ -353,7 +379,9 @@ class Engine:
                     self.drafter.min_score = self.cost.min_score()
                 tree = self.drafter.propose(self.context + [root], min(self.budget, room))
             t1 = time.perf_counter()
-            if self.cost is not None and len(tree) > 1:
+            if tree.proposals and len(tree) - 1 > room:
+                tree = DraftTree.root_only(root)  # sampled candidates are verified all or none (see accept)
+            if self.cost is not None and len(tree) > 1 and not tree.proposals:
                 # a retry verifies a few nodes even when the estimate says no: only verified drafts teach the
                 # calibration, which could otherwise stay too low for good
                 n = self.cost.best_budget(tree.scores[1:])

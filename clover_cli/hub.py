@@ -34,6 +34,9 @@ class ModelSpec:
     # "bundled"): the bundled model's own heads directory
     heads: tuple[tuple[str, str], ...] = ()
     about: str = ""
+    # the default draft model of `--draft model` (issue #16): an alias, a Hub repo id, or "bundled" (the bundled
+    # model's own draft/ directory); None: none known
+    draft: str | None = None
 
     def heads_for(self, draft: str) -> str | None:
         """The heads repository for `--draft draft` (auto: the first one), or None."""
@@ -51,18 +54,20 @@ ALIASES = {
     s.alias: s
     for s in [
         ModelSpec("tiny", None, "vicuna_v1.1", (("clover", "bundled"),),
-                  "bundled 9M-parameter ShareGPT chat model (offline)"),
+                  "bundled 9M-parameter ShareGPT chat model (offline)", draft="bundled"),
         ModelSpec("vicuna-7b", "lmsys/vicuna-7b-v1.5", "vicuna_v1.1", (("clover", "BinXiao/clover-2-vicuna-7b-v1.5"),),
-                  "Vicuna 7B v1.5, with the Clover-2 authors' heads"),
+                  "Vicuna 7B v1.5, with the Clover-2 authors' heads", draft="double7/vicuna-68m"),
         ModelSpec("vicuna-7b-v1.3", "lmsys/vicuna-7b-v1.3", "vicuna_v1.1",
                   (("eagle", "yuhuili/EAGLE-Vicuna-7B-v1.3"), ("medusa", "FasterDecoding/medusa-vicuna-7b-v1.3")),
-                  "Vicuna 7B v1.3, with EAGLE's and Medusa's published heads"),
-        ModelSpec("vicuna-13b", "lmsys/vicuna-13b-v1.5", "vicuna_v1.1", (), "Vicuna 13B v1.5"),
+                  "Vicuna 7B v1.3, with EAGLE's and Medusa's published heads", draft="double7/vicuna-68m"),
+        ModelSpec("vicuna-13b", "lmsys/vicuna-13b-v1.5", "vicuna_v1.1", (), "Vicuna 13B v1.5",
+                  draft="double7/vicuna-68m"),
         ModelSpec("llama3-8b", "meta-llama/Meta-Llama-3-8B-Instruct", "llama3",
                   (("clover", "BinXiao/clover-2-llama-3-8b-instruct"), ("eagle", "yuhuili/EAGLE-LLaMA3-Instruct-8B")),
-                  "Llama 3 8B Instruct (gated), with the Clover-2 authors' and EAGLE's heads"),
+                  "Llama 3 8B Instruct (gated), with the Clover-2 authors' and EAGLE's heads",
+                  draft="meta-llama/Llama-3.2-1B-Instruct"),
         ModelSpec("qwen2.5-0.5b", "Qwen/Qwen2.5-0.5B-Instruct", "chatml", (), "Qwen2.5 0.5B Instruct"),
-        ModelSpec("qwen2.5-7b", "Qwen/Qwen2.5-7B-Instruct", "chatml", (), "Qwen2.5 7B Instruct"),
+        ModelSpec("qwen2.5-7b", "Qwen/Qwen2.5-7B-Instruct", "chatml", (), "Qwen2.5 7B Instruct", draft="qwen2.5-0.5b"),
         ModelSpec("mistral-7b", "mistralai/Mistral-7B-Instruct-v0.3", None, (), "Mistral 7B Instruct v0.3"),
         ModelSpec("tinyllama", "TinyLlama/TinyLlama-1.1B-Chat-v1.0", None, (), "TinyLlama 1.1B Chat"),
     ]

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from .errors import CloverError
 
 MODES = ("auto", "on", "off")  # --compile, see clover_cli/compiled.py
-DRAFTS = ("auto", "clover", "medusa", "eagle", "ngram", "none")
+DRAFTS = ("auto", "clover", "medusa", "eagle", "ngram", "model", "none")
 HEADS_DRAFTS = {"clover": "clover2", "medusa": "medusa", "eagle": "eagle"}  # drafter -> the heads it runs
 
 
@@ -19,6 +19,7 @@ class Options:
     revision: str | None = None
     heads: str | None = None
     draft: str = "auto"
+    draft_model: str | None = None  # --draft model's draft model: an alias, a Hub repo id or a directory
     tree: str = "dynamic"
     tree_budget: str = "auto"
     load_in_8bit: bool = False

@@ -25,7 +25,7 @@ class Session:
         if opts.tree not in ("dynamic", "static"):
             raise CloverError(f"--tree must be dynamic or static, not {opts.tree!r}")
         budget, auto = parse_budget(opts.tree_budget)
-        if opts.tree == "static":
+        if opts.tree == "static" and opts.draft != "model":  # a draft model's static tree is its plain chain
             from .drafters.heads import STATIC_TREE
 
             if opts.draft == "ngram":
@@ -39,6 +39,12 @@ class Session:
         self.heads_path = None
         if opts.draft == "auto" or opts.draft in HEADS_DRAFTS:
             self.heads_path = resolve_heads(opts.heads, self.resolved, quiet=quiet, draft=opts.draft)
+        self.draft_model = self.draft_model_name = None  # --draft model's model, loaded once
+        self.draft_model_path = None
+        if opts.draft == "model":  # found (or fetched) before the target loads: a bad name fails fast
+            from .drafters.draft_model import resolve_draft_model
+
+            self.draft_model_name, self.draft_model_path = resolve_draft_model(opts.draft_model, self.resolved, quiet)
         loaded = load(self.resolved.path, opts.device, opts.dtype, opts.load_in_8bit, opts.trust_remote_code,
                       opts.allow_pickle, opts.load_in_4bit, opts.device_map, opts.max_memory)
         self.model, self.tokenizer, self.offload = loaded.model, loaded.tokenizer, loaded.offload
@@ -83,6 +89,8 @@ class Session:
             return NoDrafter()
         if opts.draft == "ngram":
             return NgramDrafter()
+        if opts.draft == "model":
+            return self._model_drafter(opts)
         if self.heads_path is None:
             if opts.draft == "auto":
                 return NgramDrafter()
@@ -109,6 +117,19 @@ class Session:
         grow = {"static": True} if opts.tree == "static" else {}
         drafter = drafter_for_heads(heads, self.target, **grow)
         return auto_drafter(drafter) if opts.draft == "auto" else drafter
+
+    def _model_drafter(self, opts: Options):
+        from .drafters.draft_model import ModelDrafter, load_draft_model, resolve_draft_model
+
+        if self.draft_model_path is None:
+            self.draft_model_name, self.draft_model_path = resolve_draft_model(opts.draft_model, self.resolved,
+                                                                               self.quiet)
+        if self.draft_model is None:
+            self.draft_model = load_draft_model(self.draft_model_name, self.draft_model_path, self.resolved.name,
+                                                self.model, self.tokenizer, opts.trust_remote_code)
+        if opts.tree == "static":
+            return ModelDrafter(self.draft_model, self.target, tree="chain", stop_below=0.0)
+        return ModelDrafter(self.draft_model, self.target)
 
     def switch_draft(self, name: str):
         """Use another drafter from now on (the next reply re-reads the conversation into it)."""

@@ -17,6 +17,9 @@ class DraftTree:
     tokens: list[int]
     parents: list[int]
     scores: list[float] = field(default_factory=list)  # the drafter's estimate that each node is accepted
+    # node -> the distribution its children were sampled from (in their order, without replacement), for q-aware
+    # verification under sampling (engine.accept); None: every drafted token is a fixed candidate
+    proposals: dict | None = None
 
     @staticmethod
     def root_only(root: int) -> "DraftTree":
@@ -60,7 +63,8 @@ class DraftTree:
         """Keep the root and the `budget` best-scoring nodes whose ancestors are all kept.
 
         Scores never grow along a path (a node's score is its path probability), so the best nodes form a tree;
-        ties go to the earlier node, which keeps parents ahead of their children.
+        ties go to the earlier node, which keeps parents ahead of their children. A pruned tree keeps no proposals:
+        which sampled candidates survive depends on their values, so they are verified as fixed tokens (still exact).
         """
         if len(self.tokens) <= budget + 1:
             return self

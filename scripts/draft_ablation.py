@@ -1,0 +1,110 @@
+"""The draft-model drafter's ablation (issue #16 item 7): the plain top-1 chain, then multi-candidate at the root
+(MCSD) with branches up to 8 deep, then with per-branch early stop (the dynamic lengths `--draft model` uses; every
+variant also stops a branch where a node would not pay for its verification, the engine's cost floor); and
+under sampling, fixed top-token candidates against sampled ones verified q-aware. Same target, draft, prompts and
+cost model as `clover bench`, interleaved prompt by prompt after a warm-up; greedy outputs checked against plain
+decoding.
+
+    python scripts/draft_ablation.py --draft-model DIR [--temperature 0.8] [--limit N] [-n 128] [--tree-budget N]
+        [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from clover_cli.bench import BenchConfig, BenchSession, load_prompts
+from clover_cli.drafters import NoDrafter
+from clover_cli.drafters.draft_model import ModelDrafter
+from clover_cli.engine import Engine, Sampling, StopCheck
+from clover_cli.session import RunStats
+
+VARIANTS = {
+    "plain": None,
+    "chain, 8 deep (--tree static)": dict(tree="chain", stop_below=0.0),
+    "chain + early stop": dict(tree="chain"),
+    "mcsd k=3, 8 deep": dict(tree="mcsd", stop_below=0.0),
+    "mcsd k=3 + early stop (--draft model)": dict(tree="mcsd"),
+}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--draft-model", required=True)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("-n", "--max-new-tokens", type=int, default=128)
+    ap.add_argument("--tree-budget", default="auto", help="auto (sized per step by measured cost) or N nodes")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    cfg = BenchConfig(model=args.model, draft_model=args.draft_model, methods="plain", json_out=True,
+                      tree_budget=args.tree_budget)
+    bs = BenchSession(cfg)
+    s = bs.session
+    variants = dict(VARIANTS)
+    if args.temperature > 0:
+        variants = {"plain": None,
+                    "mcsd + early stop, fixed top candidates": dict(tree="mcsd", sample=False),
+                    "mcsd + early stop, sampled candidates (q-aware)": dict(tree="mcsd", sample=True),
+                    "chain, fixed top candidates": dict(tree="chain", sample=False),
+                    "chain, sampled candidates (q-aware)": dict(tree="chain", sample=True)}
+    engines = {name: Engine(s.target, NoDrafter(), budget=bs.budget, auto_budget=bs.auto, costs=s.engine.costs)
+               for name in variants}
+    prompts = [s.encode_chat(p["messages"]) for p in load_prompts(None, args.limit)]
+    totals = {name: RunStats() for name in variants}
+    outputs = {name: [] for name in variants}
+
+    def run(name, ids, n, seed):
+        eng = engines[name]
+        spec = variants[name]
+        eng.drafter = NoDrafter() if spec is None else ModelDrafter(bs.draft_model, s.target, **spec)
+        eng.reset()
+        stats, out = RunStats(), []
+        for ev in eng.generate(ids, StopCheck(n, s.eos_ids), Sampling(args.temperature, 1.0, seed)):
+            stats.add(ev)
+            out += ev.tokens
+        return stats, out
+
+    with torch.inference_mode():
+        for name in variants:
+            run(name, prompts[0][:64], 8, 0)  # warm-up
+        t0 = time.time()
+        for i, ids in enumerate(prompts):
+            for name in variants:
+                stats, out = run(name, ids, args.max_new_tokens, 1000 + i)
+                t = totals[name]
+                t.new_tokens += stats.new_tokens - 1  # decode tokens only, as bench's tok/s
+                t.steps += stats.steps
+                t.decode_s += stats.decode_s
+                t.proposed += stats.proposed
+                outputs[name].append(out)
+    rows = []
+    plain = totals["plain"].new_tokens / totals["plain"].decode_s
+    for name, t in totals.items():
+        rate = t.new_tokens / t.decode_s
+        identical = None if args.temperature > 0 else outputs[name] == outputs["plain"]
+        rows.append({"variant": name, "tokens_per_s": round(rate, 1), "tau": round(t.new_tokens / t.steps, 3),
+                     "nodes_per_step": round(t.proposed / t.steps, 2), "vs_plain": round(rate / plain, 3),
+                     "identical_to_plain": identical})
+    report = {"model": args.model, "draft_model": args.draft_model, "temperature": args.temperature,
+              "tree_budget": args.tree_budget,
+              "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "step": s.compiler.describe(),
+              "threads": torch.get_num_threads(), "seconds": round(time.time() - t0, 1), "rows": rows}
+    print("| variant | tok/s | τ | nodes verified / step | vs plain | identical |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        ident = "-" if r["identical_to_plain"] is None else ("yes" if r["identical_to_plain"] else "NO")
+        print(f"| {r['variant']} | {r['tokens_per_s']} | {r['tau']} | {r['nodes_per_step']} | {r['vs_plain']}x | "
+              f"{ident} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
