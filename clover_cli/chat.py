@@ -753,6 +753,13 @@ def _may_download(opts) -> bool:
         repo = name if looks_like_repo(name) else None
     if repo and not is_cached(repo, opts.revision):
         return True
+    if opts.draft == "model":  # --draft model's model: named, else the alias's own
+        draft = opts.draft_model or (spec.draft if spec is not None else None)
+        if draft and draft != "bundled" and not Path(draft).expanduser().exists():
+            alias = MODELS.get(draft)
+            draft_repo = alias.repo if alias is not None else draft if looks_like_repo(draft) else None
+            if draft_repo and not is_cached(draft_repo):
+                return True
     return bool(opts.heads and not Path(opts.heads).expanduser().exists())
 
 
