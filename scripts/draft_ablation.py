@@ -14,9 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 
+from clover_cli import atomic
 from clover_cli.bench import BenchConfig, BenchSession, load_prompts
 from clover_cli.drafters import NoDrafter
 from clover_cli.drafters.draft_model import ModelDrafter
@@ -102,8 +104,7 @@ def main():
         print(f"| {r['variant']} | {r['tokens_per_s']} | {r['tau']} | {r['nodes_per_step']} | {r['vs_plain']}x | "
               f"{ident} |")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        atomic.write_text(Path(args.json), json.dumps(report, indent=1) + "\n")
 
 
 if __name__ == "__main__":
