@@ -248,6 +248,24 @@ class ModelDrafter:
             return out[:, :self.vocab].float()
         return torch.softmax(out[:, :self.vocab].float(), -1)
 
+    def _expand(self, builder, tips: list[int], slot: dict[int, int], depth: int, committed: int,
+                logits: bool = False):
+        """Run the branch tips of one depth as one batch (_extend), each seeing its ancestors among the tree nodes
+        already written; `slot` (tree node -> its place among the written nodes) gains the tips."""
+        sees = torch.zeros(len(tips), len(slot), dtype=torch.bool)
+        for r, node in enumerate(tips):
+            a = builder.parents[node]
+            while a > 0:
+                sees[r, slot[a]] = True
+                a = builder.parents[a]
+        dev = self.draft.device
+        tokens = torch.tensor([builder.tokens[t] for t in tips], dtype=torch.long, device=dev)
+        positions = torch.full((len(tips),), committed - 1 + depth, dtype=torch.long, device=dev)
+        out = self._extend(tokens, positions, sees.to(dev), committed, logits=logits)
+        for node in tips:
+            slot[node] = len(slot)
+        return out
+
     def _sampling(self):
         """The sampling settings when candidates are to be sampled (temperature > 0), else None; the generator is
         seeded from the generation's seed (a seeded run stays reproducible)."""
@@ -290,18 +308,7 @@ class ModelDrafter:
             for depth in range(1, min(self.max_depth, room)):
                 if not tips or len(builder.tokens) > budget:
                     break
-                sees = torch.zeros(len(tips), len(slot), dtype=torch.bool)
-                for r, node in enumerate(tips):
-                    a = builder.parents[node]
-                    while a > 0:
-                        sees[r, slot[a]] = True
-                        a = builder.parents[a]
-                tokens = torch.tensor([builder.tokens[t] for t in tips], dtype=torch.long, device=self.draft.device)
-                positions = torch.full((len(tips),), committed - 1 + depth, dtype=torch.long,
-                                       device=self.draft.device)
-                probs = self._extend(tokens, positions, sees.to(self.draft.device), committed)
-                for node in tips:
-                    slot[node] = len(slot)
+                probs = self._expand(builder, tips, slot, depth, committed)
                 best_p, best_i = probs.max(-1)
                 nxt = []
                 for node, p, tok in zip(tips, best_p.tolist(), best_i.tolist()):
@@ -356,17 +363,7 @@ class ModelDrafter:
             for depth in range(1, min(self.max_depth, room)):
                 if not tips or len(builder.tokens) > budget:
                     break
-                sees = torch.zeros(len(tips), len(slot), dtype=torch.bool)
-                for r, node in enumerate(tips):
-                    a = builder.parents[node]
-                    while a > 0:
-                        sees[r, slot[a]] = True
-                        a = builder.parents[a]
-                tokens = torch.tensor([builder.tokens[t] for t in tips], dtype=torch.long, device=self.draft.device)
-                positions = torch.full((len(tips),), committed - 1 + depth, dtype=torch.long, device=self.draft.device)
-                logits = self._extend(tokens, positions, sees.to(self.draft.device), committed, logits=True)
-                for node in tips:
-                    slot[node] = len(slot)
+                logits = self._expand(builder, tips, slot, depth, committed, logits=True)
                 nxt = []
                 for row, node in enumerate(tips):
                     q = warp(logits[row], s)
