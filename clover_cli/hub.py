@@ -22,7 +22,7 @@ SAFE_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.
 PICKLE_PATTERNS = ["*.bin", "*.pt", "*.pth"]
 
 
-FAMILY_NAMES = {"clover": "Clover-2", "medusa": "Medusa", "eagle": "EAGLE"}
+FAMILY_NAMES = {"clover": "Clover-2", "medusa": "Medusa", "eagle": "EAGLE", "eagle3": "EAGLE-3"}
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,9 @@ ALIASES = {
                   (("clover", "BinXiao/clover-2-llama-3-8b-instruct"), ("eagle", "yuhuili/EAGLE-LLaMA3-Instruct-8B")),
                   "Llama 3 8B Instruct (gated), with the Clover-2 authors' and EAGLE's heads",
                   draft="meta-llama/Llama-3.2-1B-Instruct"),
+        ModelSpec("llama3.1-8b", "meta-llama/Llama-3.1-8B-Instruct", "llama3",
+                  (("eagle3", "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"),),
+                  "Llama 3.1 8B Instruct (gated), with EAGLE-3's heads", draft="meta-llama/Llama-3.2-1B-Instruct"),
         ModelSpec("qwen2.5-0.5b", "Qwen/Qwen2.5-0.5B-Instruct", "chatml", (), "Qwen2.5 0.5B Instruct"),
         ModelSpec("qwen2.5-7b", "Qwen/Qwen2.5-7B-Instruct", "chatml", (), "Qwen2.5 7B Instruct", draft="qwen2.5-0.5b"),
         ModelSpec("mistral-7b", "mistralai/Mistral-7B-Instruct-v0.3", None, (), "Mistral 7B Instruct v0.3"),

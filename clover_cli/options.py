@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from .errors import CloverError
 
 MODES = ("auto", "on", "off")  # --compile, see clover_cli/compiled.py
-DRAFTS = ("auto", "clover", "medusa", "eagle", "ngram", "model", "none")
-HEADS_DRAFTS = {"clover": "clover2", "medusa": "medusa", "eagle": "eagle"}  # drafter -> the heads it runs
+DRAFTS = ("auto", "clover", "medusa", "eagle", "eagle3", "ngram", "model", "none")
+HEADS_DRAFTS = {"clover": "clover2", "medusa": "medusa", "eagle": "eagle",
+                "eagle3": "eagle3"}  # drafter -> the heads it runs
 
 
 @dataclass

@@ -201,9 +201,11 @@ class Session:
 def drafter_for_heads(heads, target, **grow):
     """The drafter that runs these heads: Clover-2's, Medusa's or EAGLE's, by their architecture."""
     from .drafters.eagle import EagleDrafter
+    from .drafters.eagle3 import Eagle3Drafter
     from .drafters.heads import CloverDrafter, MedusaDrafter
 
-    cls = {"clover2": CloverDrafter, "medusa": MedusaDrafter, "eagle": EagleDrafter}[heads.cfg.architecture]
+    cls = {"clover2": CloverDrafter, "medusa": MedusaDrafter, "eagle": EagleDrafter,
+           "eagle3": Eagle3Drafter}[heads.cfg.architecture]
     return cls(heads, target, **grow)
 
 

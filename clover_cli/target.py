@@ -328,9 +328,37 @@ class Target:
             raise CloverError(f"clover cannot run {self.config.model_type} models: no final norm found (the drafters "
                               f"read the hidden state before it)")
         norm.register_forward_pre_hook(self._capture)
+        self.feature_layers: tuple[int, ...] | None = None  # use_features: layers whose inputs forward() returns
+        self._feature_hooks: list = []
+        self._features: dict[int, torch.Tensor] = {}
 
     def _capture(self, module, args):
         self._pre_norm = args[0]
+
+    def use_features(self, layers) -> None:
+        """From now on forward() returns, instead of the pre-norm last hidden state, cat of the hidden states
+        ENTERING decoder layers `layers` ([n, len(layers) * H]; EAGLE-3's fused features), captured in the eager
+        forward (the compiled step is not used meanwhile). None: back to the pre-norm state."""
+        layers = tuple(layers) if layers else None
+        if layers == self.feature_layers:
+            return
+        for handle in self._feature_hooks:
+            handle.remove()
+        self._feature_hooks, self._features, self.feature_layers = [], {}, layers
+        if layers is None:
+            return
+        stack = decoder_layers(self.base)
+        if stack is None or max(layers) >= len(stack):
+            raise CloverError(f"the drafter reads layers {list(layers)} of a model with "
+                              f"{self.config.num_hidden_layers}")
+
+        def capture(index):
+            def hook(module, args, kwargs):
+                self._features[index] = args[0] if args else kwargs["hidden_states"]
+            return hook
+
+        self._feature_hooks = [stack[i].register_forward_pre_hook(capture(i), with_kwargs=True)
+                               for i in sorted(set(layers))]
 
     @property
     def length(self) -> int:
@@ -354,7 +382,7 @@ class Target:
         past = self.cache.length
         if positions is None:
             positions = torch.arange(past, past + n, device=self.device)
-        if self.program is not None and self.program.fits(self.cache, n):
+        if self.program is not None and self.feature_layers is None and self.program.fits(self.cache, n):
             return self.program(self.cache, tokens, positions, tree_mask, logits_for)
         mask = None
         extra = {}
@@ -385,6 +413,9 @@ class Target:
             logits = self.model(**args).logits[0]
             logits = logits if rows is None else logits[rows]
         pre, self._pre_norm = self._pre_norm[0], None
+        if self.feature_layers is not None:
+            pre = torch.cat([self._features[i][0].to(self.device) for i in self.feature_layers], -1)
+            self._features = {}
         # with layers on several devices (a device map) the drafters get the states where the inputs live
         return pre.to(self.device), logits.float()
 

@@ -43,7 +43,8 @@ import torch.nn.functional as F
 from . import atomic
 from .errors import CloverError
 
-ARCHS = {"clover": "clover2", "medusa": "medusa", "eagle": "eagle"}  # --arch -> the heads' architecture
+ARCHS = {"clover": "clover2", "medusa": "medusa", "eagle": "eagle",
+         "eagle3": "eagle3"}  # --arch -> the heads' architecture
 EAGLE_REG_WEIGHT = 10.0  # EAGLE-1 weighs its feature regression 1.0 and its cross-entropy 0.1
 EAGLE_NOISE = 0.2  # width of the uniform noise EAGLE-1 adds to the input features in training
 EVAL_PROMPTS = 4
@@ -88,7 +89,7 @@ class TrainConfig:
 
 def validate(cfg: TrainConfig):
     if cfg.arch not in ARCHS:
-        raise CloverError(f"--arch must be clover, medusa or eagle, not {cfg.arch!r}")
+        raise CloverError(f"--arch must be clover, medusa, eagle or eagle3, not {cfg.arch!r}")
     if not 1 <= cfg.num_heads <= 16:
         raise CloverError(f"--heads must be between 1 and 16, not {cfg.num_heads}")
     if cfg.arch == "clover" and not 1 <= cfg.num_layers <= 8:
@@ -551,6 +552,10 @@ def heads_loss(heads, arch: str, model, x, mask, pre, post, cfg: TrainConfig):
     B, T = x.shape
     lm_head = model.get_output_embeddings()
     reg_weight = cfg.reg_weight
+    if arch == "eagle3":
+        from .drafters.eagle3 import eagle3_loss
+
+        return eagle3_loss(heads, model, x, mask, post, cfg)
     if arch in ("clover", "eagle"):
         inner = getattr(heads, "module", heads)  # under DistributedDataParallel
         pos = torch.arange(T, device=x.device)[None].expand(B, T)
@@ -618,7 +623,7 @@ def evaluate(heads, cfg, model, tokenizer, template, held_ids, held_masks, held_
     from .templates import render
 
     heads.eval()
-    agree = [[0.0, 0] for _ in range(1 if cfg.arch == "eagle" else cfg.num_heads)]  # EAGLE: one model
+    agree = [[0.0, 0] for _ in range(1 if cfg.arch in ("eagle", "eagle3") else cfg.num_heads)]  # EAGLE: one model
     per_batch = max(1, min(8, cfg.batch_tokens // cfg.max_len))
     for k in range(0, min(len(held_ids), 64), per_batch):
         rows = list(range(k, min(k + per_batch, len(held_ids), 64)))
@@ -785,11 +790,14 @@ def _train(cfg, accelerator, device, log, resuming, resolved, model, tokenizer, 
     total_steps = max(1, total_steps // world) if cfg.max_steps is None else total_steps
 
     hcfg = HeadsConfig.for_target(model.config, architecture=ARCHS[cfg.arch], num_heads=cfg.num_heads,
-                                  num_layers=1 if cfg.arch == "eagle" else cfg.num_layers,
+                                  num_layers=1 if cfg.arch in ("eagle", "eagle3") else cfg.num_layers,
                                   name=resolved.repo or resolved.name, revision=cfg.revision)
     vocab = draft_vocabulary(ids, masks, model.config.vocab_size, cfg.draft_vocab)
     hcfg.draft_vocab_size = 0 if vocab is None else len(vocab)
     heads = build_heads(hcfg, model)
+    if cfg.arch == "eagle3":  # its own lm_head over the draft vocabulary, mapped by d2t/t2d (drafters/eagle3.py)
+        heads.use_vocab(vocab)
+        vocab = None
     heads.init_from_target(model)
     heads.draft_vocab = None if vocab is None else vocab.to(device)
     heads.to(device=device, dtype=torch.float32).train()
@@ -901,7 +909,8 @@ def _train(cfg, accelerator, device, log, resuming, resolved, model, tokenizer, 
 
 def model_card(hcfg, target_name: str, history: list[dict], repo: str | None = None) -> str:
     t = hcfg.training
-    arch = {"clover2": "Clover-2", "medusa": "Medusa-1", "eagle": "EAGLE"}[hcfg.architecture]
+    arch = {"clover2": "Clover-2", "medusa": "Medusa-1", "eagle": "EAGLE", "eagle3": "EAGLE-3"}[hcfg.architecture]
+    one_model = hcfg.architecture in ("eagle", "eagle3")
     rows = "\n".join(f"| {h['step']} | {h['train_loss']} | {h['heldout_accuracy']} | {h['heldout_tau']} |"
                      for h in history)
     meta = "---\nlibrary_name: clover\ntags:\n- speculative-decoding\n- " + arch.lower() + "\n"
@@ -910,7 +919,7 @@ def model_card(hcfg, target_name: str, history: list[dict], repo: str | None = N
 
 Made with `clover train` (clover). Load with `clover chat {target_name} --heads <this directory>`.
 
-- architecture: {hcfg.architecture}, {f"one layer, drafting {hcfg.num_heads} deep" if hcfg.architecture == "eagle"
+- architecture: {hcfg.architecture}, {f"one layer, drafting {hcfg.num_heads} deep" if one_model
                                    else f"{hcfg.num_heads} heads"}{f", {hcfg.num_layers} augmenting layers"
                                                                   if hcfg.architecture == "clover2" else ""}
 - target: {target_name} (hidden {hcfg.hidden_size}, vocabulary {hcfg.vocab_size})

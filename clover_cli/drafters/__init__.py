@@ -18,7 +18,7 @@ import torch
 
 from ..tree import DraftTree
 
-NAMES = ("clover", "medusa", "eagle", "ngram", "none")
+NAMES = ("clover", "medusa", "eagle", "eagle3", "ngram", "none")
 
 
 class Drafter(Protocol):

@@ -7,6 +7,8 @@
                       with "medusa_num_heads"; medusa_lm_head.safetensors or a pickled medusa_lm_head.pt
     eagle             EAGLE-1's (GitHub SafeAILab/EAGLE, e.g. yuhuili/EAGLE-Vicuna-7B-v1.3): a one-layer Llama config;
                       model.safetensors or a pickled pytorch_model.bin with `fc.weight`: read by drafters/eagle.py
+    eagle3            EAGLE-3's (e.g. yuhuili/EAGLE3-LLaMA3.1-Instruct-8B): the same, with `draft_vocab_size` in the
+                      config or `midlayer.*` tensors: read by drafters/eagle3.py
 
 A published layout loads into the same modules as clover's own (heads.Clover2Heads, heads.MedusaHeads,
 drafters.eagle.EagleHead), with the config switches that make them compute the authors' function exactly:
@@ -66,13 +68,16 @@ def detect(path: Path) -> str | None:
     if "medusa_num_heads" in raw or any((path / f).is_file() for f in MEDUSA_FILES):
         return "medusa-authors"
     from .eagle import is_layout
+    from .eagle3 import is_layout as is_eagle3
 
+    if is_eagle3(path, raw):  # before EAGLE-1's test, which an EAGLE-3 file (fc.weight, one layer) also passes
+        return "eagle3"
     if is_layout(path, raw):
         return "eagle"
     return None
 
 
-FAMILIES = {"clover2-authors": "clover2", "medusa-authors": "medusa", "eagle": "eagle"}
+FAMILIES = {"clover2-authors": "clover2", "medusa-authors": "medusa", "eagle": "eagle", "eagle3": "eagle3"}
 
 
 def family(path: Path) -> str | None:
@@ -126,6 +131,10 @@ def load(path: Path, target_model, dtype=None) -> torch.nn.Module:
         from .eagle import load as load_eagle
 
         return load_eagle(path, target_model, dtype)
+    if layout == "eagle3":
+        from .eagle3 import load as load_eagle3
+
+        return load_eagle3(path, target_model, dtype)
     raise CloverError(f"{path} is not a heads directory in a layout clover reads (clover's own, the Clover-2 "
                       f"authors', Medusa's, EAGLE's)")
 
