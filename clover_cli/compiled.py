@@ -742,6 +742,7 @@ class StepCompiler:
         self.listeners: list = []  # called with verify_s when the compiled step becomes active
         self.just_activated = False  # set when poll() swapped the step in; the chat notes it and clears it
         self.heads = self.heads_path = self.heads_out = None  # the drafter's heads (use_drafter) and their programs
+        self.eager_for = None  # a drafter that needs the eager step (EAGLE-3 reads layers the program does not return)
         self._loaded: dict[Path, HeadsPrograms] = {}  # heads' programs loaded so far, by directory
         self._threads = 0  # torch's thread count to restore when a background build ends (0: none changed)
         self.out = package_dir(self.model_path, dtype, self.capacity)
@@ -758,11 +759,13 @@ class StepCompiler:
 
     @property
     def active(self) -> bool:
-        return self.state == "active"
+        return self.state == "active" and self.eager_for is None
 
     def describe(self) -> str:
         if self.state == "building":
             return "compiled step building in the background (eager until it is ready)"
+        if self.eager_for is not None and self.state != "off":
+            return f"eager ({self.eager_for} reads target layers the compiled step does not return)"
         if self.state != "active":
             return f"eager ({self.reason})"
         if self.heads is None or self.heads_out is None:
@@ -774,6 +777,7 @@ class StepCompiler:
     def use_drafter(self, drafter, heads_path) -> None:
         """The session's drafter (again after a switch): its heads' programs are attached when they are built."""
         heads = getattr(drafter, "first", drafter)  # the default drafter merges the heads with lookup
+        self.eager_for = heads.name if getattr(heads, "feature_layers", None) else None
         self.heads = heads if heads_kind(heads) else None
         self.heads_path = Path(heads_path) if heads_path is not None and self.heads is not None else None
         self.heads_out = None

@@ -195,6 +195,19 @@ def test_target_supplies_the_reference_features():
     hidden, _ = t.forward(torch.tensor(ids))
     assert hidden.shape[-1] == model.config.hidden_size
 
+    class Program:  # a compiled step that would take every forward: it returns no layer states
+        def fits(self, cache, n):
+            return True
+
+        def __call__(self, *args):
+            raise AssertionError("the compiled step ran")
+
+    t.program = Program()
+    t.use_features((2, 4, 5))
+    t.reset(0)
+    hidden, _ = t.forward(torch.tensor(ids))  # eager: the program is passed over while the features are wanted
+    assert torch.allclose(hidden, ref_target_features(model, ids), atol=1e-5)
+
 
 @pytest.mark.parametrize("draft_vocab,pickled,rope_theta,kv_heads,intermediate,own_embed,prefix", [
     (48, False, None, None, None, False, ""),  # the LLaMA-3.1 layout: a reduced vocabulary, RoPE base 10000
