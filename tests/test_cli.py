@@ -234,7 +234,9 @@ def test_bad_drafter_choices(run_cli, llama_dir, prompt_path, isolated):
                           "--heads", tmp=isolated)
     assert_one_line_error(gen(run_cli, llama_dir, prompt_path, "--draft", "eagle"), "no eagle heads",
                           "--heads", tmp=isolated)
-    assert_one_line_error(gen(run_cli, llama_dir, prompt_path, "--draft", "eagle3"), "unknown drafter", "eagle3",
+    assert_one_line_error(gen(run_cli, llama_dir, prompt_path, "--draft", "eagle3"), "no eagle3 heads",
+                          "--heads", tmp=isolated)
+    assert_one_line_error(gen(run_cli, llama_dir, prompt_path, "--draft", "eagle9"), "unknown drafter", "eagle9",
                           tmp=isolated)
     assert_one_line_error(gen(run_cli, llama_dir, prompt_path, "--draft", "none", "--tree-budget", "lots"),
                           "--tree-budget", tmp=isolated)
