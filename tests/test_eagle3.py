@@ -341,6 +341,20 @@ def test_bad_eagle3_files_are_refused(tmp_path):
     (tmp_path / "t" / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(CloverError, match="unreadable"):
         load(tmp_path / "t", model)
+    eagle3_files(tmp_path / "k", model, pickled=True)
+    (tmp_path / "k" / "pytorch_model.bin").write_bytes(b"not a torch file")
+    with pytest.raises(CloverError, match="damaged"):
+        load(tmp_path / "k", model)
+    out = tmp_path / "own"  # clover's own format with a broken layer block
+    from clover_cli.heads import HeadsConfig, build_heads, save_heads
+
+    save_heads(build_heads(HeadsConfig.for_target(model.config, architecture="eagle3", num_layers=1), model), out, "")
+    saved = json.loads((out / "config.json").read_text())
+    assert family(out) == "eagle3" and saved["layer"]["num_attention_heads"] == 4
+    saved["layer"]["num_attention_heads"] = "many"
+    (out / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(CloverError, match="num_attention_heads must be"):
+        load(out, model)
     eagle3_files(tmp_path / "s", model)
     with pytest.raises(CloverError, match="at least 7 needed"):
         load(tmp_path / "s", make_target())  # two layers: no three distinct ones to read

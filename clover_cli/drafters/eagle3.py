@@ -136,6 +136,26 @@ def layer_settings(target_config) -> dict:
             "rms_norm_eps": float(getattr(tc, "rms_norm_eps", 1e-6)), "hidden_act": getattr(tc, "hidden_act", "silu")}
 
 
+def _layer_problem(layer: dict, hidden: int) -> str | None:
+    """What is wrong with an EAGLE-3 layer's settings (a config read from a file), or None."""
+    from transformers.activations import ACT2FN
+
+    for key in ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size"):
+        value = layer.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            return f"{key} must be a positive whole number, not {value!r}"
+    eps = layer.get("rms_norm_eps")
+    if not isinstance(eps, (int, float)) or not 0 < eps < 1:
+        return f"rms_norm_eps must be in (0, 1), not {eps!r}"
+    if layer["num_attention_heads"] % layer["num_key_value_heads"]:
+        return "num_key_value_heads must divide num_attention_heads"
+    if layer.get("hidden_act", "silu") not in ACT2FN:
+        return f"unknown hidden_act {layer.get('hidden_act')!r}"
+    if hidden < 1:
+        return f"hidden_size must be positive, not {hidden}"
+    return None
+
+
 class Eagle3Head(nn.Module):
     """EAGLE-3's draft model (see the module docstring). cfg.hidden_size is the target's; cfg.layer holds the
     layer's settings (and "hidden_size" where the draft's differs from the target's)."""
@@ -147,6 +167,9 @@ class Eagle3Head(nn.Module):
             cfg.layer = layer_settings(target_config)
         Ht = cfg.hidden_size
         H = int(cfg.layer.get("hidden_size", Ht))
+        why = _layer_problem(cfg.layer, H)
+        if why:
+            raise CloverError(f"EAGLE-3 heads: their layer settings are not valid ({why})")
         self.hidden = H
         theta = float(cfg.rope_theta if cfg.rope_theta is not None else REFERENCE_ROPE_THETA)
         self.fc = nn.Linear(3 * Ht, H, bias=False)
