@@ -496,3 +496,16 @@ def test_trained_eagle3_learns_and_stays_lossless():
         opt.zero_grad()
     after = tau()
     assert after > before + 0.3, (before, after)
+
+
+def test_eagle3_files_without_draft_vocab_size_are_told_from_eagle1s(tmp_path):
+    """A one-layer config without draft_vocab_size: the tensors decide (EAGLE-3's `midlayer`, else EAGLE-1)."""
+    from test_eagle import eagle_files
+
+    model = target()
+    p, cfg = eagle3_files(tmp_path / "e3", model, draft_vocab=None, pickled=True)
+    del cfg["draft_vocab_size"]
+    (tmp_path / "e3" / "config.json").write_text(json.dumps(cfg))
+    eagle_files(tmp_path / "e1", model, pickled=True)
+    assert detect(tmp_path / "e3") == "eagle3" and detect(tmp_path / "e1") == "eagle"
+    assert load(tmp_path / "e3", model).cfg.architecture == "eagle3"

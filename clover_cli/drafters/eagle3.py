@@ -326,7 +326,7 @@ def is_layout(path, raw: dict) -> bool:
     one-layer config with `draft_vocab_size`, or weights with the reference's `midlayer`."""
     from safetensors import safe_open
 
-    from .layouts import _first, _read
+    from .layouts import _first
 
     file = _first(path, FILES)
     if raw.get("num_hidden_layers") != 1 or file is None:
@@ -338,7 +338,9 @@ def is_layout(path, raw: dict) -> bool:
             with safe_open(str(file), "pt") as f:
                 names = set(f.keys())
         else:
-            names = set(_read(file, "heads"))
+            from ..torchload import load as torch_load
+
+            names = set(torch_load(file, "heads", mmap=True))  # mapped, not read: only the names are needed
     except Exception:  # damaged: EAGLE-1's check decides, and its loader says what is wrong
         return False
     return any(k.startswith("midlayer.") or ".midlayer." in k for k in names)
