@@ -156,7 +156,7 @@ def test_bad_out_and_options(fresh_model, data_file, tmp_path, run_cli):
     code, _, err = run_cli("train", str(fresh_model), "--data", str(data_file), "--out", str(foreign))
     assert code == 2 and "not a heads directory" in err and "--overwrite" in err
     assert (foreign / "notes.txt").read_text() == "keep me"
-    for args, needle in [(["--arch", "eagle3"], "--arch"), (["--heads", "0"], "--heads"), (["--lr", "-1"], "--lr"),
+    for args, needle in [(["--arch", "eagle9"], "--arch"), (["--heads", "0"], "--heads"), (["--lr", "-1"], "--lr"),
                          (["--reg-weight", "nan"], "--reg-weight"), (["--resume"], "no checkpoint"),
                          (["--max-len", "64", "--batch-tokens", "32"],
                                                            "--batch-tokens")]:
