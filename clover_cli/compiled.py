@@ -217,8 +217,9 @@ class Job:
 def build(job: Job, log=print) -> dict:
     """Load the model (CPU, float32) once and build what `job` still lacks. Returns {"step": meta, "heads": meta}
     for the parts built."""
-    from .drafters.heads import CloverDrafter, MedusaDrafter
-    from .drafters.layouts import load as load_heads
+    from .drafters.clover2 import CloverDrafter
+    from .drafters.medusa import MedusaDrafter
+    from .drafters.registry import load as load_heads
     from .loading import load
     from .target import Target
 
@@ -601,7 +602,8 @@ def heads_dir(step_dir: Path, heads_path: Path, topk: int) -> Path:
 
 
 def heads_kind(drafter) -> str | None:
-    from .drafters.heads import CloverDrafter, MedusaDrafter
+    from .drafters.clover2 import CloverDrafter
+    from .drafters.medusa import MedusaDrafter
 
     return {CloverDrafter: "clover", MedusaDrafter: "medusa"}.get(type(drafter))
 
