@@ -215,8 +215,7 @@ class BenchSession:
 
     def __init__(self, cfg: BenchConfig):
         from .compiled import compile_mode
-        from .drafters.layouts import load as load_heads
-        from .hub import resolve_heads
+        from .drafters.registry import load as load_heads, resolve_heads
         from .session import Options, Session
 
         compiled = "off" if compile_mode(cfg.compile) == "off" else "on"  # a benchmark waits for the build
@@ -287,7 +286,8 @@ class BenchSession:
     def engine(self, method: str):
         """A fresh drafter every run; the engine (and its measured cost model) is kept per method."""
         from .drafters import ChoiceStats, NoDrafter
-        from .drafters.heads import CloverDrafter, MedusaDrafter
+        from .drafters.clover2 import CloverDrafter
+        from .drafters.medusa import MedusaDrafter
         from .drafters.ngram import NgramDrafter
         from .engine import Engine
 

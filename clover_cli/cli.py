@@ -174,7 +174,8 @@ def download(model: str = typer.Argument(..., help="Alias or Hub repo id."),
              revision: Optional[str] = Common.revision, allow_pickle: bool = Common.allow_pickle):
     """Fetch a model, the heads published for it (or --heads) and its alias's draft model into the local Hugging Face
     cache ahead of time."""
-    from .hub import ALIASES, resolve_heads, resolve_model
+    from .drafters.registry import resolve_heads
+    from .hub import ALIASES, resolve_model
 
     resolved = resolve_model(model, revision, allow_pickle)
     spec = ALIASES.get(model)
@@ -531,8 +532,8 @@ def compile_step(
     from transformers import AutoConfig
 
     from .compiled import Job, Package, build_locked, capacity_for, failure_line, find_heads, heads_dir, package_dir
-    from .drafters.layouts import detect, family
-    from .hub import resolve_heads, resolve_model
+    from .drafters import registry
+    from .hub import resolve_model
     from .target import context_limit
 
     resolved = resolve_model(model, revision, allow_pickle)
@@ -540,12 +541,12 @@ def compile_step(
         config = AutoConfig.from_pretrained(resolved.path, trust_remote_code=trust_remote_code)
     except Exception as e:
         raise CloverError(f"cannot read the model config in {resolved.path}: {str(e).splitlines()[0] if str(e) else e}")
-    heads_path = None if no_heads else resolve_heads(heads, resolved)
-    if heads_path is not None and family(heads_path) in ("eagle", "eagle3"):
+    heads_path = None if no_heads else registry.resolve_heads(heads, resolved)
+    if heads_path is not None and registry.family(heads_path) in ("eagle", "eagle3"):
         typer.echo("EAGLE heads run eager (they have no compiled programs): compiling the target's step only",
                    err=True)
         heads_path = None
-    if heads_path is not None and detect(heads_path) == "clover":  # before the target's step is built (a minute)
+    if heads_path is not None and registry.detect(heads_path) == "clover":  # before the target's step is built (a minute)
         _check_heads(heads_path, config)
     capacity = capacity_for(context_limit(config))
     out = package_dir(resolved.path, torch.float32, capacity)
@@ -577,7 +578,7 @@ def _check_heads(path: Path, config):
     """Refuse heads whose config is bad, that do not fit the target or whose weights are damaged, in one line."""
     from safetensors import safe_open
 
-    from .heads import load_heads_config
+    from .drafters.registry import load_heads_config
 
     load_heads_config(path).check_target(config, str(path))
     try:

@@ -15,8 +15,8 @@ guard to evaluate and one call into the compiled library.
              committed tokens), then every layer's key buffer and every layer's value buffer [1, Hkv, capacity, D]
     outputs  pre-norm hidden [n, H], logits [r, V]; the new keys and values are written at past..past+n-1
 
-The heads' programs (HeadsPrograms) are the compiled twins of the modules in drafters/heads.py: Clover-2's
-augmenting block (with the heads' own cache, the same way) and levels, Medusa's heads.
+The heads' programs (HeadsPrograms) are the compiled twins of the modules in drafters/clover2.py and medusa.py:
+Clover-2's augmenting block (with the heads' own cache, the same way) and levels, Medusa's heads.
 
 Building takes one to two minutes on two cores, so it runs in a child process (`python -m clover_cli.compiled`),
 never in front of a reply; the packages land in the user cache keyed by everything they depend on (model and heads
@@ -217,8 +217,9 @@ class Job:
 def build(job: Job, log=print) -> dict:
     """Load the model (CPU, float32) once and build what `job` still lacks. Returns {"step": meta, "heads": meta}
     for the parts built."""
-    from .drafters.heads import CloverDrafter, MedusaDrafter
-    from .drafters.layouts import load as load_heads
+    from .drafters.clover2 import CloverDrafter
+    from .drafters.medusa import MedusaDrafter
+    from .drafters.registry import load as load_heads
     from .loading import load
     from .target import Target
 
@@ -543,9 +544,9 @@ MAX_LEVEL_ROWS = 64  # nodes a Clover level can expand at once in the compiled p
 
 
 class HeadsPrograms:
-    """The compiled twins of a heads drafter's per-step modules (drafters/heads.py): for Clover-2 the augmenting
-    block (`augment`, with the heads' own cache) and the first and later levels (`levels`); for Medusa all heads at
-    once (`levels`). Same inputs and outputs as the eager modules."""
+    """The compiled twins of a heads drafter's per-step modules (drafters/clover2.py, medusa.py): for Clover-2 the
+    augmenting block (`augment`, with the heads' own cache) and the first and later levels (`levels`); for Medusa
+    all heads at once (`levels`). Same inputs and outputs as the eager modules."""
 
     def __init__(self, path: Path, kind: str, capacity: int, augment_ranges: dict | None = None):
         self.path, self.kind, self.capacity = Path(path), kind, capacity
@@ -601,7 +602,8 @@ def heads_dir(step_dir: Path, heads_path: Path, topk: int) -> Path:
 
 
 def heads_kind(drafter) -> str | None:
-    from .drafters.heads import CloverDrafter, MedusaDrafter
+    from .drafters.clover2 import CloverDrafter
+    from .drafters.medusa import MedusaDrafter
 
     return {CloverDrafter: "clover", MedusaDrafter: "medusa"}.get(type(drafter))
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from .errors import CloverError
 
 BUNDLED = Path(__file__).parent / "bundled" / "tiny"
-HEADS_SUBDIR = "heads"  # a model directory may carry its Clover-2 heads here
+HEADS_SUBDIR = "heads"  # a model directory may carry its draft heads here
 
 SAFE_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja", "README.md"]
 PICKLE_PATTERNS = ["*.bin", "*.pt", "*.pth"]
@@ -235,30 +235,12 @@ def resolve_model(name: str | None, revision: str | None = None, allow_pickle: b
     raise CloverError(f"unknown model {name!r}: not an alias (see `clover models`), a directory or a Hub repo id")
 
 
-def resolve_heads(heads: str | None, model: ResolvedModel, revision: str | None = None,
-                  quiet: bool = False, draft: str = "auto") -> Path | None:
-    """The heads directory to use: --heads (directory or Hub repo), else the model's own, else those its alias
-    publishes for `draft` (auto: the first), else None."""
-    from .heads import is_heads_dir
-
-    if heads:
-        local = Path(heads).expanduser()
-        if local.is_dir():
-            if not is_heads_dir(local):
-                raise CloverError(f"{heads} is not a heads directory in a layout clover reads (clover's own, the "
-                                  f"Clover-2 authors', Medusa's, EAGLE's)")
-            return local
-        if local.exists() or not looks_like_repo(heads):
-            raise CloverError(f"heads directory not found: {heads}")
-        path = download(heads, revision, what="heads", quiet=quiet, pickles_if_needed=True)
-        if not is_heads_dir(path):
-            raise CloverError(f"{heads} is not a heads repository in a layout clover reads (clover's own, the "
-                              f"Clover-2 authors', Medusa's, EAGLE's)")
-        return path
-    own = model.path / HEADS_SUBDIR
-    if is_heads_dir(own):
-        return own
-    repo = model.spec.heads_for(draft) if model.spec is not None else None
-    if repo not in (None, "bundled"):
-        return download(repo, what="heads", quiet=quiet, pickles_if_needed=True)
-    return None
+def fetch_heads(heads: str, revision: str | None = None, quiet: bool = False) -> Path:
+    """A heads directory named by the user (a local directory or a Hub repo id), fetched when it is a repo; what it
+    holds is for drafters/registry.py to say."""
+    local = Path(heads).expanduser()
+    if local.is_dir():
+        return local
+    if local.exists() or not looks_like_repo(heads):
+        raise CloverError(f"heads directory not found: {heads}")
+    return download(heads, revision, what="heads", quiet=quiet, pickles_if_needed=True)

@@ -12,7 +12,8 @@ from .drafters import MergedDrafter, NoDrafter
 from .compiled import StepCompiler, StepCosts, compile_mode
 from .engine import Engine, Sampling, StepEvent, StopCheck
 from .errors import CloverError
-from .hub import looks_like_repo, resolve_heads, resolve_model
+from .drafters.registry import resolve_heads
+from .hub import looks_like_repo, resolve_model
 from .loading import load
 from .target import Target, check_exact
 from .options import DRAFTS, HEADS_DRAFTS, Options, parse_budget  # noqa: F401 - importable from here too
@@ -26,7 +27,7 @@ class Session:
             raise CloverError(f"--tree must be dynamic or static, not {opts.tree!r}")
         budget, auto = parse_budget(opts.tree_budget)
         if opts.tree == "static" and opts.draft != "model":  # a draft model's static tree is its plain chain
-            from .drafters.heads import STATIC_TREE
+            from .drafters.common import STATIC_TREE
 
             if opts.draft == "ngram":
                 raise CloverError("--tree static is the heads' fixed tree shape; the ngram drafter has none "
@@ -103,9 +104,9 @@ class Session:
                 raise CloverError(f"{why}: keep them on a device in the map, or use --draft ngram")
             self._warn(f"{why}: drafting by n-gram lookup only")
             return NgramDrafter()
-        from .drafters.layouts import load as load_heads
+        from .drafters import registry
 
-        heads = load_heads(self.heads_path, self.model)
+        heads = registry.load(self.heads_path, self.model)
         made_for = heads_target_mismatch(heads.cfg.target.get("name_or_path"), self.resolved.repo)
         if made_for and not self.quiet:
             print(f"clover: warning: heads {self.heads_path} were trained for {made_for}, not {self.resolved.name}: "
@@ -115,7 +116,7 @@ class Session:
         if arch != want:
             raise CloverError(f"--draft {opts.draft} needs {want} heads, but {self.heads_path} holds {arch} heads")
         grow = {"static": True} if opts.tree == "static" else {}
-        drafter = drafter_for_heads(heads, self.target, **grow)
+        drafter = registry.drafter_for(heads, self.target, **grow)
         return auto_drafter(drafter) if opts.draft == "auto" else drafter
 
     def _model_drafter(self, opts: Options):
@@ -196,17 +197,6 @@ class Session:
         except torch.cuda.OutOfMemoryError:
             raise CloverError("out of GPU memory while generating; try a smaller --tree-budget, --load-in-8bit "
                               "or a shorter conversation")
-
-
-def drafter_for_heads(heads, target, **grow):
-    """The drafter that runs these heads: Clover-2's, Medusa's or EAGLE's, by their architecture."""
-    from .drafters.eagle import EagleDrafter
-    from .drafters.eagle3 import Eagle3Drafter
-    from .drafters.heads import CloverDrafter, MedusaDrafter
-
-    cls = {"clover2": CloverDrafter, "medusa": MedusaDrafter, "eagle": EagleDrafter,
-           "eagle3": Eagle3Drafter}[heads.cfg.architecture]
-    return cls(heads, target, **grow)
 
 
 LOOKUP_ENOUGH = 3.0  # measured on the bundled model, CPU: 1.98x vs 1.83x plain without the skip (docs/BENCHMARKS.md)

@@ -8,6 +8,7 @@ keys the committed prefix plus the new tokens, and the mask (when given) says wh
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 
@@ -322,6 +323,7 @@ class Target:
                                  self.max_context)
         self.program = None  # the compiled step, once attached
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._cache_kwarg = cache_kwarg(model)
         self._pre_norm = None
         norm = find_final_norm(self.base)
         if norm is None:
@@ -404,8 +406,8 @@ class Target:
         keep = rows
         if isinstance(rows, slice):
             keep = 1 if rows == slice(-1, None) else torch.arange(tokens.shape[0], device=tokens.device)[rows]
-        args = dict(input_ids=tokens[None], position_ids=positions[None], past_key_values=cache,
-                    attention_mask=mask, use_cache=True, **extra)
+        args = {"input_ids": tokens[None], "position_ids": positions[None], self._cache_kwarg: cache,
+                "attention_mask": mask, "use_cache": True, **extra}
         if self._keeps_logits:
             out = self.model(**args, logits_to_keep=0 if keep is None else keep)
             logits = out.logits[0]
@@ -421,6 +423,17 @@ class Target:
 
     def reset(self, length: int = 0):
         self.cache.truncate(length)
+
+
+@functools.cache
+def _cache_kwarg_of(cls) -> str:
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+
+
+def cache_kwarg(module) -> str:
+    """The name a transformers forward (a model's or a decoder layer's) takes its KV cache under: `cache` from
+    transformers 5.24 on (which deprecates `past_key_values`), `past_key_values` before it."""
+    return _cache_kwarg_of(type(module))
 
 
 RECURRENT_LAYERS = ("conv", "mamba", "linear", "recurrent", "ssm", "rwkv", "delta", "mlstm", "slstm")

@@ -120,7 +120,7 @@ def validate(cfg: TrainConfig):
 
 def check_out(cfg: TrainConfig) -> bool:
     """Check --out, writing nothing; returns True when resuming from a checkpoint there."""
-    from .heads import is_heads_dir
+    from .drafters.registry import is_heads_dir
 
     out = Path(cfg.out)
     if out.exists() and not out.is_dir():
@@ -168,7 +168,7 @@ def make_out(cfg: TrainConfig, resuming: bool) -> str | None:
     Returns "created" or "empty" when this run made the directory or found it empty (a run that then fails before
     its first checkpoint removes what it wrote there, see discard_unfinished), else None.
     """
-    from .heads import is_heads_dir
+    from .drafters.registry import is_heads_dir
 
     out = Path(cfg.out)
     made = "created" if not out.exists() else ("empty" if not any(out.iterdir()) else None)
@@ -618,7 +618,8 @@ def evaluate(heads, cfg, model, tokenizer, template, held_ids, held_masks, held_
     import copy
 
     from .engine import Engine, StopCheck
-    from .session import RunStats, drafter_for_heads
+    from .drafters.registry import drafter_for
+    from .session import RunStats
     from .target import Target
     from .templates import render
 
@@ -641,7 +642,7 @@ def evaluate(heads, cfg, model, tokenizer, template, held_ids, held_masks, held_
     target = target_box["target"]
     dtype = model.get_input_embeddings().weight.dtype
     draft_heads = copy.deepcopy(heads).to(dtype).eval()
-    engine = Engine(target, drafter_for_heads(draft_heads, target), budget=24, auto_budget=False)
+    engine = Engine(target, drafter_for(draft_heads, target), budget=24, auto_budget=False)
     stats = RunStats()
     eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     for messages in held_msgs[:EVAL_PROMPTS]:
@@ -756,7 +757,8 @@ def run_training(cfg: TrainConfig):
 
 def _train(cfg, accelerator, device, log, resuming, resolved, model, tokenizer, template, stop_strings,
            train_msgs, held_msgs, encoded):
-    from .heads import HeadsConfig, build_heads, save_heads
+    from .drafters.common import HeadsConfig
+    from .drafters.registry import build_heads, save_heads
 
     main, rank, world = accelerator.is_main_process, accelerator.process_index, accelerator.num_processes
     barrier = accelerator.wait_for_everyone

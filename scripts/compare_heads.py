@@ -23,7 +23,8 @@ from clover_cli.atomic import write_text
 
 
 def drafter_class(architecture: str):
-    from clover_cli.drafters.heads import CloverDrafter, MedusaDrafter
+    from clover_cli.drafters.clover2 import CloverDrafter
+    from clover_cli.drafters.medusa import MedusaDrafter
 
     classes = {"clover2": CloverDrafter, "medusa": MedusaDrafter}
     try:
@@ -38,7 +39,7 @@ def drafter_class(architecture: str):
 def main():
     from clover_cli.bench import load_prompts
     from clover_cli.drafters import NoDrafter
-    from clover_cli.drafters.layouts import load
+    from clover_cli.drafters.registry import load
     from clover_cli.engine import Engine, StopCheck
     from clover_cli.session import Options, RunStats, Session
 

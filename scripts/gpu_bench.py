@@ -77,9 +77,10 @@ def copy_bandwidth(device, measure) -> float:
 
 def main():
     from clover_cli.drafters import NoDrafter
-    from clover_cli.drafters.heads import CloverDrafter
+    from clover_cli.drafters.clover2 import CloverDrafter
     from clover_cli.engine import Engine, StopCheck
-    from clover_cli.heads import HeadsConfig, build_heads
+    from clover_cli.drafters.common import HeadsConfig
+    from clover_cli.drafters.registry import build_heads
     from clover_cli.target import Target
     from clover_cli.tree import DraftTree
 

@@ -15,7 +15,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from clover_cli.drafters import NoDrafter
-from clover_cli.drafters.heads import CloverDrafter, MedusaDrafter
+from clover_cli.drafters.clover2 import CloverDrafter
+from clover_cli.drafters.medusa import MedusaDrafter
 from clover_cli.drafters.ngram import NgramDrafter
 from clover_cli.engine import Engine, StopCheck
 from clover_cli.errors import CloverError
@@ -130,7 +131,8 @@ def test_tree_logits_are_the_models_own(models, name):
 
 @pytest.mark.parametrize("name", NO_CLOVER_HEADS)
 def test_clover_heads_refused_in_one_line_where_the_layers_do_not_fit(models, name):
-    from clover_cli.heads import HeadsConfig, build_heads
+    from clover_cli.drafters.common import HeadsConfig
+    from clover_cli.drafters.registry import build_heads
 
     with pytest.raises(CloverError, match="Medusa heads work") as e:
         build_heads(HeadsConfig.for_target(models[name].config), models[name])

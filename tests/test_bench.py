@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from clover_cli.heads import HeadsConfig, build_heads, save_heads
+from clover_cli.drafters.common import HeadsConfig
+
+from clover_cli.drafters.registry import build_heads, save_heads
 
 
 def llama_cpp_importable() -> bool:

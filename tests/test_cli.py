@@ -52,7 +52,9 @@ def _heads_for(out, **over):
     """Clover-2 heads saved for a tiny Llama built from `over` (a different target than llama_dir's)."""
     from transformers import AutoModelForCausalLM
 
-    from clover_cli.heads import HeadsConfig, build_heads, save_heads
+    from clover_cli.drafters.common import HeadsConfig
+
+    from clover_cli.drafters.registry import build_heads, save_heads
 
     cfg = tiny_config("llama", over.pop("vocab_size", 320), **over)
     model = AutoModelForCausalLM.from_config(cfg)

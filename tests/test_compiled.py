@@ -16,7 +16,8 @@ import torch
 
 from clover_cli import compiled
 from clover_cli.compiled import CompiledStep, HeadsPrograms, Package, StepCompiler, build_for, build_heads_for
-from clover_cli.drafters.heads import CloverDrafter, MedusaDrafter
+from clover_cli.drafters.clover2 import CloverDrafter
+from clover_cli.drafters.medusa import MedusaDrafter
 from clover_cli.engine import Engine, Sampling, StopCheck
 from clover_cli.target import Target
 from helpers import hf_greedy, run_engine
@@ -303,7 +304,7 @@ def test_background_build_swaps_in_and_the_cli_reuses_it(llama_dir, tmp_path, mo
         assert r["tokens_per_s_e2e"] > 0 and r["decode_s"] >= 0 and r["load_s"] > 0
 
     # EAGLE heads have no compiled programs: they run eager beside the compiled step, and `clover compile` says so
-    from clover_cli.heads import save_heads
+    from clover_cli.drafters.registry import save_heads
 
     save_heads(random_heads(s.model, "eagle", 0, 4, 1), tmp_path / "eagle", "card\n")
     code, out, err = run_cli("compile", str(llama_dir), "--heads", str(tmp_path / "eagle"))
@@ -374,7 +375,7 @@ def test_compiled_heads_propose_what_eager_heads_propose(programs, heads_program
 def published_programs(programs, tmp_path_factory):
     """kind -> (heads, programs directory, metadata): heads in the Clover-2 authors' and Medusa's published layouts
     (the lm_head as the token table, RoPE base 10000; two residual blocks and a vocabulary projection per head)."""
-    from clover_cli.drafters.layouts import load
+    from clover_cli.drafters.registry import load
     from test_layouts import clover_authors_files, medusa_authors_files
 
     model, _, capacity = programs["llama"]

@@ -35,7 +35,9 @@ def isolated(tmp_path, monkeypatch):
 def heads_src(tmp_path_factory, llama_dir):
     from transformers import AutoModelForCausalLM
 
-    from clover_cli.heads import HeadsConfig, build_heads, save_heads
+    from clover_cli.drafters.common import HeadsConfig
+
+    from clover_cli.drafters.registry import build_heads, save_heads
 
     model = AutoModelForCausalLM.from_pretrained(llama_dir)
     out = tmp_path_factory.mktemp("heads") / "h"

@@ -23,7 +23,7 @@ from helpers import hf_greedy, run_engine
 from test_layouts import VOCAB, make_target, ref_rms, ref_rope
 from clover_cli.drafters import MergedDrafter
 from clover_cli.drafters.eagle3 import Eagle3Drafter
-from clover_cli.drafters.layouts import detect, family, load
+from clover_cli.drafters.registry import detect, family, load
 from clover_cli.drafters.ngram import NgramDrafter
 from clover_cli.engine import Engine, StopCheck
 from clover_cli.errors import CloverError
@@ -346,7 +346,8 @@ def test_bad_eagle3_files_are_refused(tmp_path):
     with pytest.raises(CloverError, match="damaged"):
         load(tmp_path / "k", model)
     out = tmp_path / "own"  # clover's own format with a broken layer block
-    from clover_cli.heads import HeadsConfig, build_heads, save_heads
+    from clover_cli.drafters.common import HeadsConfig
+    from clover_cli.drafters.registry import build_heads, save_heads
 
     save_heads(build_heads(HeadsConfig.for_target(model.config, architecture="eagle3", num_layers=1), model), out, "")
     saved = json.loads((out / "config.json").read_text())
@@ -453,7 +454,9 @@ def test_trained_eagle3_learns_and_stays_lossless():
     tokens): more drafted tokens accepted than before, and the output stays exactly the target's."""
     from test_lossless import make_model
 
-    from clover_cli.heads import HeadsConfig, build_heads
+    from clover_cli.drafters.common import HeadsConfig
+
+    from clover_cli.drafters.registry import build_heads
     from clover_cli.target import hidden_states
     from clover_cli.train import TrainConfig, draft_vocabulary, heads_loss
 

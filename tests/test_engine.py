@@ -11,7 +11,7 @@ from transformers import DynamicCache
 
 from clover_cli.drafters.ngram import NgramDrafter
 from clover_cli.engine import CostModel, Engine, Sampling, StopCheck, accept, warp
-from clover_cli.target import Target
+from clover_cli.target import Target, cache_kwarg
 from clover_cli.tree import DraftTree, TreeBuilder
 from helpers import OracleDrafter, hf_greedy, run_engine
 from test_lossless import make_model
@@ -42,7 +42,7 @@ def test_cache_equals_plain_forward(family, seed):
     plain = DynamicCache(config=model.config)
     with torch.no_grad():
         model.set_attn_implementation("sdpa")
-        model(input_ids=torch.tensor([tokens]), past_key_values=plain, use_cache=True)
+        model(input_ids=torch.tensor([tokens]), **{cache_kwarg(model): plain}, use_cache=True)
         model.set_attn_implementation("clover_tree")
     for layer, mine in zip(plain.layers, target.cache.layers):
         n = len(tokens)

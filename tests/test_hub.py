@@ -62,7 +62,9 @@ def _replace_files(repo: Path, src: Path):
 def _make_heads(model_dir: Path, out: Path):
     from transformers import AutoModelForCausalLM
 
-    from clover_cli.heads import HeadsConfig, build_heads, save_heads
+    from clover_cli.drafters.common import HeadsConfig
+
+    from clover_cli.drafters.registry import build_heads, save_heads
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     torch.manual_seed(3)

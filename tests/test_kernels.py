@@ -417,7 +417,7 @@ def test_cosine_gate_matches_reference(rows, heads, hd, dtype, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_gated_fusion_matches_the_module(device):
-    from clover_cli.heads import GatedFusion
+    from clover_cli.drafters.clover2 import GatedFusion
 
     torch.manual_seed(0)
     fusion = GatedFusion(64, 4, 1e-6).to(device).eval()

@@ -15,10 +15,12 @@ import torch
 
 from clover_cli.drafters import MergedDrafter, NoDrafter
 from clover_cli.drafters.eagle import EagleDrafter
-from clover_cli.drafters.heads import CloverDrafter, MedusaDrafter
+from clover_cli.drafters.clover2 import CloverDrafter
+from clover_cli.drafters.medusa import MedusaDrafter
 from clover_cli.drafters.ngram import NgramDrafter
 from clover_cli.engine import PROBE_NODES, Engine, StopCheck
-from clover_cli.heads import HeadsConfig, build_heads
+from clover_cli.drafters.common import HeadsConfig
+from clover_cli.drafters.registry import build_heads
 from clover_cli.target import Target
 from helpers import OracleDrafter, hf_greedy, run_engine
 from conftest import tiny_config
@@ -211,9 +213,9 @@ def test_draft_vocabulary_round_trip_and_refusals(tmp_path):
     """A shortlist survives save/load as int64 ids, drafts only its tokens, and a corrupt one is refused."""
     from safetensors.torch import load_file, save_file
 
-    from clover_cli.drafters.heads import DraftProjection
+    from clover_cli.drafters.common import DraftProjection
     from clover_cli.errors import CloverError
-    from clover_cli.heads import load_heads, save_heads
+    from clover_cli.drafters.registry import load_own as load_heads, save_heads
 
     model = make_model("llama", 6)
     heads = random_heads(model, "clover2", 1, 2, 1)

@@ -266,7 +266,9 @@ def test_damaged_model_weights(run_cli, model_copy, prompt_file, damage):
 def heads_dir(tmp_path_factory, llama_dir):
     from transformers import AutoModelForCausalLM
 
-    from clover_cli.heads import HeadsConfig, build_heads, save_heads
+    from clover_cli.drafters.common import HeadsConfig
+
+    from clover_cli.drafters.registry import build_heads, save_heads
 
     model = AutoModelForCausalLM.from_pretrained(llama_dir)
     out = tmp_path_factory.mktemp("heads") / "h"
@@ -648,7 +650,9 @@ def test_heads_files_are_replaced_never_rewritten_in_place(heads_dir, llama_dir,
     written at all: the old card stays, and no temporary file is left."""
     from transformers import AutoModelForCausalLM
 
-    from clover_cli.heads import HeadsConfig, build_heads, save_heads
+    from clover_cli.drafters.common import HeadsConfig
+
+    from clover_cli.drafters.registry import build_heads, save_heads
 
     out = tmp_path / "h"
     shutil.copytree(heads_dir, out)
@@ -699,7 +703,9 @@ def test_what_a_crashed_writer_left_is_cleaned(heads_dir, llama_dir, tmp_path):
     (stale_dir / "inner").mkdir(parents=True)
     from transformers import AutoModelForCausalLM
 
-    from clover_cli.heads import HeadsConfig, build_heads, save_heads
+    from clover_cli.drafters.common import HeadsConfig
+
+    from clover_cli.drafters.registry import build_heads, save_heads
 
     model = AutoModelForCausalLM.from_pretrained(llama_dir)
     save_heads(build_heads(HeadsConfig.for_target(model.config, num_heads=2, num_layers=1), model), out, "card\n")

@@ -244,7 +244,9 @@ def test_loss_matches_the_direct_soft_cross_entropy(llama_dir):
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
-    from clover_cli.heads import HeadsConfig, build_heads
+    from clover_cli.drafters.common import HeadsConfig
+
+    from clover_cli.drafters.registry import build_heads
     from clover_cli.target import hidden_states
     from clover_cli.train import TrainConfig, heads_loss
 

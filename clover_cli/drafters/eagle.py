@@ -31,12 +31,15 @@ import torch
 import torch.nn as nn
 
 from ..errors import CloverError
-from ..heads import HeadsConfig, _draft_config, _near_identity, rotary_for
 from ..packed import pack_linears, packed_linears
-from ..target import Target, TreeKVCache, find_final_norm
+from ..target import Target, TreeKVCache, cache_kwarg, find_final_norm
 from ..tree import DraftTree, TreeBuilder
-from .heads import STATIC_TREE, DraftProjection, _TreeGrower, keep_pending, top_tokens
+from .common import (STATIC_TREE, DraftProjection, HeadsConfig, TreeGrower, check_size, draft_config, finish_loading,
+                     first_file, keep_pending, near_identity, read_config, read_tensors, rotary_for, same_weights,
+                     target_layer_class, top_tokens)
 
+ARCHITECTURE = "eagle"
+LAYOUT = "eagle"
 FILES = ("model.safetensors", "pytorch_model.bin")  # safetensors first, where a directory has both
 REFERENCE_ROPE_THETA = 10000.0  # the reference's rotary base when its config names none
 DEPTH = 6  # drafting depth of published heads (EAGLE-2's default depth, 6 levels)
@@ -51,8 +54,8 @@ class EagleHead(nn.Module):
         self.cfg = cfg
         H = cfg.hidden_size
         self.fc = nn.Linear(2 * H, H, bias=cfg.fc_bias)
-        _near_identity(self.fc, in_block=H)  # starts as the feature itself
-        dcfg = _draft_config(target_config, cfg.layer)
+        near_identity(self.fc, in_block=H)  # starts as the feature itself
+        dcfg = draft_config(target_config, cfg.layer)
         if getattr(dcfg, "sliding_window", None) is not None:
             dcfg.sliding_window = None  # the draft layer sees all its positions (its cache holds tree nodes too)
         layer = layer_class(dcfg, 0)
@@ -81,8 +84,9 @@ class EagleHead(nn.Module):
         """feature, token_emb: [B, T, H] (the feature at t and the embedding of the token at t+1). Returns the
         predicted next features [B, T, H]: causal over T after the cache, or as `mask` says (bool [1, 1, T, past+T])."""
         x = self.fc(torch.cat([token_emb, feature], -1))
-        out = self.layers[0](x, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
-                             use_cache=cache is not None, position_embeddings=position_embeddings)
+        layer = self.layers[0]
+        out = layer(x, attention_mask=mask, position_ids=position_ids, **{cache_kwarg(layer): cache},
+                    use_cache=cache is not None, position_embeddings=position_embeddings)
         return out[0] if isinstance(out, tuple) else out
 
     def forward_train(self, post, input_ids, embed, position_embeddings, position_ids):
@@ -97,6 +101,12 @@ class EagleHead(nn.Module):
         return self.forward_train(post, input_ids, embed, position_embeddings, position_ids)
 
 
+def build(cfg: HeadsConfig, target_model) -> nn.Module:
+    heads = EagleHead(cfg, target_model.config, target_layer_class(target_model, "EAGLE heads copy"))
+    heads.draft_vocab = None
+    return heads
+
+
 class EagleDrafter:
     """EAGLE-1's model drafting EAGLE-2's dynamic tree (or the static one). Per proposal: the model catches up on
     what the target committed since the last one (its own KV cache over committed positions), then one batched run
@@ -109,7 +119,7 @@ class EagleDrafter:
         self.heads, self.target = heads, target
         # EAGLE-2's rule: every expanded node gets its top-k tokens, and the best `width` of a depth are expanded;
         # no cut by probability ratio or mass (Clover's grower rule, off here)
-        self.grower = _TreeGrower(**{"topk": TOPK, "width": TOPK, "min_ratio": 0.0, "top_p": 1.0, **grow})
+        self.grower = TreeGrower(**{"topk": TOPK, "width": TOPK, "min_ratio": 0.0, "top_p": 1.0, **grow})
         self.dtype = next(heads.parameters()).dtype
         pack_linears(heads)
         self.project = DraftProjection(target.lm_head, getattr(heads, "draft_vocab", None))
@@ -219,9 +229,7 @@ def is_layout(path, raw: dict) -> bool:
     """Whether directory `path` (whose config.json is `raw`) holds EAGLE-1 weights in the published layout."""
     from safetensors import safe_open
 
-    from .layouts import _first, _read
-
-    file = _first(path, FILES)
+    file = first_file(path, FILES)
     if raw.get("num_hidden_layers") != 1 or file is None:
         return False
     try:
@@ -229,7 +237,7 @@ def is_layout(path, raw: dict) -> bool:
             with safe_open(str(file), "pt") as f:
                 names = set(f.keys())
         else:
-            names = set(_read(file, "heads"))
+            names = set(read_tensors(file, "heads"))
     except Exception:  # a damaged weights file beside a one-layer config: the loader says what is wrong with it
         return True
     return any(k == "fc.weight" or k.endswith(".fc.weight") for k in names)
@@ -246,9 +254,7 @@ def _strip_prefix(state: dict) -> dict:
 
 def load(path, target_model, dtype=None) -> nn.Module:
     """EAGLE heads from a directory in the published layout, built for `target_model`; CloverError in one line."""
-    from .layouts import _config, _finish, _first, _read, _same, check_size
-
-    raw = _config(path)
+    raw = read_config(path)
     try:
         hidden, vocab = int(raw["hidden_size"]), int(raw["vocab_size"])
         heads = int(raw["num_attention_heads"])
@@ -264,8 +270,8 @@ def load(path, target_model, dtype=None) -> nn.Module:
     if raw.get("rope_scaling"):
         raise CloverError(f"heads {path}: an EAGLE layer with RoPE scaling {raw['rope_scaling']} is not supported")
     check_size(path, hidden, vocab, target_model)
-    file = _first(path, FILES)
-    state = _strip_prefix(_read(file, "heads"))
+    file = first_file(path, FILES)
+    state = _strip_prefix(read_tensors(file, "heads"))
     bias = raw.get("bias", True)  # the reference builds fc with a bias unless its config says "bias": false
     if not isinstance(bias, bool):
         raise CloverError(f"heads {path}: EAGLE's config.json has \"bias\": {bias!r}, not true or false")
@@ -276,7 +282,7 @@ def load(path, target_model, dtype=None) -> nn.Module:
 
     table = state.pop("embed_tokens.weight", None)
     embed = "input"
-    if table is not None and not _same(table, target_model.get_input_embeddings().weight):
+    if table is not None and not same_weights(table, target_model.get_input_embeddings().weight):
         if table.shape != target_model.get_input_embeddings().weight.shape:
             raise CloverError(f"heads {path}: their token embedding is {list(table.shape)}, this model's is "
                               f"{list(target_model.get_input_embeddings().weight.shape)}")
@@ -288,6 +294,4 @@ def load(path, target_model, dtype=None) -> nn.Module:
     cfg = HeadsConfig(architecture="eagle", num_heads=DEPTH, num_layers=1, hidden_size=hidden, vocab_size=vocab,
                       num_gate_heads=heads, rms_norm_eps=eps, embed=embed, rope_theta=theta, fc_bias=bias,
                       layer=layer, layout="eagle", target={"name_or_path": raw.get("_name_or_path") or None})
-    from ..heads import build_heads
-
-    return _finish(build_heads(cfg, target_model), state, path, target_model, dtype)
+    return finish_loading(build(cfg, target_model), state, path, target_model, dtype)

@@ -38,12 +38,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import CloverError
-from ..heads import HeadsConfig, RMSNorm, _near_identity
 from ..packed import pack_linears, packed_linears
 from ..target import Target, TreeKVCache, tree_attention
 from .eagle import EagleDrafter
-from .heads import STATIC_TREE, _TreeGrower, keep_pending
+from .common import (STATIC_TREE, HeadsConfig, RMSNorm, TreeGrower, finish_loading, first_file, keep_pending,
+                     near_identity, read_config, read_tensors, same_weights)
 
+ARCHITECTURE = "eagle3"
+LAYOUT = "eagle3"
 FILES = ("model.safetensors", "pytorch_model.bin")  # safetensors first, where a directory has both
 REFERENCE_ROPE_THETA = 10000.0  # the reference's rotary base when its config names none
 DEPTH = 8  # levels drafted: the reference's EAGLE-3 default depth 7 after the root's children
@@ -209,7 +211,7 @@ class Eagle3Head(nn.Module):
         from ..target import decoder_layers, find_final_norm
 
         H = self.hidden
-        _near_identity(self.fc, in_block=2 * self.cfg.hidden_size)
+        near_identity(self.fc, in_block=2 * self.cfg.hidden_size)
         last = decoder_layers(target_model.base_model)[-1]
         with torch.no_grad():
             for name in ("gate_proj", "up_proj", "down_proj"):
@@ -255,6 +257,10 @@ class Eagle3Head(nn.Module):
         return self.forward_train(features, input_ids, embed, positions)
 
 
+def build(cfg: HeadsConfig, target_model) -> nn.Module:
+    return Eagle3Head(cfg, target_model.config)
+
+
 class _Project:
     """What EagleDrafter.propose calls to rank a level's children: draft-vocabulary logits, with the target id of
     every column in `token_ids`."""
@@ -275,7 +281,7 @@ class Eagle3Drafter(EagleDrafter):
     def __init__(self, heads, target: Target, **grow):
         self.heads, self.target = heads, target
         self.feature_layers = heads.feature_layers(target.config.num_hidden_layers)
-        self.grower = _TreeGrower(**{"topk": TOPK, "width": TOPK, "min_ratio": 0.0, "top_p": 1.0, **grow})
+        self.grower = TreeGrower(**{"topk": TOPK, "width": TOPK, "min_ratio": 0.0, "top_p": 1.0, **grow})
         self.dtype = next(heads.parameters()).dtype
         pack_linears(heads)
         self.project = _Project(heads)
@@ -326,9 +332,8 @@ def is_layout(path, raw: dict) -> bool:
     one-layer config with `draft_vocab_size`, or weights with the reference's `midlayer`."""
     from safetensors import safe_open
 
-    from .layouts import _first
 
-    file = _first(path, FILES)
+    file = first_file(path, FILES)
     if raw.get("num_hidden_layers") != 1 or file is None:
         return False
     if "draft_vocab_size" in raw:
@@ -356,9 +361,8 @@ def _strip_prefix(state: dict) -> dict:
 
 def load(path, target_model, dtype=None) -> nn.Module:
     """EAGLE-3 heads from a directory in the published layout, built for `target_model`; CloverError in one line."""
-    from .layouts import _config, _finish, _first, _read, _same
 
-    raw = _config(path)
+    raw = read_config(path)
     try:
         hidden, vocab = int(raw["hidden_size"]), int(raw["vocab_size"])
         draft_vocab = int(raw.get("draft_vocab_size") or vocab)
@@ -381,8 +385,8 @@ def load(path, target_model, dtype=None) -> nn.Module:
         raise CloverError(f"heads {path} were made for hidden size {target_hidden} and vocabulary {vocab}; this model "
                           f"has {tc.get('hidden_size')} and {tc.get('vocab_size')}")
     feature_layers(int(tc.get("num_hidden_layers") or 0), strict=True)  # a target too shallow: one line
-    file = _first(path, FILES)
-    state = _strip_prefix(_read(file, "heads"))
+    file = first_file(path, FILES)
+    state = _strip_prefix(read_tensors(file, "heads"))
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}  # recomputed here
     if draft_vocab == vocab:  # the reference drops d2t and t2d then: the identity
         state.setdefault("d2t", torch.zeros(vocab, dtype=torch.long))
@@ -401,7 +405,7 @@ def load(path, target_model, dtype=None) -> nn.Module:
 
     table = state.pop("embed_tokens.weight", None)
     embed = "input"
-    if table is not None and not _same(table, target_model.get_input_embeddings().weight):
+    if table is not None and not same_weights(table, target_model.get_input_embeddings().weight):
         if tuple(table.shape) != (vocab, hidden):
             raise CloverError(f"heads {path}: their token embedding is {list(table.shape)}, not [{vocab}, {hidden}]")
         embed = "own"
@@ -417,7 +421,7 @@ def load(path, target_model, dtype=None) -> nn.Module:
                       vocab_size=vocab, draft_vocab_size=0 if draft_vocab == vocab else draft_vocab,
                       num_gate_heads=heads, rms_norm_eps=eps, embed=embed, rope_theta=theta, fc_bias=False,
                       layer=layer, layout="eagle3", target={"name_or_path": raw.get("_name_or_path") or None})
-    return _finish(Eagle3Head(cfg), state, path, target_model, dtype)
+    return finish_loading(Eagle3Head(cfg), state, path, target_model, dtype)
 
 
 # ----------------------------------------------------------------------------------------------------- training

@@ -41,6 +41,7 @@ HERE = Path(__file__).parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 import train_draft  # noqa: E402  (scripts/tiny is not a package)
+from clover_cli.target import cache_kwarg  # noqa: E402
 
 
 @torch.inference_mode()
@@ -85,14 +86,14 @@ def decode_ms(model, prompt, steps):
     """Per-step (wall ms, CPU ms) of one-token forwards with a KV cache after `prompt`. CPU time is what the
     step itself consumed (one thread), so it does not count time spent waiting for a core on a shared machine."""
     out = model(input_ids=prompt, use_cache=True)
-    past, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    past, tok = (out.cache if hasattr(out, "cache") else out.past_key_values), out.logits[:, -1:].argmax(-1)
     wall, cpu = [], []
     for _ in range(steps):
         t0, c0 = time.perf_counter(), time.process_time()
-        out = model(input_ids=tok, past_key_values=past, use_cache=True)
+        out = model(input_ids=tok, **{cache_kwarg(model): past}, use_cache=True)
         cpu.append((time.process_time() - c0) * 1e3)
         wall.append((time.perf_counter() - t0) * 1e3)
-        past, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        past, tok = (out.cache if hasattr(out, "cache") else out.past_key_values), out.logits[:, -1:].argmax(-1)
     return wall, cpu
 
 

@@ -1,0 +1,335 @@
+"""What every drafter family shares: the heads config and clover's own file format's keys, the small modules and
+helpers their nn.Modules are built from, the tree grower and vocabulary projection their drafters use, and the file
+readers their loaders use. Each family (clover2.py, medusa.py, eagle.py) holds its module, its published layout and
+its drafter; registry.py says which family a directory is.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from ..errors import CloverError
+from ..packed import pack_linears
+from ..target import TreeKVCache
+from ..tree import TreeBuilder
+
+
+FORMAT_VERSION = 1
+
+
+DRAFT_VOCAB_KEY = "draft_vocab"  # optional int64 [n]: the token ids heads draft from (most used first)
+
+
+# The parts of the target's config the heads depend on: a mismatch means the heads cannot run on this target.
+TARGET_KEYS = ("model_type", "hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads",
+               "intermediate_size", "head_dim")
+
+
+@dataclass
+class HeadsConfig:
+    architecture: str = "clover2"  # or "medusa", "eagle"
+    num_heads: int = 5  # EAGLE: the depth of its draft tree (one model, run once per depth)
+    num_layers: int = 2  # Clover-2 augmenting block depth
+    hidden_size: int = 0
+    vocab_size: int = 0
+    num_gate_heads: int = 0  # heads of the regressive attention gates (the target's attention heads)
+    rms_norm_eps: float = 1e-6
+    draft_vocab_size: int = 0  # >0: heads draft only from this many of the target's most used tokens
+    embed: str = "input"  # Clover-2: drafted tokens embedded by the target's "input" embedding, its "lm_head" weight,
+    #                       or the heads' "own" table
+    rope_theta: float | None = None  # Clover-2: the augmenting layers' RoPE base; None: the target's
+    gate_eps: float = 1e-6  # Clover-2: the eps of the gates' cosine similarity
+    blocks: int = 1  # Medusa: residual SiLU blocks per head
+    lm_heads: bool = False  # Medusa: each head has its own vocabulary projection (else the target's lm_head)
+    fc_bias: bool = True  # EAGLE: whether its fc (2H -> H) has a bias
+    layer: dict = field(default_factory=dict)  # EAGLE: its decoder layer's settings where they differ from the
+    #                                            target's (a published file's own attention heads, eps, ...)
+    layout: str = "clover"  # the file layout the heads were read from (clover's own, or a published one)
+    target: dict = field(default_factory=dict)  # TARGET_KEYS of the target, plus its name and revision
+    training: dict = field(default_factory=dict)  # what `clover train` measured and used
+    format_version: int = FORMAT_VERSION
+
+    @staticmethod
+    def for_target(target_config, architecture="clover2", num_heads=5, num_layers=2, name=None, revision=None):
+        tc = target_config.to_dict()
+        target = {k: tc.get(k) for k in TARGET_KEYS}
+        target.update(name_or_path=name or tc.get("_name_or_path"), revision=revision)
+        return HeadsConfig(
+            architecture=architecture, num_heads=num_heads, num_layers=num_layers,
+            hidden_size=target_config.hidden_size, vocab_size=target_config.vocab_size,
+            num_gate_heads=target_config.num_attention_heads,
+            rms_norm_eps=getattr(target_config, "rms_norm_eps", 1e-6), target=target,
+        )
+
+    def check_target(self, target_config, where: str):
+        tc = target_config.to_dict()
+        if (self.hidden_size, self.vocab_size) != (tc.get("hidden_size"), tc.get("vocab_size")):
+            raise CloverError(f"heads {where} were made for hidden size {self.hidden_size} and vocabulary "
+                              f"{self.vocab_size}; this model has {tc.get('hidden_size')} and {tc.get('vocab_size')}")
+        # Clover-2's augmenting layers and EAGLE's layer are copies of the target's decoder layer: its shape must
+        # match too.
+        for key in TARGET_KEYS if self.architecture in ("clover2", "eagle") else ():
+            want, have = self.target.get(key), tc.get(key)
+            if want is not None and want != have:
+                raise CloverError(f"heads {where} were made for a target with {key}={want}, this model has {have}")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def near_identity(linear: nn.Linear, in_block: int = 0):
+    """Identity on input columns [in_block, in_block + out), small noise elsewhere, zero bias."""
+    with torch.no_grad():
+        nn.init.normal_(linear.weight, std=0.002)
+        out = linear.weight.shape[0]
+        linear.weight[:, in_block:in_block + out] += torch.eye(out)
+        if linear.bias is not None:
+            linear.bias.zero_()
+
+
+def target_layer_class(target_model, what: str = "Clover-2 heads copy"):
+    from ..target import decoder_layers, rotary_embedding
+
+    layers = decoder_layers(target_model.base_model)
+    problem = None
+    if layers is None:
+        problem = "no decoder layer stack"
+    elif rotary_embedding(target_model.base_model) is None:
+        problem = "no rotary embedding"
+    else:
+        params = inspect.signature(type(layers[-1]).forward).parameters
+        required = [name for name, p in list(params.items())[2:] if p.default is p.empty
+                    and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if "position_embeddings" not in params or required:
+            problem = f"a decoder layer that takes {', '.join(required) or 'no position_embeddings'}"
+    if problem:
+        raise CloverError(f"{what} the target's last decoder layer and its rotary position embedding; "
+                          f"{target_model.config.model_type} models have {problem}, which clover cannot drive "
+                          f"(Medusa heads work: --arch medusa)")
+    return type(layers[-1])
+
+
+def draft_config(target_config, overrides: dict | None = None):
+    from ..target import ATTN_NAME
+
+    cfg = copy.deepcopy(target_config)
+    cfg._attn_implementation = ATTN_NAME
+    for key, value in (overrides or {}).items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+def rotary_for(target_model, theta: float | None, overrides: dict | None = None) -> nn.Module:
+    """The rotary embedding of draft layers: the target's own, or one of its class with base `theta` (and the draft
+    layer's own head size, `overrides`) when they differ from the target's."""
+    from ..target import rotary_embedding
+
+    own = rotary_embedding(target_model.base_model)
+    params = getattr(target_model.config, "rope_parameters", None) or {}
+    default = params.get("rope_type", "default") == "default"
+    same_theta = theta is None or (default and params.get("rope_theta") == theta)
+    if same_theta and not overrides:
+        return own
+    cfg = draft_config(target_model.config, overrides)
+    if theta is not None:
+        cfg.rope_parameters = {"rope_type": "default", "rope_theta": float(theta)}
+    return type(own)(cfg).to(own.inv_freq.device)
+
+
+def compute_dtype(target_model):
+    dt = target_model.get_input_embeddings().weight.dtype
+    return dt if dt.is_floating_point else torch.float16
+
+
+# ---------------------------------------------------------------------------------------------------- drafting
+
+# The static tree (--tree static): paths of top-k ranks, Medusa/EAGLE style. (1, 0) is the best child of the
+# root's second-best child. 24 nodes, 5 deep.
+STATIC_TREE = [
+    (0,), (1,), (2,), (3,),
+    (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (3, 0),
+    (0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0), (2, 0, 0),
+    (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 1, 0), (0, 1, 0, 0), (1, 0, 0, 0),
+    (0, 0, 0, 0, 0), (0, 0, 0, 0, 1), (0, 0, 0, 1, 0),
+]
+
+
+class TreeGrower:
+    """Chooses the children of each expanded node: dynamic (by probability) or static (fixed rank paths)."""
+
+    def __init__(self, topk: int = 8, width: int = 6, min_ratio: float = 0.25, top_p: float = 0.95,
+                 static: bool = False):
+        self.topk, self.width, self.min_ratio, self.top_p = topk, width, min_ratio, top_p
+        self.static = set(STATIC_TREE) if static else None
+        self.paths: dict[int, tuple] = {0: ()}
+
+    def start(self):
+        self.paths = {0: ()}
+
+    def expand(self, builder: TreeBuilder, level: list[int], top_p: list, top_i: list, budget: int,
+               min_score: float = 0.0) -> list[int]:
+        """Add the children of the nodes in `level` (rows of top_p/top_i: each node's best candidate tokens and
+        their head probabilities, best first); return the next level's nodes.
+
+        A dynamic tree gets no child scored below min_score (one not worth verifying).
+        """
+        children = []
+        for row, parent in enumerate(level):
+            base, best, mass = builder.scores[parent], top_p[row][0], 0.0
+            for rank, (p, tok) in enumerate(zip(top_p[row], top_i[row])):
+                if self.static is not None:
+                    path = self.paths[parent] + (rank,)
+                    if path not in self.static:
+                        continue
+                elif p < self.min_ratio * best or mass >= self.top_p or base * p < min_score:
+                    break
+                mass += p
+                child = builder.add(parent, tok, base * p)
+                self.paths[child] = self.paths[parent] + (rank,)
+                children.append(child)
+        if self.static is not None:
+            return children
+        children.sort(key=lambda i: -builder.scores[i])
+        # A child can only make the final tree if it beats the budget-th best node already there.
+        if len(builder.scores) > budget + 1:
+            floor = sorted(builder.scores[1:], reverse=True)[budget - 1]
+            children = [c for c in children if builder.scores[c] >= floor]
+        return children[: self.width]
+
+
+def top_tokens(logits: torch.Tensor, k: int, token_ids: torch.Tensor | None = None):
+    """(probabilities, token ids) of the k most likely tokens of each row of `logits` [r, V], best first.
+    token_ids maps logit columns to token ids when the heads draft from a shortlist of the vocabulary."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    top_p, top_i = probs.topk(min(k, probs.shape[-1]), dim=-1)
+    if token_ids is not None:
+        top_i = token_ids[top_i]
+    return top_p, top_i
+
+
+class DraftProjection:
+    """The target's frozen lm_head, restricted to the heads' draft vocabulary when they have one.
+
+    Reading the whole [vocabulary x hidden] matrix at every draft depth is what a draft step mostly costs on a CPU;
+    a shortlist of the target's most used tokens (as in FR-Spec) reads a fraction of it. Verification always uses
+    the full lm_head, so this changes which tokens get proposed, never the output.
+    """
+
+    def __init__(self, lm_head, vocab: torch.Tensor | None):
+        self.lm_head, self.token_ids = lm_head, None
+        if vocab is not None and vocab.numel() < lm_head.weight.shape[0]:
+            self.token_ids = vocab.to(lm_head.weight.device)
+            bias = getattr(lm_head, "bias", None)
+            self.shortlist = torch.nn.Linear(lm_head.weight.shape[1], self.token_ids.numel(), bias=bias is not None,
+                                             device="meta")
+            self.shortlist.weight = torch.nn.Parameter(lm_head.weight.detach()[self.token_ids], requires_grad=False)
+            if bias is not None:
+                self.shortlist.bias = torch.nn.Parameter(bias.detach()[self.token_ids], requires_grad=False)
+            pack_linears(self.shortlist)
+
+    @property
+    def linear(self) -> torch.nn.Module:
+        return self.lm_head if self.token_ids is None else self.shortlist
+
+    def __call__(self, out: torch.Tensor) -> torch.Tensor:
+        if self.token_ids is None:
+            return self.lm_head(out)
+        return self.shortlist(out.to(self.shortlist.weight.dtype))
+
+
+def keep_pending(cache: TreeKVCache, pending: list, length: int) -> list:
+    """A drafter with its own cache over committed positions and observations queued for it (`pending`: (hidden,
+    next tokens) pairs) forgets everything from position `length` on: the cache is cut there, or the queue is cut to
+    what still lies before it. Returns the queue to keep."""
+    keep = length - cache.length
+    if keep <= 0:
+        cache.truncate(length)
+        return []
+    kept = []
+    for hidden, tokens in pending:
+        if keep <= 0:
+            break
+        kept.append((hidden[:keep], tokens[:keep]))
+        keep -= tokens.numel()
+    return kept
+
+
+# ---------------------------------------------------------------------------------------------------- reading files
+
+def read_config(path: Path) -> dict | None:
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return raw if isinstance(raw, dict) else None
+
+
+def first_file(path: Path, names) -> Path | None:
+    return next((path / n for n in names if (path / n).is_file()), None)
+
+
+def read_tensors(file: Path, what: str) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors or pickled file, tensors only. Raises CloverError in one line."""
+    if file.suffix == ".safetensors":
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(str(file))
+        except (SafetensorError, OSError) as e:
+            raise CloverError(f"{what} {file}: unreadable ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+    from ..torchload import load
+
+    state = load(file, what)
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              for k, v in state.items()):
+        raise CloverError(f"{what} {file} holds something other than named tensors")
+    return state
+
+
+def finish_loading(heads, state: dict, path: Path, target_model, dtype) -> torch.nn.Module:
+    try:
+        missing, unexpected = heads.load_state_dict(state, strict=False)
+    except RuntimeError as e:
+        shape = next((line.strip() for line in str(e).splitlines() if "size mismatch" in line), str(e)[:200])
+        raise CloverError(f"heads {path} do not fit this model ({shape})")
+    if missing or unexpected:
+        some = ", ".join((list(missing) + list(unexpected))[:3])
+        raise CloverError(f"heads {path} do not match their layout ({len(missing)} missing, {len(unexpected)} "
+                          f"unexpected tensors: {some})")
+    device = target_model.get_input_embeddings().weight.device
+    return heads.to(device=device, dtype=dtype or compute_dtype(target_model)).eval()
+
+
+def check_size(path: Path, hidden: int, vocab: int, target_model) -> None:
+    """A published file's hidden size and vocabulary against the target's: CloverError in one line if they differ."""
+    tc = target_model.config.to_dict()
+    if (hidden, vocab) != (tc.get("hidden_size"), tc.get("vocab_size")):
+        raise CloverError(f"heads {path} were made for hidden size {hidden} and vocabulary {vocab}; this model has "
+                          f"{tc.get('hidden_size')} and {tc.get('vocab_size')}")
+
+
+def same_weights(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two weight matrices are one (up to the rounding of a dtype cast), compared in row blocks."""
+    if a.shape != b.shape:
+        return False
+    for i in range(0, a.shape[0], 4096):
+        x, y = a[i:i + 4096].detach().float(), b[i:i + 4096].detach().to("cpu").float()
+        if not torch.allclose(x, y, rtol=1e-2, atol=1e-3 * max(float(y.abs().max()), 1e-6)):
+            return False
+    return True
