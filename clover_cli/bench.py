@@ -235,7 +235,7 @@ class BenchSession:
                 self.medusa_heads, self.medusa_path = heads, str(path)
             else:
                 self.eagle_heads, self.eagle_path = heads, str(path)
-        self.draft_model = None
+        self.draft_model = self.draft_model_path = None
         wanted = [m.strip() for m in (cfg.methods or "").split(",")]
         assistant_path = None
         if cfg.draft_model or any(m in MODEL_METHODS for m in wanted):
@@ -244,6 +244,7 @@ class BenchSession:
             name, path = resolve_draft_model(cfg.draft_model, s.resolved, quiet=cfg.json_out)
             self.draft_model = load_draft_model(name, path, s.resolved.name, s.model, s.tokenizer)
             self.draft_model_name, assistant_path = name, path  # hf-assisted's assistant: the same draft model
+            self.draft_model_path = path
         self.assistant = None
         if cfg.assistant or (assistant_path is not None and (not cfg.methods or "hf-assisted" in wanted)):
             from .hub import resolve_model
@@ -303,6 +304,7 @@ class BenchSession:
 
             drafter = (ModelDrafter(self.draft_model, s.target) if method == "model" else
                        ModelDrafter(self.draft_model, s.target, tree="chain", stop_below=0.0))
+            s.compiler.ready_draft(drafter, self.draft_model_path)  # the draft's own compiled step
         elif method == "eagle":
             from .drafters.eagle import EagleDrafter
 

@@ -736,7 +736,13 @@ class StepCompiler:
                  load_in_8bit: bool = False, trust_remote_code: bool = False, allow_pickle: bool = False,
                  warn=None):
         self.mode, self.target, self.model_path = mode, target, Path(model_path)
+        self.dtype, self.device = dtype, device
         self.trust_remote_code, self.allow_pickle = trust_remote_code, allow_pickle
+        # a draft model's own compiled step (use_drafter with a ModelDrafter): a StepCompiler of its own, built after
+        # this one; `_started` is what start() was last asked (None: not yet), which a draft set later also gets
+        self.draft: StepCompiler | None = None
+        self._started: bool | None = None
+        self._draft_waits = False  # its build starts when this one's ends
         self.warn = warn or (lambda text: print(f"clover: {text}", file=sys.stderr))
         self.capacity = capacity_for(target.max_context)
         self.builder: Builder | None = None
@@ -770,14 +776,26 @@ class StepCompiler:
             return f"eager ({self.eager_for} reads target layers the compiled step does not return)"
         if self.state != "active":
             return f"eager ({self.reason})"
+        if self.draft is not None:
+            return "compiled step active; draft model " + self.draft._draft_state()
         if self.heads is None or self.heads_out is None:
             return "compiled step active"
         if self.heads.programs is not None:
             return "compiled step and heads active"
         return "compiled step active; heads " + ("building in the background" if self.builder else "eager")
 
-    def use_drafter(self, drafter, heads_path) -> None:
-        """The session's drafter (again after a switch): its heads' programs are attached when they are built."""
+    def _draft_state(self) -> str:
+        """What describe() says of a draft model's step (this compiler being the draft's)."""
+        if self.state == "active":
+            return "compiled"
+        if self.state == "building":
+            return "compiling in the background"
+        return "eager" if self.state == "missing" else f"eager ({self.reason})"
+
+    def use_drafter(self, drafter, heads_path, draft_path=None) -> None:
+        """The session's drafter (again after a switch): its heads' programs are attached when they are built, and a
+        draft model (`draft_path`: a ModelDrafter's model directory) gets a compiled step of its own."""
+        self._use_draft_model(drafter, draft_path)
         heads = getattr(drafter, "first", drafter)  # the default drafter merges the heads with lookup
         self.eager_for = heads.name if getattr(heads, "feature_layers", None) else None
         self.heads = heads if heads_kind(heads) else None
@@ -787,14 +805,48 @@ class StepCompiler:
             self.heads_out = heads_dir(self.out, self.heads_path, self.heads.grower.topk)
             self._activate_heads()
 
+    def _use_draft_model(self, drafter, draft_path) -> None:
+        runner = getattr(drafter, "draft", None)  # a ModelDrafter runs its model as a Target
+        if runner is None or draft_path is None or self.state in ("off", "eager", "failed"):
+            self.draft = None
+            return
+        if self.draft is None or self.draft.target is not runner:
+            self.draft = StepCompiler(self.mode, runner, draft_path, self.dtype, self.device,
+                                      trust_remote_code=self.trust_remote_code, warn=self.warn)
+            if self._started is not None:  # the session already started its builds: this one follows
+                self._start_draft(self._started)
+
+    def _start_draft(self, background: bool) -> None:
+        if self.builder is None:
+            self.draft.start(background)
+        else:
+            self._draft_waits = background
+
+    def ready_draft(self, drafter, draft_path) -> bool:
+        """Compile a draft model's step for a ModelDrafter (clover bench makes one per run), waiting for the build
+        when it is not cached. False when the compiled step is not in use or the build failed."""
+        if self.state != "active" or getattr(drafter, "draft", None) is None:
+            return False
+        if self.draft is None or self.draft.target is not drafter.draft:
+            self.draft = StepCompiler("on", drafter.draft, draft_path, self.dtype, self.device,
+                                      trust_remote_code=self.trust_remote_code, warn=self.warn)
+        self.draft.start(background=False)
+        return self.draft.active
+
     def job(self) -> Job:
         return Job(self.model_path, self.out, self.capacity, self.trust_remote_code, self.allow_pickle,
                    self.heads_path if self.heads_out else None, self.heads_out,
                    self.heads.grower.topk if self.heads is not None else 8)
 
     def start(self, background: bool) -> None:
-        """Build what is not cached (the step, the heads' programs): wait for it (mode on), or go on while it builds
-        in the background (mode auto, background)."""
+        """Build what is not cached (the step, the heads' programs, then a draft model's step): wait for it (mode on),
+        or go on while it builds in the background (mode auto, background)."""
+        self._started = background
+        self._start_own(background)
+        if self.draft is not None:
+            self._start_draft(background)
+
+    def _start_own(self, background: bool) -> None:
         if self.builder is None:
             step, heads = self.job().missing() if self.state in ("missing", "active") else (False, False)
             step = step and self.state == "missing"
@@ -822,12 +874,17 @@ class StepCompiler:
 
     def poll(self) -> bool:
         """Swap in what a finished build made; True when the compiled step just became active."""
+        if self.draft is not None:
+            self.draft.poll()
         if self.builder is None or not self.builder.done():
             return False
         builder, self.builder = self.builder, None
         if self._threads:
             torch.set_num_threads(self._threads)
             self._threads = 0
+        if self._draft_waits and self.draft is not None:
+            self._draft_waits = False
+            self.draft.start(background=True)
         became = False
         if self.state == "building":
             became = self._activate()

@@ -66,7 +66,7 @@ class Session:
         self.engine = Engine(self.target, self.drafter, budget=budget, auto_budget=auto,
                              costs=StepCosts(self.resolved.path, self.device, self.dtype, self.compiler))
         self.compiler.listeners.append(self.engine.use_verify_costs)
-        self.compiler.use_drafter(self.drafter, self.heads_path)
+        self.compiler.use_drafter(self.drafter, self.heads_path, self._draft_path())
         self.eos_ids = self._eos_ids()
         # the tokenizer's own template has no known stop strings; an alias names the template it follows
         self.stop_strings = STOP_STRINGS.get(self.template_name) or STOP_STRINGS.get(spec.template if spec else "", [])
@@ -119,6 +119,10 @@ class Session:
         drafter = registry.drafter_for(heads, self.target, **grow)
         return auto_drafter(drafter) if opts.draft == "auto" else drafter
 
+    def _draft_path(self):
+        """The draft model's directory while --draft model is in use (its step is compiled too), else None."""
+        return self.draft_model_path if self.opts.draft == "model" else None
+
     def _model_drafter(self, opts: Options):
         from .drafters.draft_model import ModelDrafter, load_draft_model, resolve_draft_model
 
@@ -148,7 +152,7 @@ class Session:
         self.opts = opts
         self.engine.drafter = self.drafter
         self.engine.reset()
-        self.compiler.use_drafter(self.drafter, self.heads_path)
+        self.compiler.use_drafter(self.drafter, self.heads_path, self._draft_path())
 
     def _eos_ids(self) -> set[int]:
         ids = set()

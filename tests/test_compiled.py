@@ -100,6 +100,28 @@ def test_eager_and_compiled_steps_mix_in_one_generation(programs, family):
         assert target.program is not None
 
 
+
+@pytest.mark.parametrize("draft_family", ["llama", "qwen2"])
+def test_a_draft_model_runs_its_own_compiled_step(programs, draft_family):
+    """--draft model with both steps compiled: the target's and the draft model's own (its chain and MCSD tree
+    forwards through its package). Greedy output identical to transformers' generate; the draft's forwards ran
+    compiled. A draft equal to the target accepts deep paths; another random model mostly rejects."""
+    from clover_cli.drafters.draft_model import ModelDrafter
+
+    rng = random.Random(f"draft-{draft_family}")
+    model, target = compiled_target(programs, "llama")
+    draft_model, draft_path, _ = programs[draft_family]
+    for tree in ("mcsd", "chain"):
+        drafter = ModelDrafter(draft_model, target, tree=tree)
+        drafter.draft.attach_program(Package.find(draft_path).load())
+        calls = counting(drafter.draft)
+        engine = Engine(target, drafter, budget=16, auto_budget=False)
+        for _ in range(3):
+            prompt = [rng.randrange(3, 96) for _ in range(rng.randint(4, 30))]
+            out, _ = run_engine(engine, prompt, StopCheck(40))
+            assert out == hf_greedy(model, prompt, 40)
+        assert calls["n"] >= 10  # the draft's prefills and tree levels ran compiled
+
 @pytest.mark.parametrize("temperature,top_p", [(0.7, 1.0), (1.0, 0.9), (1.5, 0.5)])
 def test_compiled_sampling_draws_what_eager_draws(programs, temperature, top_p):
     """Sampling reads the compiled program's logits: with the same seed, the same tokens as the eager step (whose
@@ -302,6 +324,21 @@ def test_background_build_swaps_in_and_the_cli_reuses_it(llama_dir, tmp_path, mo
     assert results["auto"]["text"] == results["off"]["text"]
     for r in results.values():
         assert r["tokens_per_s_e2e"] > 0 and r["decode_s"] >= 0 and r["load_s"] > 0
+
+    # --draft model: the draft model's own step is compiled too (after the target's); the output does not change
+    from test_draft_model import small_draft
+
+    draft = small_draft(tmp_path / "draft", llama_dir)
+    runs = {}
+    for mode in ("on", "off"):
+        code, out, err = run_cli("generate", str(llama_dir), "--prompt", str(prompt_file), "-n", "16", "--json",
+                                 "--compile", mode, "--draft", "model", "--draft-model", str(draft),
+                                 "--stats-file", "off")
+        assert code == 0, err
+        runs[mode] = json.loads(out)
+    assert runs["on"]["step"] == "compiled step active; draft model compiled", runs["on"]["step"]
+    assert runs["off"]["step"].startswith("eager")
+    assert runs["on"]["text"] == runs["off"]["text"] == results["off"]["text"]
 
     # EAGLE heads have no compiled programs: they run eager beside the compiled step, and `clover compile` says so
     from clover_cli.drafters.registry import save_heads
