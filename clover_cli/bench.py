@@ -27,8 +27,9 @@ from .errors import CloverError
 
 LLAMA_METHODS = ("llama.cpp", "llama.cpp-lookup")
 MODEL_METHODS = ("model-chain", "model")  # a draft model's top-1 chain, and its MCSD tree (--draft model)
+SELF_METHODS = ("self-chain", "self")  # the same with the target itself, layers skipped, as the draft (--draft self)
 ALL_METHODS = ("hf", "hf-lookup", "hf-assisted", "plain", "ngram", "medusa", "eagle", "clover", "clover+ngram",
-               *MODEL_METHODS, *LLAMA_METHODS)
+               *MODEL_METHODS, *LLAMA_METHODS, *SELF_METHODS)
 BUILTIN_PROMPTS = Path(__file__).parent / "bench_prompts.jsonl"
 LOOKUP_TOKENS = 10  # tokens proposed per prompt-lookup match, for hf-lookup and llama.cpp-lookup alike
 
@@ -303,6 +304,13 @@ class BenchSession:
 
             drafter = (ModelDrafter(self.draft_model, s.target) if method == "model" else
                        ModelDrafter(self.draft_model, s.target, tree="chain", stop_below=0.0))
+        elif method in SELF_METHODS:  # calibrated in the first (untimed warm-up) run, or read from the cache
+            from .drafters.self_draft import SelfDrafter, cache_path
+
+            log = None if self.quiet else (lambda text: print(f"clover bench: {text}", file=sys.stderr))
+            drafter = SelfDrafter(s.target, tree="mcsd" if method == "self" else "chain", log=log,
+                                  cache=cache_path(s.resolved.path, s.device, s.dtype),
+                                  **({} if method == "self" else {"stop_below": 0.0}))
         elif method == "eagle":
             from .drafters.eagle import EagleDrafter
 
@@ -475,6 +483,10 @@ def make_report(cfg, bs, methods, rows, prompts) -> dict:
         from .drafters.draft_model import parameter_count
 
         report["draft_model"] = {"name": bs.draft_model_name, "parameters": parameter_count(bs.draft_model)}
+    if any(m in SELF_METHODS for m in methods):  # the self rows' skipped layers, as calibrated (and cached)
+        from .drafters.self_draft import cache_path, layer_count, load_choice
+
+        report["self_draft"] = load_choice(cache_path(s.resolved.path, s.device, s.dtype), layer_count(s.model))
     if any(m in LLAMA_METHODS for m in methods):
         import llama_cpp
 

@@ -10,6 +10,7 @@ from .errors import CloverError
 
 MODES = ("auto", "on", "off")  # --compile, see clover_cli/compiled.py
 DRAFTS = ("auto", "clover", "medusa", "eagle", "ngram", "model", "none")
+DRAFTS += ("self",)  # the target with layers skipped as its own draft (clover_cli/drafters/self_draft.py)
 HEADS_DRAFTS = {"clover": "clover2", "medusa": "medusa", "eagle": "eagle"}  # drafter -> the heads it runs
 
 
