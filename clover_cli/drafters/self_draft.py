@@ -151,10 +151,21 @@ def _top1(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _continue(model, ids: list[int], length: int, device) -> list[int]:
-    """`ids` extended by the model's greedy continuation to `length` tokens (no cache: a few short forwards)."""
+    """`ids` extended by the model's greedy continuation to `length` tokens (transformers' own cache, not the
+    target's: that one holds the conversation)."""
+    from transformers import DynamicCache
+
+    from ..packed import packed_linears
+
     ids = list(ids)
-    while len(ids) < length:
-        ids.append(int(_top1(model, torch.tensor(ids, device=device))[-1]))
+    cache = DynamicCache()
+    new = ids
+    with packed_linears():
+        while len(ids) < length:
+            logits = model(input_ids=torch.tensor([new], device=device), past_key_values=cache,
+                           use_cache=True).logits
+            new = [int(logits[0, -1].argmax())]
+            ids += new
     return ids
 
 
@@ -163,12 +174,12 @@ def calibrate(model, context: list[int], seconds: float = CALIBRATION_SECONDS) -
     """Choose the layers to skip from the full model's top-1 agreement with itself skipping them, on `context`
     (see the module docstring). Returns {"skip", "agreement", "merit", "layers", "tokens", "seconds", "tried"}."""
     n = check_skippable(model)
-    start = time.perf_counter()
     device = model.get_input_embeddings().weight.device
     ids = list(context[-MAX_CALIBRATION_TOKENS:]) or [int(getattr(model.config, "bos_token_id", None) or 1)]
     if len(ids) < CALIBRATION_TOKENS:
         ids = _continue(model, ids, CALIBRATION_TOKENS, device)
     tokens = torch.tensor(ids, device=device)
+    start = time.perf_counter()  # the search's time (the short prompt's continuation is a few cached forwards)
     want = _top1(model, tokens)
     per, head = _layer_weights(model)
     total = sum(per) + head
@@ -193,6 +204,8 @@ def calibrate(model, context: list[int], seconds: float = CALIBRATION_SECONDS) -
         if round_best is None:
             break
         skip = round_best[0]
+        if best is not None and round_best[2] < best[2] and len(skip) > len(best[0]) + 1:
+            break  # two rounds past the best: the agreement falls faster than the cost now
         if best is None or round_best[2] > best[2]:
             best = round_best
         if time.perf_counter() - start > seconds:
