@@ -17,8 +17,12 @@ each set is scored by the speedup a chain of its drafts would give,
 
     max over depths g of  E[tokens per step] / cost per step  =  (1 - a^(g+1)) / (1 - a)  /  (1 + g c)
 
-with a the measured top-1 agreement and c the draft's cost relative to the target's forward (its share of the
-weights a forward reads: kept layers plus the lm_head). The best-scoring set along the way is kept.
+with a the measured top-1 agreement (Laplace-smoothed: (matches + 1) / (positions + 2)) and c the draft's cost
+relative to the target's forward: a one-token forward's time is measured once with all layers and with every other
+middle layer skipped, which splits it into a part the layers take (divided among them by their weights) and a part
+they do not (embedding, lm_head, the framework's overhead per forward), and c is the second part plus the kept
+layers' share of the first. The best-scoring set along the way is kept. (The verification's real cost, a tree of
+tokens and perhaps a compiled step, is not what is timed: c is an estimate.)
 """
 
 from __future__ import annotations
@@ -169,6 +173,33 @@ def _continue(model, ids: list[int], length: int, device) -> list[int]:
     return ids
 
 
+def _seconds(model, tokens: torch.Tensor, repeats: int = 5) -> float:
+    """Median wall time of a forward over `tokens` (after one untimed run)."""
+    sync = torch.cuda.synchronize if tokens.device.type == "cuda" else (lambda: None)
+    times = []
+    for i in range(repeats + 1):
+        sync()
+        t0 = time.perf_counter()
+        _top1(model, tokens)
+        sync()
+        if i:
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def step_shares(model, per: list[int], device) -> tuple[float, float]:
+    """(the share of a one-token forward's time that does not depend on the layers: embedding, lm_head, framework;
+    the share the decoder layers take), measured on this device: the full model against one skipping every other
+    middle layer, the layers' time split by their weights. Clamped to [0.05, 0.95]: timings on a busy machine."""
+    n = len(per)
+    half = list(range(1, n - 1, 2))
+    one = torch.tensor([int(getattr(model.config, "bos_token_id", None) or 1)], device=device)
+    full, part = _seconds(model, one), _seconds(skipping(model, half), one)
+    removed = sum(per[i] for i in half) / sum(per)
+    stack = min(max((full - part) / removed / full, 0.05), 0.95) if full > 0 else 0.5
+    return 1.0 - stack, stack
+
+
 @torch.inference_mode()
 def calibrate(model, context: list[int], seconds: float = CALIBRATION_SECONDS) -> dict:
     """Choose the layers to skip from the full model's top-1 agreement with itself skipping them, on `context`
@@ -181,8 +212,8 @@ def calibrate(model, context: list[int], seconds: float = CALIBRATION_SECONDS) -
     tokens = torch.tensor(ids, device=device)
     start = time.perf_counter()  # the search's time (the short prompt's continuation is a few cached forwards)
     want = _top1(model, tokens)
-    per, head = _layer_weights(model)
-    total = sum(per) + head
+    per, _ = _layer_weights(model)
+    fixed, stack = step_shares(model, per, device)
     middle = list(range(1, n - 1))
     skip: list[int] = []
     best = None
@@ -193,10 +224,11 @@ def calibrate(model, context: list[int], seconds: float = CALIBRATION_SECONDS) -
             if layer in skip:
                 continue
             trial = sorted(skip + [layer])
-            agree = float((_top1(skipping(model, trial), tokens) == want).float().mean())
+            matches = int((_top1(skipping(model, trial), tokens) == want).sum())
+            agree = matches / len(ids)
             tried += 1
-            cost = (total - sum(per[i] for i in trial)) / total
-            score = merit(agree, cost)
+            cost = fixed + stack * (1 - sum(per[i] for i in trial) / sum(per))
+            score = merit((matches + 1) / (len(ids) + 2), cost)  # Laplace: 32 of 32 is not certainty
             if round_best is None or (agree, score) > (round_best[1], round_best[2]):
                 round_best = (trial, agree, score)
             if time.perf_counter() - start > seconds:
@@ -214,8 +246,10 @@ def calibrate(model, context: list[int], seconds: float = CALIBRATION_SECONDS) -
     memo = model.__dict__.get("_clover_skipping", {})
     for key in [k for k in memo if k != tuple(best[0])]:
         memo.pop(key)
+    cost = fixed + stack * (1 - sum(per[i] for i in best[0]) / sum(per))
     return {"skip": best[0], "agreement": round(best[1], 4), "merit": round(best[2], 4), "layers": n,
-            "tokens": len(ids), "seconds": round(time.perf_counter() - start, 3), "tried": tried}
+            "draft_cost": round(cost, 4), "layers_share": round(stack, 4), "tokens": len(ids),
+            "seconds": round(time.perf_counter() - start, 3), "tried": tried}
 
 
 def cache_path(model_path, device, dtype) -> Path:
@@ -255,9 +289,9 @@ def save_choice(path: Path | None, choice: dict) -> None:
 # ---------------------------------------------------------------------------------------------------- the drafter
 
 class SelfDrafter(ModelDrafter):
-    """ModelDrafter over the target with layers skipped. Until calibrated it drafts with a provisional set (every
-    other middle layer); the first proposal calibrates on its context (unless the choice is cached on disk at
-    `cache`), then drafts with the chosen set."""
+    """ModelDrafter over the target with layers skipped, chosen by `calibrate` on the first prompt (observed at its
+    prefill, else the first proposal's context) unless the choice is cached on disk at `cache`. Until then the
+    draft model is a provisional set (every other middle layer)."""
 
     def __init__(self, target: Target, tree: str = "mcsd", skip=None, cache: Path | None = None,
                  log=None, **kw):
@@ -289,6 +323,11 @@ class SelfDrafter(ModelDrafter):
         self.draft.reset(0)
         self.draft = _runner_for(skipping(model, self.choice["skip"]), self.target_ref, self.root_k, self.max_depth)
         self.ids = []
+
+    def observe(self, hidden, next_tokens) -> None:
+        # the prompt's prefill: calibrate now, before its first token is shown (the context, less its first token)
+        if self.choice is None:
+            self._calibrate(next_tokens.tolist())
 
     def propose(self, context, budget):
         if self.choice is None:
