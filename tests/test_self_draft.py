@@ -85,6 +85,28 @@ def test_greedy_identical_to_transformers(seed):
     assert accepted > 10
 
 
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_other_families_greedy_identical(family):
+    """Mistral with a sliding window shorter than the replies, and Qwen2: calibrated sets, both trees."""
+    from transformers import AutoModelForCausalLM
+
+    from conftest import tiny_config
+
+    torch.manual_seed(0)
+    cfg = tiny_config(family, VOCAB, num_hidden_layers=5, **({"sliding_window": 6} if family == "mistral" else {}))
+    cfg._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    target = Target(model)
+    for tree in ("mcsd", "chain"):
+        engine = Engine(target, SelfDrafter(target, tree=tree), budget=8, auto_budget=False)
+        for seed in range(2):
+            rng = random.Random(seed)
+            prompt = [rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 14))]
+            assert run_engine(engine, prompt, StopCheck(20))[0] == hf_greedy(model, prompt, 20), (tree, prompt)
+
+
 def test_bundled_model_greedy_identical_to_transformers():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
