@@ -2,7 +2,8 @@
 
 Methods: hf (transformers greedy generate), hf-lookup (its prompt-lookup assisted generation), hf-assisted (a
 smaller assistant model: --assistant, else the --draft-model), our engine with plain / ngram / medusa / eagle /
-clover drafting or a draft model's top-1 chain (model-chain) and MCSD tree (model), and
+clover drafting or a draft model's top-1 chain (model-chain) and MCSD tree (model), the same with the target's own
+layers skipped as the draft (self-chain, self: --draft self; only when asked for with --methods), and
 llama.cpp (plain and with prompt lookup) on a GGUF of the same weights (clover_cli/llamacpp.py). One model load
 serves every method. Each prompt is run by every method in turn (so drift on the machine hits all alike),
 after one untimed warm-up run of each method. Our engine starts every run from an empty cache (no reuse of a

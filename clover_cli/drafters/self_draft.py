@@ -302,7 +302,9 @@ class SelfDrafter(ModelDrafter):
                               "offloads the target's embedding")
         self.cache_file = cache
         self.log = log
-        self.choice = {"skip": list(skip)} if skip else load_choice(cache, n)
+        # the file, else what this process chose for the model before (a cache directory that cannot be written)
+        self.choice = ({"skip": list(skip)} if skip else
+                       load_choice(cache, n) or target.model.__dict__.get("_clover_self_choice"))
         provisional = self.choice["skip"] if self.choice else list(range(2, n - 1, 2)) or [1]
         super().__init__(skipping(target.model, provisional), target, tree=tree, **kw)
         self.target_ref = target
@@ -316,6 +318,7 @@ class SelfDrafter(ModelDrafter):
         model = self.target_ref.model
         self.choice = calibrate(model, context)
         save_choice(self.cache_file, self.choice)
+        model.__dict__["_clover_self_choice"] = self.choice
         if self.log is not None:
             c = self.choice
             self.log(f"--draft self: skipping layers {c['skip']} of {c['layers']} (top-1 agreement "
