@@ -63,8 +63,8 @@ class Common:
                                "(default: the one the model's alias names).", show_default=False)
     tree = typer.Option("dynamic", "--tree", help="Draft tree of the heads: dynamic (grown by probability) "
                         "or static (a fixed shape of 24 nodes, cut to --tree-budget when given); with --draft model "
-                        "or self, dynamic = the MCSD tree, static = the draft's plain top-1 chain. With --draft auto the "
-                        "n-gram matches are merged in either way.")
+                        "or self, dynamic = the MCSD tree, static = the draft's plain top-1 chain. With --draft auto "
+                        "the n-gram matches are merged in either way.")
     tree_budget = typer.Option("auto", "--tree-budget", help="Most draft nodes verified per step, or auto: "
                                                              "sized each step from the measured cost on this device.")
     load_in_8bit = typer.Option(False, "--load-in-8bit", help="Load the target in 8 bits (bitsandbytes).")
