@@ -2,7 +2,8 @@
 
 Methods: hf (transformers greedy generate), hf-lookup (its prompt-lookup assisted generation), hf-assisted (a
 smaller assistant model: --assistant, else the --draft-model), our engine with plain / ngram / medusa / eagle /
-clover drafting or a draft model's top-1 chain (model-chain) and MCSD tree (model), and
+clover drafting or a draft model's top-1 chain (model-chain) and MCSD tree (model), the same with the target's own
+layers skipped as the draft (self-chain, self: --draft self; only when asked for with --methods), and
 llama.cpp (plain and with prompt lookup) on a GGUF of the same weights (clover_cli/llamacpp.py). One model load
 serves every method. Each prompt is run by every method in turn (so drift on the machine hits all alike),
 after one untimed warm-up run of each method. Our engine starts every run from an empty cache (no reuse of a
@@ -27,8 +28,9 @@ from .errors import CloverError
 
 LLAMA_METHODS = ("llama.cpp", "llama.cpp-lookup")
 MODEL_METHODS = ("model-chain", "model")  # a draft model's top-1 chain, and its MCSD tree (--draft model)
+SELF_METHODS = ("self-chain", "self")  # the same with the target itself, layers skipped, as the draft (--draft self)
 ALL_METHODS = ("hf", "hf-lookup", "hf-assisted", "plain", "ngram", "medusa", "eagle", "clover", "clover+ngram",
-               *MODEL_METHODS, *LLAMA_METHODS)
+               *MODEL_METHODS, *LLAMA_METHODS, *SELF_METHODS)
 BUILTIN_PROMPTS = Path(__file__).parent / "bench_prompts.jsonl"
 LOOKUP_TOKENS = 10  # tokens proposed per prompt-lookup match, for hf-lookup and llama.cpp-lookup alike
 
@@ -305,6 +307,13 @@ class BenchSession:
             drafter = (ModelDrafter(self.draft_model, s.target) if method == "model" else
                        ModelDrafter(self.draft_model, s.target, tree="chain", stop_below=0.0))
             s.compiler.ready_draft(drafter, self.draft_model_path)  # the draft's own compiled step
+        elif method in SELF_METHODS:  # calibrated in the first (untimed warm-up) run, or read from the cache
+            from .drafters.self_draft import SelfDrafter, cache_path
+
+            log = None if self.quiet else (lambda text: print(f"clover bench: {text}", file=sys.stderr))
+            drafter = SelfDrafter(s.target, tree="mcsd" if method == "self" else "chain", log=log,
+                                  cache=cache_path(s.resolved.path, s.device, s.dtype),
+                                  **({} if method == "self" else {"stop_below": 0.0}))
         elif method == "eagle":
             from .drafters.eagle import EagleDrafter
 
@@ -477,6 +486,10 @@ def make_report(cfg, bs, methods, rows, prompts) -> dict:
         from .drafters.draft_model import parameter_count
 
         report["draft_model"] = {"name": bs.draft_model_name, "parameters": parameter_count(bs.draft_model)}
+    if any(m in SELF_METHODS for m in methods):  # the self rows' skipped layers, as calibrated (and cached)
+        from .drafters.self_draft import cache_path, layer_count, load_choice
+
+        report["self_draft"] = load_choice(cache_path(s.resolved.path, s.device, s.dtype), layer_count(s.model))
     if any(m in LLAMA_METHODS for m in methods):
         import llama_cpp
 

@@ -42,7 +42,7 @@ COMMANDS = {
     "/load": ("FILE", "load a conversation saved with /save (or a JSON list of {role, content})"),
     "/system": ("[TEXT | --clear]", "show, set or clear the system message"),
     "/temp": ("[X]", "show or set the sampling temperature, 0 to 10 (0 = greedy)"),
-    "/draft": ("[NAME]", "show or switch the drafter: auto, clover, medusa, eagle, ngram, model, none"),
+    "/draft": ("[NAME]", "show or switch the drafter: auto, clover, medusa, eagle, ngram, model, self, none"),
     "/stats": ("", "acceptance statistics of this chat so far"),
     "/exit": ("", "leave (also /quit and Ctrl-D)"),
 }
@@ -798,6 +798,8 @@ def _heads_source(session) -> str:
     hp = session.heads_path
     if session.draft_name in ("model", "model-chain"):
         return f"draft model {session.draft_model_name}"
+    if session.draft_name in ("self", "self-chain"):
+        return "the model itself with layers skipped"
     if hp is None or session.draft_name in ("ngram", "none"):
         return {"ngram": "no draft heads: prompt lookup and tri-gram statistics",
                 "none": "plain decoding, no drafting"}.get(session.draft_name, "no draft heads")

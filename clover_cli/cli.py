@@ -52,17 +52,19 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 class Common:
     revision = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit) of the model.")
     heads = typer.Option(None, "--heads", help="Draft heads: a local directory or a Hub repo id.")
-    draft = typer.Option("auto", "--draft", help="Drafter: auto, clover, medusa, eagle, eagle3, ngram, model or none. "
-                                                 "auto = the model's heads merged with n-gram lookup when it has heads, "
-                                                 "else ngram. model = a smaller draft model (--draft-model) "
-                                                 "drafting a multi-candidate (MCSD) tree.")
+    draft = typer.Option("auto", "--draft", help="Drafter: auto, clover, medusa, eagle, eagle3, ngram, model, self "
+                                                 "or none. auto = the model's heads merged with n-gram lookup when "
+                                                 "it has heads, else ngram. model = a smaller draft model "
+                                                 "(--draft-model) drafting a multi-candidate (MCSD) tree. self = the "
+                                                 "model itself with some middle layers skipped (chosen on the first "
+                                                 "prompt, cached).")
     draft_model = typer.Option(None, "--draft-model", help="The draft model of --draft model: an alias, a local "
                                "directory or a Hub repo id, with the target's tokenizer and fewer parameters "
                                "(default: the one the model's alias names).", show_default=False)
     tree = typer.Option("dynamic", "--tree", help="Draft tree of the heads: dynamic (grown by probability) "
-                        "or static (a fixed shape of 24 nodes, cut to --tree-budget when given); with --draft model, "
-                        "dynamic = the MCSD tree, static = the draft's plain top-1 chain. With --draft auto the "
-                        "n-gram matches are merged in either way.")
+                        "or static (a fixed shape of 24 nodes, cut to --tree-budget when given); with --draft model "
+                        "or self, dynamic = the MCSD tree, static = the draft's plain top-1 chain. With --draft auto "
+                        "the n-gram matches are merged in either way.")
     tree_budget = typer.Option("auto", "--tree-budget", help="Most draft nodes verified per step, or auto: "
                                                              "sized each step from the measured cost on this device.")
     load_in_8bit = typer.Option(False, "--load-in-8bit", help="Load the target in 8 bits (bitsandbytes).")
@@ -475,9 +477,11 @@ def bench(
     methods: Optional[str] = typer.Option(None, "--methods", help="Comma-separated: hf,hf-lookup,hf-assisted,"
                                                                   "plain,ngram,medusa,eagle,clover,clover+ngram,"
                                                                   "model-chain,model,"
-                                                                  "llama.cpp,llama.cpp-lookup (default: all that "
-                                                                  "can run; clover+ngram is what --draft auto "
-                                                                  "uses; llama.cpp needs the [llama] extra)."),
+                                                                  "llama.cpp,llama.cpp-lookup,self-chain,self "
+                                                                  "(default: all that can run but the self rows; "
+                                                                  "clover+ngram is what --draft auto uses, self "
+                                                                  "--draft self; llama.cpp needs the [llama] "
+                                                                  "extra)."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="Tokens per prompt."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy (outputs are compared)."),
     repeats: int = typer.Option(1, "--repeats", help="Timed runs per prompt and method."),

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from .errors import CloverError
 
 MODES = ("auto", "on", "off")  # --compile, see clover_cli/compiled.py
-DRAFTS = ("auto", "clover", "medusa", "eagle", "eagle3", "ngram", "model", "none")
+# self: the target with layers skipped as its own draft (clover_cli/drafters/self_draft.py)
+DRAFTS = ("auto", "clover", "medusa", "eagle", "eagle3", "ngram", "model", "self", "none")
 HEADS_DRAFTS = {"clover": "clover2", "medusa": "medusa", "eagle": "eagle",
                 "eagle3": "eagle3"}  # drafter -> the heads it runs
 

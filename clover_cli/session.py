@@ -26,7 +26,7 @@ class Session:
         if opts.tree not in ("dynamic", "static"):
             raise CloverError(f"--tree must be dynamic or static, not {opts.tree!r}")
         budget, auto = parse_budget(opts.tree_budget)
-        if opts.tree == "static" and opts.draft != "model":  # a draft model's static tree is its plain chain
+        if opts.tree == "static" and opts.draft not in ("model", "self"):  # a draft model's static tree: its chain
             from .drafters.common import STATIC_TREE
 
             if opts.draft == "ngram":
@@ -92,6 +92,8 @@ class Session:
             return NgramDrafter()
         if opts.draft == "model":
             return self._model_drafter(opts)
+        if opts.draft == "self":
+            return self._self_drafter(opts)
         if self.heads_path is None:
             if opts.draft == "auto":
                 return NgramDrafter()
@@ -135,6 +137,15 @@ class Session:
         if opts.tree == "static":
             return ModelDrafter(self.draft_model, self.target, tree="chain", stop_below=0.0)
         return ModelDrafter(self.draft_model, self.target)
+
+    def _self_drafter(self, opts: Options):
+        """--draft self: the target with layers skipped (chosen on the first prompt, then cached on disk)."""
+        from .drafters.self_draft import SelfDrafter, cache_path
+
+        log = None if self.quiet else self._warn
+        where = cache_path(self.resolved.path, self.device, self.dtype)
+        return SelfDrafter(self.target, tree="chain" if opts.tree == "static" else "mcsd", cache=where, log=log,
+                           **({"stop_below": 0.0} if opts.tree == "static" else {}))
 
     def switch_draft(self, name: str):
         """Use another drafter from now on (the next reply re-reads the conversation into it)."""
