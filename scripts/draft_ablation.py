@@ -1,6 +1,7 @@
 """The draft-model drafter's ablation (issue #16 item 7): the plain top-1 chain, then multi-candidate at the root
 (MCSD) with branches up to 8 deep, then with per-branch early stop (the dynamic lengths `--draft model` uses; every
-variant also stops a branch where a node would not pay for its verification, the engine's cost floor); and
+variant also stops a branch where a node would not pay for its verification, the engine's cost floor), then with the
+learned early stop (drafters/early_stop.py, fitted online during the warm-up and the runs); and
 under sampling, fixed top-token candidates against sampled ones verified q-aware. Same target, draft, prompts and
 cost model as `clover bench`, interleaved prompt by prompt after a warm-up; greedy outputs checked against plain
 decoding.
@@ -31,6 +32,8 @@ VARIANTS = {
     "chain + early stop": dict(tree="chain"),
     "mcsd k=3, 8 deep": dict(tree="mcsd", stop_below=0.0),
     "mcsd k=3 + early stop (--draft model)": dict(tree="mcsd"),
+    "chain + learned early stop": dict(tree="chain", learned_stop=True),
+    "mcsd k=3 + learned early stop": dict(tree="mcsd", learned_stop=True),
 }
 
 
@@ -57,7 +60,10 @@ def main():
                     "chain, sampled candidates (q-aware)": dict(tree="chain", sample=True)}
     engines = {name: Engine(s.target, NoDrafter(), budget=bs.budget, auto_budget=bs.auto, costs=s.engine.costs)
                for name in variants}
-    prompts = [s.encode_chat(p["messages"]) for p in load_prompts(None, args.limit)]
+    every = [s.encode_chat(p["messages"]) for p in load_prompts(None, None)]
+    prompts = every[:args.limit] if args.limit else every
+    # what the learned early stop is fitted on before timing: prompts outside the timed ones where there are some
+    fit_on = every[len(prompts):][:3] or prompts[-3:]
     totals = {name: RunStats() for name in variants}
     outputs = {name: [] for name in variants}
 
@@ -65,6 +71,8 @@ def main():
         eng = engines[name]
         spec = variants[name]
         eng.drafter = NoDrafter() if spec is None else ModelDrafter(bs.draft_model, s.target, **spec)
+        if spec is not None:
+            s.compiler.ready_draft(eng.drafter, bs.draft_model_path)  # the draft's compiled step, as --draft model
         eng.reset()
         stats, out = RunStats(), []
         for ev in eng.generate(ids, StopCheck(n, s.eos_ids), Sampling(args.temperature, 1.0, seed)):
@@ -75,6 +83,9 @@ def main():
     with torch.inference_mode():
         for name in variants:
             run(name, prompts[0][:64], 8, 0)  # warm-up
+            if (variants[name] or {}).get("learned_stop"):  # and the learned early stop fitted before timing
+                for ids in fit_on:
+                    run(name, ids, args.max_new_tokens, 0)
         t0 = time.time()
         for i, ids in enumerate(prompts):
             for name in variants:

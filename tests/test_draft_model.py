@@ -96,6 +96,55 @@ def test_greedy_identical_to_transformers_with_forced_budgets(seed):
     assert accepted > 20  # the noisy copy's drafts were accepted: deep paths and commits were exercised
 
 
+
+def test_learned_early_stop_labels_what_the_target_accepted():
+    """The early stop's labels come from the committed continuation: on the accepted path every drafted child of an
+    accepted node is labelled (its token is the target's or not); nothing below a rejected node; nothing after an
+    edit."""
+    from clover_cli.drafters.early_stop import EarlyStop
+
+    stop = EarlyStop()
+    # root 7 -> a(10), b(11); a -> c(12); c -> d(13); b -> e(14)
+    parents, tokens = [-1, 0, 0, 1, 3, 2], [7, 10, 11, 12, 13, 14]
+    rows = {i: [float(i)] for i in range(1, 6)}
+    stop.remember([1, 2, 7], parents, tokens, rows)
+    stop.learn([1, 2, 7, 10, 12, 99, 5])  # a and c accepted, d rejected (the target chose 99)
+    assert sorted(zip((r[0] for r in stop.x), stop.y)) == [(1.0, 1.0), (2.0, 0.0), (3.0, 1.0), (4.0, 0.0)]
+    stop.remember([1, 2, 7], parents, tokens, rows)
+    stop.learn([1, 3, 7, 10, 12])  # the conversation was edited: no label
+    assert len(stop.y) == 4
+
+
+def test_learned_early_stop_fits_and_stays_lossless():
+    """Fitted on synthetic labels it ranks by what decides them; in the drafter it comes into use after enough
+    steps and the output stays transformers' own greedy output."""
+    from clover_cli.drafters.early_stop import EarlyStop
+
+    g = torch.Generator().manual_seed(0)
+    stop = EarlyStop()
+    for p in torch.rand(600, generator=g).tolist():
+        stop._add(stop.features(p, 1.0, 2), bool(torch.rand((), generator=g).item() < p))
+    stop.fit()
+    low, mid, high = stop.predict([stop.features(p, 1.0, 2) for p in (0.1, 0.5, 0.9)])
+    assert low < 0.25 < mid < 0.75 < high
+
+    rng = random.Random(5)
+    model = make_model(5)
+    target = Target(model)
+    draft = noisy_copy(model, 5, 0.1)
+    drafter = ModelDrafter(draft, target, learned_stop=True)
+    engine = Engine(target, drafter, budget=12, auto_budget=False)
+    for _ in range(12):
+        prompt = [rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 12))]
+        out, _ = run_engine(engine, prompt, StopCheck(40))
+        assert out == hf_greedy(model, prompt, 40)
+    learned = drafter.draft._clover_early_stop
+    assert learned.ready and len(learned.y) >= learned.MIN_FIT
+    for _ in range(3):  # now drafting by the fitted model
+        prompt = [rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 12))]
+        out, _ = run_engine(engine, prompt, StopCheck(40))
+        assert out == hf_greedy(model, prompt, 40)
+
 def test_tree_shapes_and_one_batched_forward_per_depth():
     """MCSD: up to root_k candidates at the root, each a branch of its own length; one draft forward per depth
     (the root's included), however many branches."""

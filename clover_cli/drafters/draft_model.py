@@ -167,7 +167,7 @@ class ModelDrafter:
 
     def __init__(self, draft_model, target: Target, tree: str = "mcsd", root_k: int = ROOT_K,
                  max_depth: int = MAX_DEPTH, stop_below: float = STOP_BELOW, root_min: float = ROOT_MIN,
-                 sample: bool = True):
+                 sample: bool = True, learned_stop: bool = False):
         if tree not in TREES:
             raise CloverError(f"unknown draft-model tree {tree!r}; choose one of {', '.join(TREES)}")
         self.tree = tree
@@ -189,6 +189,36 @@ class ModelDrafter:
         self.sample = sample
         self._rng: torch.Generator | None = None
         self._seeded_for = None
+        # learned_stop: a branch ends where the learned chance of acceptance (drafters/early_stop.py, fitted online
+        # and kept with the draft model's runner) falls below stop_below, instead of the draft's probability
+        self.learned_stop = learned_stop
+
+    def _early_stop(self, context):
+        """The learned early stop (after labelling the last proposal from `context`), or None for the fixed rule."""
+        if not self.learned_stop:
+            return None
+        from .early_stop import EarlyStop
+
+        stop = getattr(self.draft, "_clover_early_stop", None)
+        if stop is None:
+            stop = self.draft._clover_early_stop = EarlyStop()
+        stop.learn(context)
+        return stop
+
+    @staticmethod
+    def _entropy(probs: torch.Tensor) -> list[float]:
+        return (-(probs * probs.clamp_min(1e-12).log()).sum(-1)).reshape(-1).tolist()
+
+    def _chances(self, stop, probs: torch.Tensor, p: list[float], depth: int):
+        """(the chance each candidate of `p` (its draft probabilities, rows of `probs`) is accepted, their feature
+        rows): the learned model's once it is fitted, the draft's probabilities before."""
+        if stop is None:
+            return p, None
+        ent = self._entropy(probs)
+        if len(ent) == 1 and len(p) > 1:
+            ent = ent * len(p)  # the root's candidates share one distribution
+        rows = [stop.features(pi, e, depth) for pi, e in zip(p, ent)]
+        return (stop.predict(rows) if stop.ready else p), rows
 
     # the draft keeps itself in step from the context it is given: nothing to do on reset/observe
     def reset(self, length: int) -> None:
@@ -289,18 +319,23 @@ class ModelDrafter:
         builder = TreeBuilder(context[-1])
         if budget <= 0:
             return builder.build(0)
+        stop = self._early_stop(context)
         q = self._sync(context)
         if q is None:
             return builder.build(0)
         committed = self.draft.cache.length  # the root is the last committed token, at position committed - 1
         room = self.draft.max_context - committed
+        rows: dict[int, list[float]] = {}  # node -> its features, for the learned early stop to label
         # depth 1: the root's candidates
         top_p, top_i = q.topk(self.root_k)
+        chances, feats = self._chances(stop, q[None], top_p.tolist(), 1)
         tips = []
-        for p, tok in zip(top_p.tolist(), top_i.tolist()):
-            if tips and (p < self.root_min or p < self.min_score):
+        for r, (p, tok, c) in enumerate(zip(top_p.tolist(), top_i.tolist(), chances)):
+            if tips and (p < self.root_min or c < self.min_score):
                 break
-            tips.append(builder.add(0, tok, p))
+            tips.append(builder.add(0, tok, c))
+            if feats:
+                rows[tips[-1]] = feats[r]
             if len(builder.tokens) > budget:
                 break
         slot: dict[int, int] = {}  # tree node -> its place among the nodes written into the draft's cache
@@ -310,15 +345,20 @@ class ModelDrafter:
                     break
                 probs = self._expand(builder, tips, slot, depth, committed)
                 best_p, best_i = probs.max(-1)
+                chances, feats = self._chances(stop, probs, best_p.tolist(), depth + 1)
                 nxt = []
-                for node, p, tok in zip(tips, best_p.tolist(), best_i.tolist()):
-                    score = builder.scores[node] * p
-                    if p < self.stop_below or score < self.min_score or len(builder.tokens) > budget:
+                for r, (node, tok, c) in enumerate(zip(tips, best_i.tolist(), chances)):
+                    score = builder.scores[node] * c
+                    if c < self.stop_below or score < self.min_score or len(builder.tokens) > budget:
                         continue  # this branch ends here
                     nxt.append(builder.add(node, tok, score))
+                    if feats:
+                        rows[nxt[-1]] = feats[r]
                 tips = nxt
         finally:
             self.draft.reset(committed)  # the tree's keys and values are not kept
+        if stop is not None:
+            stop.remember(context, builder.parents, builder.tokens, rows)
         return builder.build(budget)
 
     def _propose_sampled(self, context, budget, s) -> DraftTree:
