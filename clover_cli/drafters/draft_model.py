@@ -282,6 +282,8 @@ class ModelDrafter:
                 logits: bool = False):
         """Run the branch tips of one depth as one batch (_extend), each seeing its ancestors among the tree nodes
         already written; `slot` (tree node -> its place among the written nodes) gains the tips."""
+        if self.draft.program is not None:
+            return self._expand_whole(builder, tips, committed, logits)
         sees = torch.zeros(len(tips), len(slot), dtype=torch.bool)
         for r, node in enumerate(tips):
             a = builder.parents[node]
@@ -295,6 +297,21 @@ class ModelDrafter:
         for node in tips:
             slot[node] = len(slot)
         return out
+
+    def _expand_whole(self, builder, tips: list[int], committed: int, logits: bool = False):
+        """_expand for a draft with a compiled step: every drafted node so far in one program call (each sees the
+        committed tokens and its own ancestors: the tree's mask), the tips' rows returned, nothing kept in the cache.
+        The program reads all cached keys as committed, so the tree's earlier nodes cannot stay there as _expand
+        writes them; a small draft's step costs about the same for one token or a few dozen."""
+        tree = DraftTree(builder.tokens, builder.parents, builder.scores)
+        dev = self.draft.device
+        tokens = torch.tensor(tree.tokens[1:], dtype=torch.long, device=dev)  # the root is committed already
+        positions = committed - 1 + torch.tensor(tree.depths()[1:], dtype=torch.long, device=dev)
+        mask = torch.from_numpy(tree.ancestor_mask()[1:, 1:]).to(dev)
+        rows = torch.tensor([t - 1 for t in tips], dtype=torch.long, device=dev)
+        _, out = self.draft.forward(tokens, positions, mask, logits_for=rows)
+        out = out[:, :self.vocab].float()
+        return out if logits else torch.softmax(out, -1)
 
     def _sampling(self):
         """The sampling settings when candidates are to be sampled (temperature > 0), else None; the generator is
