@@ -521,6 +521,11 @@ def compile_step(
     heads: Optional[str] = typer.Option(None, "--heads", help="Draft heads to compile too (default: the model's "
                                                               "own heads, when it has some)."),
     no_heads: bool = typer.Option(False, "--no-heads", help="Compile the target's step only."),
+    draft_model: Optional[str] = typer.Option(None, "--draft-model", help="Compile this draft model's step too "
+                                              "(what --draft model runs): an alias, a directory or a Hub repo id.",
+                                              show_default=False),
+    with_draft: bool = typer.Option(False, "--with-draft", help="Compile the step of the draft model the model's "
+                                    "alias names too (the bundled model's own draft for tiny)."),
     trust_remote_code: bool = Common.trust_remote_code, allow_pickle: bool = Common.allow_pickle,
     force: bool = typer.Option(False, "--force", help="Build again even when a package is cached."),
 ):
@@ -528,7 +533,7 @@ def compile_step(
 
     clover runs the target's forward as one program compiled by AOTInductor, its weights frozen into it: a step
     costs a fraction of the eager one; the Clover-2 or Medusa heads' per-step work likewise (EAGLE heads run
-    eager). Building takes 15-60 s per model; the packages are cached under the user cache directory (keyed by model
+    eager), and with --draft-model / --with-draft a draft model's step. Building takes 15-60 s per model; the packages are cached under the user cache directory (keyed by model
     and heads files, versions and CPU), so chat, generate and bench load them in milliseconds afterwards. Without
     this command, chat builds them in the background on first use.
     """
@@ -576,6 +581,42 @@ def compile_step(
     typer.echo(f"verify forward: {costs}")
     if heads_path is not None:
         typer.echo(f"heads ({find_heads(job.heads_out)['kind']}): {job.heads_out}")
+    if draft_model or with_draft:
+        _compile_draft(draft_model, resolved, context_limit(config), trust_remote_code, force)
+
+
+def _compile_draft(name: Optional[str], resolved, target_context: int, trust_remote_code: bool, force: bool):
+    """The draft model's package, keyed as the session's draft compiler keys it (its context: the shorter of the
+    draft's and the target's)."""
+    import torch
+    from transformers import AutoConfig
+
+    from .compiled import Job, Package, build_locked, capacity_for, failure_line, package_dir
+    from .drafters.draft_model import resolve_draft_model
+    from .target import context_limit
+
+    shown, path = resolve_draft_model(name, resolved)
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as e:
+        raise CloverError(f"cannot read the draft model's config in {path}: {str(e).splitlines()[0] if str(e) else e}")
+    capacity = capacity_for(context_limit(config, target_context))
+    out = package_dir(path, torch.float32, capacity)
+    job = Job(path, out, capacity, trust_remote_code, False, force=force)
+    if any(job.missing()):
+        t0 = time.perf_counter()
+        try:
+            built = build_locked(job, log=lambda text: typer.echo(text, err=True))
+        except CloverError:
+            raise
+        except Exception as e:
+            raise CloverError(failure_line(e))
+        if built is None:
+            raise CloverError(f"another clover process is compiling {shown} right now; try again when it ends")
+        typer.echo(f"compiled the draft model {shown} in {time.perf_counter() - t0:.0f} s")
+    else:
+        typer.echo(f"the draft model {shown} is already compiled (--force builds it again)")
+    typer.echo(f"draft package: {Package.find(out).path}")
 
 
 def _check_heads(path: Path, config):

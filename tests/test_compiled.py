@@ -339,6 +339,10 @@ def test_background_build_swaps_in_and_the_cli_reuses_it(llama_dir, tmp_path, mo
     assert runs["on"]["step"] == "compiled step active; draft model compiled", runs["on"]["step"]
     assert runs["off"]["step"].startswith("eager")
     assert runs["on"]["text"] == runs["off"]["text"] == results["off"]["text"]
+    # `clover compile --draft-model` finds the package the session built: the same key
+    code, out, err = run_cli("compile", str(llama_dir), "--draft-model", str(draft))
+    assert code == 0, err
+    assert "is already compiled" in out and "draft package: " in out, out
 
     # EAGLE heads have no compiled programs: they run eager beside the compiled step, and `clover compile` says so
     from clover_cli.drafters.registry import save_heads
