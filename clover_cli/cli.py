@@ -540,7 +540,7 @@ def compile_step(
     import torch
     from transformers import AutoConfig
 
-    from .compiled import Job, Package, build_locked, capacity_for, failure_line, find_heads, heads_dir, package_dir
+    from .compiled import Job, Package, capacity_for, find_heads, heads_dir, package_dir
     from .drafters import registry
     from .hub import resolve_model
     from .target import context_limit
@@ -561,19 +561,11 @@ def compile_step(
     out = package_dir(resolved.path, torch.float32, capacity)
     job = Job(resolved.path, out, capacity, trust_remote_code, allow_pickle, heads_path,
               heads_dir(out, heads_path, 8) if heads_path else None, force=force)
-    if any(job.missing()):
-        t0 = time.perf_counter()
-        try:
-            built = build_locked(job, log=lambda text: typer.echo(text, err=True))
-        except CloverError:
-            raise
-        except Exception as e:  # export or compiler failure
-            raise CloverError(failure_line(e))
-        if built is None:
-            raise CloverError(f"another clover process is compiling {resolved.name} right now; try again when it ends")
-        typer.echo(f"compiled {resolved.name} in {time.perf_counter() - t0:.0f} s")
-    else:
+    built_s = _build(job, resolved.name)
+    if built_s is None:
         typer.echo(f"{resolved.name} is already compiled (--force builds it again)")
+    else:
+        typer.echo(f"compiled {resolved.name} in {built_s:.0f} s")
     pkg = Package.find(out)
     costs = " · ".join(f"{n} token{'s' * (n > 1)} {1000 * pkg.verify_s[n]:.2f} ms" for n in (1, 16, 32)
                        if n in pkg.verify_s)
@@ -585,13 +577,31 @@ def compile_step(
         _compile_draft(draft_model, resolved, context_limit(config), trust_remote_code, force)
 
 
+def _build(job, shown: str) -> float | None:
+    """Build what `job` lacks (seconds it took), or None when nothing was missing; one line when it fails."""
+    from .compiled import build_locked, failure_line
+
+    if not any(job.missing()):
+        return None
+    t0 = time.perf_counter()
+    try:
+        built = build_locked(job, log=lambda text: typer.echo(text, err=True))
+    except CloverError:
+        raise
+    except Exception as e:  # export or compiler failure
+        raise CloverError(failure_line(e))
+    if built is None:
+        raise CloverError(f"another clover process is compiling {shown} right now; try again when it ends")
+    return time.perf_counter() - t0
+
+
 def _compile_draft(name: Optional[str], resolved, target_context: int, trust_remote_code: bool, force: bool):
     """The draft model's package, keyed as the session's draft compiler keys it (its context: the shorter of the
     draft's and the target's)."""
     import torch
     from transformers import AutoConfig
 
-    from .compiled import Job, Package, build_locked, capacity_for, failure_line, package_dir
+    from .compiled import Job, Package, capacity_for, package_dir
     from .drafters.draft_model import resolve_draft_model
     from .target import context_limit
 
@@ -603,19 +613,11 @@ def _compile_draft(name: Optional[str], resolved, target_context: int, trust_rem
     capacity = capacity_for(context_limit(config, target_context))
     out = package_dir(path, torch.float32, capacity)
     job = Job(path, out, capacity, trust_remote_code, False, force=force)
-    if any(job.missing()):
-        t0 = time.perf_counter()
-        try:
-            built = build_locked(job, log=lambda text: typer.echo(text, err=True))
-        except CloverError:
-            raise
-        except Exception as e:
-            raise CloverError(failure_line(e))
-        if built is None:
-            raise CloverError(f"another clover process is compiling {shown} right now; try again when it ends")
-        typer.echo(f"compiled the draft model {shown} in {time.perf_counter() - t0:.0f} s")
-    else:
+    built_s = _build(job, shown)
+    if built_s is None:
         typer.echo(f"the draft model {shown} is already compiled (--force builds it again)")
+    else:
+        typer.echo(f"compiled the draft model {shown} in {built_s:.0f} s")
     typer.echo(f"draft package: {Package.find(out).path}")
 
 

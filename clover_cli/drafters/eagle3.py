@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from ..errors import CloverError
 from ..packed import pack_linears, packed_linears
 from ..target import Target, TreeKVCache, tree_attention
-from .eagle import EagleDrafter
+from .eagle import EagleDrafter, _strip_prefix  # the same wrapper prefix as EAGLE-1's files
 from .common import (STATIC_TREE, HeadsConfig, RMSNorm, TreeGrower, finish_loading, first_file, keep_pending,
                      near_identity, read_config, read_tensors, same_weights)
 
@@ -349,14 +349,6 @@ def is_layout(path, raw: dict) -> bool:
     except Exception:  # damaged: EAGLE-1's check decides, and its loader says what is wrong
         return False
     return any(k.startswith("midlayer.") or ".midlayer." in k for k in names)
-
-
-def _strip_prefix(state: dict) -> dict:
-    anchor = next((k for k in state if k == "fc.weight" or k.endswith(".fc.weight")), None)
-    if anchor is None or anchor == "fc.weight":
-        return state
-    prefix = anchor[:-len("fc.weight")]
-    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
 
 
 def load(path, target_model, dtype=None) -> nn.Module:
