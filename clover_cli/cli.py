@@ -146,7 +146,7 @@ def _options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, dev
 
 @app.command()
 def models():
-    """List model aliases with their chat template, draft heads and whether they are cached."""
+    """List model aliases with their chat template, draft heads, draft model and whether they are cached."""
     from rich import box
     from rich.console import Console
     from rich.table import Table
@@ -154,19 +154,21 @@ def models():
     from .hub import ALIASES, BUNDLED, is_cached
 
     table = Table(title="clover models", box=box.SIMPLE_HEAD, pad_edge=False,
-                  caption="heads: the draft heads published for the model (Clover-2, EAGLE, Medusa), the first "
-                          "used by --draft auto, the others by --draft clover|eagle|medusa; 'none': none are "
-                          "published, make them with `clover train`. "
+                  caption="heads: the draft heads published for the model (Clover-2, EAGLE, EAGLE-3, Medusa), the "
+                          "first used by --draft auto, the others by --draft clover|eagle|eagle3|medusa; 'none': none "
+                          "are published, make them with `clover train`. draft model: what --draft model uses. "
                           "template 'own': the tokenizer's own chat template.")
-    for col in ("alias", "repository", "template", "heads", "local"):
-        table.add_column(col, no_wrap=col != "repository", overflow="fold")  # a long repo id folds, never cut
+    for col in ("alias", "repository", "template", "heads", "draft model", "local"):
+        # long repo ids and heads lists fold, never cut: every column shows in a narrow terminal
+        table.add_column(col, no_wrap=col in ("alias", "template", "local"), overflow="fold")
     for spec in ALIASES.values():
         if spec.repo is None:
             repo, local = "(bundled in clover)", "yes" if (BUNDLED / "config.json").is_file() else "missing"
         else:
             repo, local = spec.repo, "cached" if is_cached(spec.repo) else "-"
         heads = spec.heads_text()
-        table.add_row(spec.alias, repo, spec.template or "own", heads, local)
+        draft = {None: "-", "bundled": "bundled"}.get(spec.draft, spec.draft)
+        table.add_row(spec.alias, repo, spec.template or "own", heads, draft, local)
     Console().print(table)
 
 
