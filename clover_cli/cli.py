@@ -158,9 +158,11 @@ def models():
                           "first used by --draft auto, the others by --draft clover|eagle|eagle3|medusa; 'none': none "
                           "are published, make them with `clover train`. draft model: what --draft model uses. "
                           "template 'own': the tokenizer's own chat template.")
+    console = Console()
+    # long repo ids fold, never cut, so that every column shows; the heads lists too in a narrow terminal
+    whole = ("alias", "template", "local") + (("heads",) if console.width >= 160 else ())
     for col in ("alias", "repository", "template", "heads", "draft model", "local"):
-        # long repo ids and heads lists fold, never cut: every column shows in a narrow terminal
-        table.add_column(col, no_wrap=col in ("alias", "template", "local"), overflow="fold")
+        table.add_column(col, no_wrap=col in whole, overflow="fold")
     for spec in ALIASES.values():
         if spec.repo is None:
             repo, local = "(bundled in clover)", "yes" if (BUNDLED / "config.json").is_file() else "missing"
@@ -169,7 +171,7 @@ def models():
         heads = spec.heads_text()
         draft = {None: "-", "bundled": "bundled"}.get(spec.draft, spec.draft)
         table.add_row(spec.alias, repo, spec.template or "own", heads, draft, local)
-    Console().print(table)
+    console.print(table)
 
 
 @app.command()
