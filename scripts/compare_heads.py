@@ -22,24 +22,10 @@ import torch
 from clover_cli.atomic import write_text
 
 
-def drafter_class(architecture: str):
-    from clover_cli.drafters.clover2 import CloverDrafter
-    from clover_cli.drafters.medusa import MedusaDrafter
-
-    classes = {"clover2": CloverDrafter, "medusa": MedusaDrafter}
-    try:
-        from clover_cli.drafters.eagle import EagleDrafter
-
-        classes["eagle"] = EagleDrafter
-    except ImportError:
-        pass
-    return classes[architecture]
-
-
 def main():
     from clover_cli.bench import load_prompts
     from clover_cli.drafters import NoDrafter
-    from clover_cli.drafters.registry import load
+    from clover_cli.drafters.registry import drafter_for, load
     from clover_cli.engine import Engine, StopCheck
     from clover_cli.session import Options, RunStats, Session
 
@@ -63,7 +49,7 @@ def main():
         methods[f"{heads.cfg.architecture}:{Path(path).name}"] = heads
 
     def make(heads):
-        return NoDrafter() if heads is None else drafter_class(heads.cfg.architecture)(heads, s.target)
+        return NoDrafter() if heads is None else drafter_for(heads, s.target)  # the family's drafter
 
     engines = {name: Engine(s.target, make(h), budget=args.budget, auto_budget=False) for name, h in methods.items()}
     figures = {name: {} for name in methods}  # name -> category -> [new tokens, steps, decode s, runs]
@@ -78,7 +64,6 @@ def main():
                 eng.drafter = make(methods[name])
                 eng.reset()  # the engines share the target's cache: each run starts from a clean one
                 stats, new = RunStats(), []
-                t0 = time.perf_counter()
                 for ev in eng.generate(ids, StopCheck(args.max_new_tokens, s.eos_ids)):
                     stats.add(ev)
                     new += ev.tokens
