@@ -7,7 +7,8 @@ Each heads directory (any layout clover reads) drives its own drafter alone (no 
 through clover's engine with a fixed tree budget, on the same prompts (clover bench's built-in 30 held-out
 ShareGPT prompts in six categories by default, or --prompts in bench's formats), interleaved prompt by prompt after
 a warm-up. Every output is checked token for token against plain decoding (the drafters are lossless). τ = tokens
-per target forward after prefill.
+per target forward after prefill. `--tree eagle2` gives every drafter the same tree rule (EAGLE-2's), so that the
+heads are compared rather than their families' tree policies.
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ def main():
     ap.add_argument("-n", "--max-new-tokens", type=int, default=128)
     ap.add_argument("--budget", type=int, default=32, help="tree budget (nodes per step)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tree", choices=("own", "eagle2", "clover"), default="own",
+                    help="own: each family's own tree rule; eagle2: every drafter grows EAGLE-2's tree (top-10 "
+                         "children per expanded node, the best 10 of a depth expanded, no probability cut); clover: "
+                         "every drafter grows clover's default tree (top-8, width 6, ratio and mass cuts)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -48,8 +53,11 @@ def main():
         heads = load(Path(path), s.model)
         methods[f"{heads.cfg.architecture}:{Path(path).name}"] = heads
 
+    grow = {"own": {}, "eagle2": {"topk": 10, "width": 10, "min_ratio": 0.0, "top_p": 1.0},
+            "clover": {"topk": 8, "width": 6, "min_ratio": 0.25, "top_p": 0.95}}[args.tree]
+
     def make(heads):
-        return NoDrafter() if heads is None else drafter_for(heads, s.target)  # the family's drafter
+        return NoDrafter() if heads is None else drafter_for(heads, s.target, **grow)  # the family's drafter
 
     engines = {name: Engine(s.target, make(h), budget=args.budget, auto_budget=False) for name, h in methods.items()}
     figures = {name: {} for name in methods}  # name -> category -> [new tokens, steps, decode s, runs]
@@ -80,7 +88,7 @@ def main():
         return {"tau": round((tokens - runs) / steps, 3) if steps else None,
                 "tokens_per_s": round((tokens - runs) / secs, 1) if secs else None, "prompts": runs}
 
-    report = {"model": s.resolved.name, "budget": args.budget, "max_new_tokens": args.max_new_tokens,
+    report = {"model": s.resolved.name, "budget": args.budget, "tree": args.tree, "max_new_tokens": args.max_new_tokens,
               "threads": args.threads, "date": time.strftime("%Y-%m-%d"), "methods": {}}
     for name in methods:
         report["methods"][name] = {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -21,6 +22,10 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 # measured step costs into the user's cache.
 os.environ.setdefault("CLOVER_COMPILE", "off")
 os.environ.setdefault("CLOVER_COMPILE_CACHE", tempfile.mkdtemp(prefix="clover-compiled-"))
+# A shell without job control starts a background job (`pytest &`, `nohup .ci/run &`) with Ctrl-C ignored, and
+# every clover the terminal tests spawn would inherit that and never see their Ctrl-C: give them the default.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 torch.set_num_threads(1)  # tiny models gain nothing from threads, and a busy machine makes them slow
 
 CORPUS = [
