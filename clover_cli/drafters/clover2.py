@@ -48,8 +48,8 @@ from ..packed import pack_linears, packed_linears
 from ..target import Target, TreeKVCache, cache_kwarg
 from ..tree import DraftTree, TreeBuilder
 from .common import (TARGET_KEYS, DraftProjection, HeadsConfig, RMSNorm, TreeGrower, check_size, draft_config,
-                     finish_loading, first_file, keep_pending, near_identity, read_config, read_tensors, rotary_for,
-                     same_weights, target_layer_class, top_tokens)
+                     finish_loading, first_file, join_pending, keep_pending, near_identity, read_config, read_tensors,
+                     rotary_for, same_weights, target_layer_class, top_tokens)
 
 ARCHITECTURE = "clover2"  # the heads config's "architecture"
 LAYOUT = "clover2-authors"  # the published layout this module reads
@@ -263,10 +263,8 @@ class CloverDrafter:
     def _catch_up(self) -> None:
         if not self.pending:
             return
-        hiddens, tokens = zip(*self.pending)
+        hidden, next_tokens = join_pending(self.pending)
         self.pending = []
-        hidden = torch.cat(hiddens) if len(hiddens) > 1 else hiddens[0]
-        next_tokens = torch.cat(tokens) if len(tokens) > 1 else tokens[0]
         n = next_tokens.numel()
         self.cache.reserve(n)
         start = self.cache.length

@@ -269,6 +269,14 @@ def keep_pending(cache: TreeKVCache, pending: list, length: int) -> list:
     return kept
 
 
+def join_pending(pending: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """The queued observations ((hidden, next tokens) pairs, not empty) as one hidden tensor and one token tensor."""
+    hiddens, tokens = zip(*pending)
+    if len(pending) == 1:
+        return hiddens[0], tokens[0]
+    return torch.cat(hiddens), torch.cat(tokens)
+
+
 # ---------------------------------------------------------------------------------------------------- reading files
 
 def read_config(path: Path) -> dict | None:

@@ -35,8 +35,8 @@ from ..packed import pack_linears, packed_linears
 from ..target import Target, TreeKVCache, cache_kwarg, find_final_norm
 from ..tree import DraftTree, TreeBuilder
 from .common import (STATIC_TREE, DraftProjection, HeadsConfig, TreeGrower, check_size, draft_config, finish_loading,
-                     first_file, keep_pending, near_identity, read_config, read_tensors, rotary_for, same_weights,
-                     target_layer_class, top_tokens)
+                     first_file, join_pending, keep_pending, near_identity, read_config, read_tensors, rotary_for,
+                     same_weights, target_layer_class, top_tokens)
 
 ARCHITECTURE = "eagle"
 LAYOUT = "eagle"
@@ -153,10 +153,8 @@ class EagleDrafter:
     def _catch_up(self) -> None:
         if not self.pending:
             return
-        hiddens, tokens = zip(*self.pending)
+        hidden, next_tokens = join_pending(self.pending)
         self.pending = []
-        hidden = torch.cat(hiddens) if len(hiddens) > 1 else hiddens[0]
-        next_tokens = torch.cat(tokens) if len(tokens) > 1 else tokens[0]
         feature = self.norm(hidden) if self.norm is not None else hidden  # the target's post-norm feature
         n = next_tokens.numel()
         self.cache.reserve(n)

@@ -41,8 +41,8 @@ from ..errors import CloverError
 from ..packed import pack_linears, packed_linears
 from ..target import Target, TreeKVCache, tree_attention
 from .eagle import EagleDrafter, _strip_prefix  # the same wrapper prefix as EAGLE-1's files
-from .common import (STATIC_TREE, HeadsConfig, RMSNorm, TreeGrower, finish_loading, first_file, keep_pending,
-                     near_identity, read_config, read_tensors, same_weights)
+from .common import (STATIC_TREE, HeadsConfig, RMSNorm, TreeGrower, finish_loading, first_file, join_pending,
+                     keep_pending, near_identity, read_config, read_tensors, same_weights)
 
 ARCHITECTURE = "eagle3"
 LAYOUT = "eagle3"
@@ -309,10 +309,8 @@ class Eagle3Drafter(EagleDrafter):
     def _catch_up(self) -> None:
         if not self.pending:
             return
-        hiddens, tokens = zip(*self.pending)
+        hidden, next_tokens = join_pending(self.pending)
         self.pending = []
-        hidden = torch.cat(hiddens) if len(hiddens) > 1 else hiddens[0]
-        next_tokens = torch.cat(tokens) if len(tokens) > 1 else tokens[0]
         if hidden.shape[-1] != 3 * self.heads.cfg.hidden_size:
             raise CloverError(f"EAGLE-3 needs the target's fused features ({3 * self.heads.cfg.hidden_size} wide), "
                               f"got {hidden.shape[-1]}: the target was not asked for its layers {self.feature_layers}")
