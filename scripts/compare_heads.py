@@ -1,7 +1,7 @@
 """Draft heads side by side on one target: τ and decode tokens/s of each, overall and by prompt category.
 
     python scripts/compare_heads.py runs/cmp/clover runs/cmp/medusa [--model tiny] [--prompts question.jsonl]
-                                    [-n 128] [--json out.json]
+                                    [-n 128] [--tree own|eagle2|clover] [--limit N] [--json out.json]
 
 Each heads directory (any layout clover reads) drives its own drafter alone (no n-gram lookup merged in), greedy,
 through clover's engine with a fixed tree budget, on the same prompts (clover bench's built-in 30 held-out
@@ -34,6 +34,7 @@ def main():
     ap.add_argument("heads", nargs="+", help="heads directories")
     ap.add_argument("--model", default=None, help="target (default: the bundled model)")
     ap.add_argument("--prompts", default=None)
+    ap.add_argument("--limit", type=int, default=None, help="the first N prompts only")
     ap.add_argument("-n", "--max-new-tokens", type=int, default=128)
     ap.add_argument("--budget", type=int, default=32, help="tree budget (nodes per step)")
     ap.add_argument("--threads", type=int, default=2)
@@ -46,7 +47,7 @@ def main():
     torch.set_num_threads(args.threads)
 
     s = Session(Options(model=args.model, draft="none", compile="off"), quiet=True)
-    prompts = load_prompts(args.prompts, None)
+    prompts = load_prompts(args.prompts, args.limit)
     encoded = [s.encode_chat(p["messages"]) for p in prompts]
     methods = {"plain": None}
     for path in args.heads:

@@ -21,6 +21,20 @@ def test_gpu_bench_dry_run_on_cpu():
     assert 0 < report["roofline_share"]
 
 
+def test_compare_heads_on_one_tree_rule(tmp_path):
+    out = tmp_path / "cmp.json"
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_heads.py"),
+                        str(ROOT / "clover_cli" / "bundled" / "tiny" / "heads"), "--tree", "eagle2", "--limit", "2",
+                        "-n", "12", "--threads", "1", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    report = json.loads(out.read_text())
+    assert report["tree"] == "eagle2"
+    (name,) = [m for m in report["methods"] if m != "plain"]
+    row = report["methods"][name]
+    assert row["identical_to_plain"] and row["all"]["prompts"] == 2 and row["all"]["tau"] > 1
+
+
 def test_verify_cost_compares_stock_packed_and_compiled_steps(tmp_path):
     from clover_cli import packed
 
