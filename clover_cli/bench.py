@@ -4,7 +4,8 @@ Methods: hf (transformers greedy generate), hf-lookup (its prompt-lookup assiste
 smaller assistant model: --assistant, else the --draft-model), our engine with plain / ngram / medusa / eagle /
 clover drafting or a draft model's top-1 chain (model-chain) and MCSD tree (model), the same with the target's own
 layers skipped as the draft (self-chain, self: --draft self; only when asked for with --methods), and
-llama.cpp (plain and with prompt lookup) on a GGUF of the same weights (clover_cli/llamacpp.py). One model load
+llama.cpp (plain, with prompt lookup, and drafted by a GGUF of the same draft model as the model rows) on a GGUF
+of the same weights (clover_cli/llamacpp.py). One model load
 serves every method. Each prompt is run by every method in turn (so drift on the machine hits all alike),
 after one untimed warm-up run of each method. Our engine starts every run from an empty cache (no reuse of a
 previous run's prefix) with a fresh drafter, so no method sees another run's output.
@@ -26,7 +27,7 @@ import torch
 from . import atomic
 from .errors import CloverError
 
-LLAMA_METHODS = ("llama.cpp", "llama.cpp-lookup")
+LLAMA_METHODS = ("llama.cpp", "llama.cpp-lookup", "llama.cpp-draft")  # -draft: the model rows' draft model's chain
 MODEL_METHODS = ("model-chain", "model")  # a draft model's top-1 chain, and its MCSD tree (--draft model)
 SELF_METHODS = ("self-chain", "self")  # the same with the target itself, layers skipped, as the draft (--draft self)
 ALL_METHODS = ("hf", "hf-lookup", "hf-assisted", "plain", "ngram", "medusa", "eagle", "clover", "clover+ngram",
@@ -175,6 +176,8 @@ def choose_methods(spec: str | None, session, cfg: BenchConfig) -> list[str]:
         why = session.llama_unavailable() if peers else None
         if why:
             raise CloverError(f"{peers[0]} cannot run: {why}")
+        if "llama.cpp-draft" in methods and (why := session.llama_unavailable(draft=True)):
+            raise CloverError(f"llama.cpp-draft cannot run: {why}")
         return methods
     methods = ["hf", "hf-lookup"]
     if session.assistant is not None:
@@ -193,7 +196,12 @@ def choose_methods(spec: str | None, session, cfg: BenchConfig) -> list[str]:
     elif why := session.llama_unavailable():
         print(f"clover bench: no llama.cpp rows: {why}", file=sys.stderr)
     else:
-        methods += LLAMA_METHODS
+        methods += ["llama.cpp", "llama.cpp-lookup"]
+        if session.draft_model is not None:
+            if why := session.llama_unavailable(draft=True):
+                print(f"clover bench: no llama.cpp-draft row: {why}", file=sys.stderr)
+            else:
+                methods.append("llama.cpp-draft")
     return methods
 
 
@@ -240,7 +248,7 @@ class BenchSession:
         self.draft_model = self.draft_model_path = None
         wanted = [m.strip() for m in (cfg.methods or "").split(",")]
         assistant_path = None
-        if cfg.draft_model or any(m in MODEL_METHODS for m in wanted):
+        if cfg.draft_model or any(m in (*MODEL_METHODS, "llama.cpp-draft") for m in wanted):
             from .drafters.draft_model import load_draft_model, resolve_draft_model
 
             name, path = resolve_draft_model(cfg.draft_model, s.resolved, quiet=cfg.json_out)
@@ -264,14 +272,18 @@ class BenchSession:
         self.engines = {}
         self.choices = {}  # method -> ChoiceStats of its merged drafters
         self.quiet = cfg.json_out
-        self.llama_runners, self.llama_ctx, self.llama_gguf = {}, s.max_context, None
+        self.llama_runners, self.llama_ctx, self.llama_gguf, self.llama_draft_gguf = {}, s.max_context, None, None
         self.llama_threads = torch.get_num_threads()
 
-    def llama_unavailable(self) -> str | None:
-        from .llamacpp import why_unavailable
+    def llama_unavailable(self, draft: bool = False) -> str | None:
+        """Why the llama.cpp rows cannot run (with `draft`: the llama.cpp-draft row too), or None."""
+        from .llamacpp import unsupported_model, why_unavailable
 
         s = self.session
-        return why_unavailable(s.model, s.tokenizer, s.device, s.dtype, s.load_in_8bit)
+        why = why_unavailable(s.model, s.tokenizer, s.device, s.dtype, s.load_in_8bit)
+        if why is None and draft and (why := unsupported_model(self.draft_model.config)):
+            why = f"the draft model: {why}"
+        return why
 
     def llama(self, method: str):
         """The llama.cpp runner of a method, made on first use (the GGUF is written once per model, then cached)."""
@@ -282,8 +294,20 @@ class BenchSession:
             s = self.session
             if self.llama_gguf is None:
                 self.llama_gguf = gguf_for(s.resolved, s.model, s.tokenizer, cache_dir(), quiet=self.quiet)
-            lookup = LOOKUP_TOKENS if method == "llama.cpp-lookup" else 0
-            self.llama_runners[method] = LlamaCppRunner(self.llama_gguf, self.llama_ctx, self.llama_threads, lookup)
+            drafting = {}
+            if method == "llama.cpp-lookup":
+                drafting = {"lookup_tokens": LOOKUP_TOKENS}
+            elif method == "llama.cpp-draft":
+                from dataclasses import replace
+
+                from .drafters.draft_model import MAX_DEPTH  # as deep as model-chain's chain
+
+                source = replace(s.resolved, name=self.draft_model_name, path=Path(self.draft_model_path),
+                                 repo=None, revision=None)
+                self.llama_draft_gguf = gguf_for(source, self.draft_model, s.tokenizer, cache_dir(), quiet=self.quiet)
+                drafting = {"draft_gguf": self.llama_draft_gguf, "draft_tokens": MAX_DEPTH}
+            self.llama_runners[method] = LlamaCppRunner(self.llama_gguf, self.llama_ctx, self.llama_threads,
+                                                        **drafting)
         return self.llama_runners[method]
 
     def engine(self, method: str):
@@ -495,6 +519,10 @@ def make_report(cfg, bs, methods, rows, prompts) -> dict:
 
         report["llama_cpp"] = {"version": llama_cpp.__version__, "threads": bs.llama_threads, "weights": "float32",
                                "kv_cache": "float32", "lookup_tokens": LOOKUP_TOKENS, "gguf": str(bs.llama_gguf)}
+        if "llama.cpp-draft" in methods:
+            from .drafters.draft_model import MAX_DEPTH
+
+            report["llama_cpp"].update(draft_tokens=MAX_DEPTH, draft_gguf=str(bs.llama_draft_gguf))
     return report
 
 
@@ -519,7 +547,9 @@ def print_table(report: dict):
     if "llama_cpp" in report:
         peer = report["llama_cpp"]
         console.print(f"llama.cpp: llama-cpp-python {peer['version']}, {peer['threads']} threads, float32 weights "
-                      f"and KV cache, lookup {peer['lookup_tokens']} tokens; GGUF {peer['gguf']}", soft_wrap=True)
+                      f"and KV cache, lookup {peer['lookup_tokens']} tokens; GGUF {peer['gguf']}"
+                      + (f"; draft: its greedy chain of up to {peer['draft_tokens']} tokens, GGUF {peer['draft_gguf']}"
+                         if "draft_gguf" in peer else ""), soft_wrap=True)
     cats = report.get("by_category", {})
     if len(cats) > 1:
         names = [r["method"] for r in report["methods"]]

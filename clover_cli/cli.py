@@ -481,11 +481,12 @@ def bench(
     methods: Optional[str] = typer.Option(None, "--methods", help="Comma-separated: hf,hf-lookup,hf-assisted,"
                                                                   "plain,ngram,medusa,eagle,clover,clover+ngram,"
                                                                   "model-chain,model,"
-                                                                  "llama.cpp,llama.cpp-lookup,self-chain,self "
-                                                                  "(default: all that can run but the self rows; "
-                                                                  "clover+ngram is what --draft auto uses, self "
-                                                                  "--draft self; llama.cpp needs the [llama] "
-                                                                  "extra)."),
+                                                                  "llama.cpp,llama.cpp-lookup,llama.cpp-draft,"
+                                                                  "self-chain,self (default: all that can run but "
+                                                                  "the self rows; clover+ngram is what --draft auto "
+                                                                  "uses, self --draft self; llama.cpp needs the "
+                                                                  "[llama] extra, llama.cpp-draft a draft model "
+                                                                  "too)."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="Tokens per prompt."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy (outputs are compared)."),
     repeats: int = typer.Option(1, "--repeats", help="Timed runs per prompt and method."),

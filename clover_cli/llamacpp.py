@@ -2,7 +2,8 @@
 
 `why_unavailable` says (in one line) why the llama.cpp rows cannot run here, or None. `gguf_for` writes the GGUF
 once per model (float32, like clover on a CPU) into clover's cache and returns its path; `LlamaCppRunner` runs
-greedy generation from token ids, with or without llama-cpp-python's prompt-lookup drafting.
+greedy generation from token ids: plain, with llama-cpp-python's prompt-lookup drafting, or drafted by a second
+llama.cpp context on a draft model's GGUF (`DraftChain`).
 
 GGUF layout (llama.cpp's "llama" architecture): the Hugging Face tensors renamed through gguf's own name map; q and
 k projections permuted per head from Hugging Face's rotary layout (first half of each head's dimensions rotated
@@ -212,24 +213,58 @@ def _digest(text: str) -> str:
 
 # ---- running it ----
 
-class LlamaCppRunner:
-    """One llama.cpp context on the GGUF: greedy generation from token ids, optionally with prompt lookup."""
+class DraftChain:
+    """llama-cpp-python's draft hook driven by a second llama.cpp context on a draft model's GGUF: the draft's greedy
+    chain of up to `tokens` tokens after what the target has (clover's model-chain row drafts the same chain).
+    The draft context keeps the keys and values of the longest prefix it shares with each new call's tokens and
+    evaluates only the rest, as llama.cpp's own speculative example keeps its draft context in step."""
 
-    def __init__(self, path: Path, n_ctx: int, threads: int, lookup_tokens: int = 0, n_batch: int = 512):
+    def __init__(self, llm, tokens: int):
+        self.llm, self.tokens = llm, tokens
+
+    def __call__(self, input_ids, /, **kwargs):
+        llm = self.llm
+        n = min(llm.n_tokens, len(input_ids) - 1)  # at least one token is evaluated: fresh logits
+        differ = np.flatnonzero(llm.input_ids[:n] != input_ids[:n])
+        llm.n_tokens = int(differ[0]) if differ.size else n  # llm.eval drops the cache from here on
+        llm.eval(input_ids[llm.n_tokens:].tolist())
+        out = []
+        while True:
+            out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+            if len(out) >= self.tokens or llm.n_tokens >= llm.n_ctx():
+                return np.array(out, dtype=np.intc)
+            llm.eval(out[-1:])
+
+
+def _context(llama_cpp, path: Path, n_ctx: int, threads: int, n_batch: int, logits_all: bool, draft=None):
+    # KV cache in float32 too (llama.cpp's default is float16), so both sides compute in the same precision.
+    try:
+        return llama_cpp.Llama(str(path), n_ctx=n_ctx, n_batch=min(n_batch, n_ctx), n_threads=threads,
+                               n_threads_batch=threads, n_gpu_layers=0, type_k=llama_cpp.GGML_TYPE_F32,
+                               type_v=llama_cpp.GGML_TYPE_F32, draft_model=draft, logits_all=logits_all,
+                               verbose=False)
+    except (ValueError, RuntimeError) as e:  # llama-cpp-python's "failed to load model" / context errors
+        raise CloverError(f"llama.cpp cannot load {path}: {e}")
+
+
+class LlamaCppRunner:
+    """One llama.cpp context on the GGUF: greedy generation from token ids, plain, with prompt lookup
+    (`lookup_tokens`), or drafted by a draft model's GGUF (`draft_gguf`, its chain up to `draft_tokens` long)."""
+
+    def __init__(self, path: Path, n_ctx: int, threads: int, lookup_tokens: int = 0, n_batch: int = 512,
+                 draft_gguf: Path | None = None, draft_tokens: int = 8):
         import llama_cpp
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-        draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup_tokens) if lookup_tokens else None
-        # KV cache in float32 too (llama.cpp's default is float16), so both sides compute in the same precision.
+        draft = None
+        if draft_gguf is not None:
+            draft = DraftChain(_context(llama_cpp, draft_gguf, n_ctx + draft_tokens, threads, n_batch, True),
+                               draft_tokens)
+        elif lookup_tokens:
+            draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup_tokens)
         # Drafting keeps every position's logits; logits_all=True must be said too, or llama-cpp-python sizes that
         # buffer for n_batch positions only and fails once a prompt and its reply pass n_batch tokens.
-        try:
-            self.llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_batch=min(n_batch, n_ctx), n_threads=threads,
-                                       n_threads_batch=threads, n_gpu_layers=0, type_k=llama_cpp.GGML_TYPE_F32,
-                                       type_v=llama_cpp.GGML_TYPE_F32, draft_model=draft,
-                                       logits_all=draft is not None, verbose=False)
-        except (ValueError, RuntimeError) as e:  # llama-cpp-python's "failed to load model" / context errors
-            raise CloverError(f"llama.cpp cannot load {path}: {e}")
+        self.llm = _context(llama_cpp, path, n_ctx, threads, n_batch, draft is not None, draft)
 
     def generate(self, ids: list[int], max_new_tokens: int, eos_ids) -> tuple[list[int], float, float]:
         """(new token ids, seconds after the first new token, seconds in all). Stops after an EOS token (kept)."""

@@ -86,6 +86,19 @@ def build_model(out: Path, family: str = "llama", seed: int = 0, vocab_size: int
     return out
 
 
+def small_draft(out, tokenizer_dir, family: str = "llama"):
+    """A one-layer draft with the tokenizer in `tokenizer_dir`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.save_pretrained(out)
+    torch.manual_seed(0)
+    cfg = tiny_config(family, len(tok), num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                      num_attention_heads=2, num_key_value_heads=1)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+    return out
+
+
 @pytest.fixture(scope="session")
 def llama_dir(tmp_path_factory) -> Path:
     return build_model(tmp_path_factory.mktemp("llama"), "llama", seed=1)

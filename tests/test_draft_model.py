@@ -15,7 +15,7 @@ from clover_cli.drafters.draft_model import ModelDrafter, parameter_count
 from clover_cli.engine import Engine, Sampling, StopCheck, accept, warp
 from clover_cli.target import Target
 from clover_cli.tree import DraftTree
-from conftest import build_model, build_tokenizer, tiny_config
+from conftest import build_model, build_tokenizer, small_draft, tiny_config
 from helpers import hf_greedy, run_engine
 
 VOCAB = 96
@@ -376,19 +376,6 @@ def test_bundled_model_greedy_identical_to_transformers():
 
 
 # ------------------------------------------------------------------------------------------------ refusals (CLI)
-
-def small_draft(out, tokenizer_dir):
-    """A one-layer draft with the tokenizer in `tokenizer_dir`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    tok.save_pretrained(out)
-    torch.manual_seed(0)
-    cfg = tiny_config("llama", len(tok), num_hidden_layers=1, hidden_size=32, intermediate_size=64,
-                      num_attention_heads=2, num_key_value_heads=1)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
-    return out
-
 
 @pytest.fixture(scope="module")
 def drafts(tmp_path_factory, llama_dir):

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import small_draft
+
 
 def importable(module: str) -> bool:
     try:
@@ -27,6 +29,12 @@ def cache_home(tmp_path, monkeypatch):
     """clover's cache (where the GGUF goes) inside the test's directory."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     return tmp_path / "cache" / "clover"
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory, llama_dir):
+    """A one-layer Llama draft with the target's tokenizer (clover bench --draft-model)."""
+    return small_draft(tmp_path_factory.mktemp("draft"), llama_dir)
 
 
 @pytest.fixture
@@ -49,10 +57,11 @@ def test_missing_llama_cpp_skips_the_rows_with_one_note(llama_dir, prompts_file,
     assert err.count("\n") == 1 and "llama-cpp-python is not installed" in err and "clover-cli[llama]" in err, err
 
 
-@pytest.mark.parametrize("method", ["llama.cpp", "llama.cpp-lookup"])
-def test_asking_for_llama_cpp_without_it_is_a_one_line_error(llama_dir, prompts_file, run_cli, without_llama_cpp,
-                                                             method):
-    code, out, err = run_cli("bench", str(llama_dir), "--prompts", str(prompts_file), "--methods", f"hf,{method}")
+@pytest.mark.parametrize("method", ["llama.cpp", "llama.cpp-lookup", "llama.cpp-draft"])
+def test_asking_for_llama_cpp_without_it_is_a_one_line_error(llama_dir, draft_dir, prompts_file, run_cli,
+                                                             without_llama_cpp, method):
+    code, out, err = run_cli("bench", str(llama_dir), "--prompts", str(prompts_file), "--methods", f"hf,{method}",
+                             "--draft-model", str(draft_dir))
     assert code == 2 and out == "" and err.count("\n") == 1, err
     assert f"{method} cannot run" in err and "clover-cli[llama]" in err and "Traceback" not in err
 
@@ -73,6 +82,20 @@ def test_unsupported_architecture(models_dir, prompts_file, run_cli, fake_llama_
     assert code == 0, err
     assert not any(r["method"].startswith("llama.cpp") for r in json.loads(out)["methods"])
     assert err.count("\n") == 1 and "no llama.cpp rows" in err and "qwen2" in err, err
+
+
+def test_llama_cpp_draft_needs_a_draft_model(llama_dir, prompts_file, run_cli):
+    code, out, err = run_cli("bench", str(llama_dir), "--prompts", str(prompts_file), "--methods", "llama.cpp-draft")
+    assert code == 2 and out == "" and err.count("\n") == 1 and "--draft-model" in err, err
+
+
+@pytest.mark.skipif(not importable("gguf"), reason="gguf is not installed")
+def test_llama_cpp_draft_needs_a_llama_draft(llama_dir, prompts_file, run_cli, fake_llama_cpp, tmp_path):
+    other = small_draft(tmp_path / "mistral-draft", llama_dir, family="mistral")
+    code, out, err = run_cli("bench", str(llama_dir), "--prompts", str(prompts_file), "--methods",
+                             "llama.cpp,llama.cpp-draft", "--draft-model", str(other))
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert "llama.cpp-draft cannot run: the draft model" in err and "mistral" in err, err
 
 
 @pytest.mark.skipif(not importable("gguf"), reason="gguf is not installed")
@@ -235,6 +258,39 @@ def test_llama_cpp_rows_match_hf_greedy(llama_dir, prompts_file, run_cli, cache_
     code, out, err = run_cli(*args[:-1], "hf,llama.cpp")
     assert code == 0 and json.loads(out)["methods"][1]["identical"] is True, err
     assert list((cache_home / "gguf").iterdir()) == [gguf] and gguf.stat().st_mtime_ns == mtime  # not rewritten
+
+
+@pytest.mark.skipif(not (importable("llama_cpp") and importable("gguf")), reason="llama-cpp-python is not installed")
+def test_llama_cpp_draft_row_matches_hf_greedy(llama_dir, draft_dir, prompts_file, run_cli, cache_home):
+    code, out, err = run_cli("bench", str(llama_dir), "--prompts", str(prompts_file), "-n", "24", "--json",
+                             "--methods", "hf,model-chain,llama.cpp-draft", "--draft-model", str(draft_dir))
+    assert code == 0, err
+    report = json.loads(out)
+    row = {r["method"]: r for r in report["methods"]}["llama.cpp-draft"]
+    assert row["identical"] is True and row["new_tokens"] == 3 * 24 and row["tokens_per_s"] > 0, row
+    peer = report["llama_cpp"]
+    assert peer["draft_tokens"] == 8 and peer["draft_gguf"] != peer["gguf"]
+    assert sorted(p.name for p in (cache_home / "gguf").iterdir()) == sorted(
+        os.path.basename(peer[k]) for k in ("gguf", "draft_gguf"))
+
+
+@pytest.mark.skipif(not (importable("llama_cpp") and importable("gguf")), reason="llama-cpp-python is not installed")
+def test_draft_chain_is_the_drafts_greedy_continuation(llama_model, tmp_path):
+    """The draft hook with the target itself as the draft: each call returns the target's own greedy continuation
+    of what it is given, whether that extends, repeats or departs from the previous call's tokens."""
+    import llama_cpp
+
+    from clover_cli.llamacpp import DraftChain, _context, write_gguf
+    from helpers import hf_greedy
+
+    model, tok = llama_model
+    write_gguf(model, tok, tmp_path / "m.gguf", "test")
+    chain = DraftChain(_context(llama_cpp, tmp_path / "m.gguf", 128, 1, 16, True), tokens=5)
+    ids = tok("The quick brown fox jumps over the lazy dog. The quick", add_special_tokens=False)["input_ids"]
+    calls = [ids, ids + hf_greedy(model, ids, 3), ids[:7], ids[:7] + [(ids[7] + 1) % len(tok)], ids]
+    for given in calls:
+        drafted = chain(np.array(given, dtype=np.intc))
+        assert drafted.dtype == np.intc and drafted.tolist() == hf_greedy(model, given, 5), given
 
 
 @pytest.mark.skipif(not (importable("llama_cpp") and importable("gguf")), reason="llama-cpp-python is not installed")
