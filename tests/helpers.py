@@ -155,3 +155,31 @@ def olah_server(root, probe_repo: str):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def check_trained_heads_cli(run_cli, model_dir, heads, prompt, family: str, n: int, other: tuple[str, str],
+                            wrong_size_heads):
+    """What a user does with heads `clover train --arch FAMILY` wrote: `clover generate` with --draft none, FAMILY
+    and auto gives the same text (auto merges n-gram lookup); asking for another family's drafter with them
+    (`other`: that --draft and the words its error must say), heads of another hidden size (`wrong_size_heads`,
+    32 wide) and --draft FAMILY without heads each fail in one line."""
+    import json
+
+    runs = {}
+    for draft in ("none", family, "auto"):
+        code, stdout, err = run_cli("generate", str(model_dir), "--prompt", str(prompt), "--heads", str(heads),
+                                    "--draft", draft, "--json", "-n", str(n), "--stats-file", "off")
+        assert code == 0, err
+        runs[draft] = json.loads(stdout)
+    assert runs[family]["text"] == runs["auto"]["text"] == runs["none"]["text"]
+    assert runs[family]["draft"] == family and runs["auto"]["draft"] == f"{family}+ngram"
+
+    def one_line(args, needle):
+        code, _, err = run_cli(*args)
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert code == 2 and len(lines) == 1 and needle in lines[0] and "Traceback" not in err, err
+
+    gen = ("generate", str(model_dir), "--prompt", str(prompt), "-n", "4", "--stats-file", "off")
+    one_line((*gen, "--heads", str(heads), "--draft", other[0]), other[1])
+    one_line((*gen, "--heads", str(wrong_size_heads), "--draft", family), "hidden size 32")
+    one_line((*gen, "--draft", family), f"no {family} heads")

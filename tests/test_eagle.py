@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import build_model
-from helpers import hf_greedy, run_engine
+from helpers import check_trained_heads_cli, hf_greedy, run_engine
 from test_layouts import VOCAB, make_target, pre_norm_hidden, ref_rms, ref_rope
 from test_lossless import check_prompts_and_follow_ups, make_model, random_heads
 from clover_cli.drafters.eagle import EagleDrafter
@@ -367,25 +367,8 @@ def test_eagle_through_the_cli(tmp_path, run_cli):
     assert detect(out) == "clover" and family(out) == "eagle"
     prompt = tmp_path / "p.txt"
     prompt.write_text("Tell me about the number 12.")
-    runs = {}
-    for draft in ("none", "eagle", "auto"):
-        code, stdout, err = run_cli("generate", str(model_dir), "--prompt", str(prompt), "--heads", str(out),
-                                    "--draft", draft, "--json", "-n", "32", "--stats-file", "off")
-        assert code == 0, err
-        runs[draft] = json.loads(stdout)
-    assert runs["eagle"]["text"] == runs["auto"]["text"] == runs["none"]["text"]
-    assert runs["eagle"]["draft"] == "eagle" and runs["auto"]["draft"] == "eagle+ngram"
-
-    def one_line(args, needle):
-        code, _, err = run_cli(*args)
-        lines = [line for line in err.splitlines() if line.strip()]
-        assert code == 2 and len(lines) == 1 and needle in lines[0] and "Traceback" not in err, err
-
-    gen = ("generate", str(model_dir), "--prompt", str(prompt), "-n", "4", "--stats-file", "off")
-    one_line((*gen, "--heads", str(out), "--draft", "clover"), "needs clover2 heads")
     other = tmp_path / "other"
     from transformers import AutoModelForCausalLM
 
     eagle_files(other, AutoModelForCausalLM.from_pretrained(model_dir), hidden=32)
-    one_line((*gen, "--heads", str(other), "--draft", "eagle"), "hidden size 32")
-    one_line((*gen, "--draft", "eagle"), "no eagle heads")
+    check_trained_heads_cli(run_cli, model_dir, out, prompt, "eagle", 32, ("clover", "needs clover2 heads"), other)

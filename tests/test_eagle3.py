@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import build_model
-from helpers import hf_greedy, run_engine
+from helpers import check_trained_heads_cli, hf_greedy, run_engine
 from test_layouts import VOCAB, make_target, ref_rms, ref_rope
 from clover_cli.drafters import MergedDrafter
 from clover_cli.drafters.eagle3 import Eagle3Drafter
@@ -379,27 +379,11 @@ def test_eagle3_through_the_cli(tmp_path, run_cli):
     assert detect(out) == "clover" and family(out) == "eagle3"
     prompt = tmp_path / "p.txt"
     prompt.write_text("Tell me about the number 12.")
-    runs = {}
-    for draft in ("none", "eagle3", "auto"):
-        code, stdout, err = run_cli("generate", str(model_dir), "--prompt", str(prompt), "--heads", str(out),
-                                    "--draft", draft, "--json", "-n", "24", "--stats-file", "off")
-        assert code == 0, err
-        runs[draft] = json.loads(stdout)
-    assert runs["eagle3"]["text"] == runs["auto"]["text"] == runs["none"]["text"]
-    assert runs["eagle3"]["draft"] == "eagle3" and runs["auto"]["draft"] == "eagle3+ngram"
-
-    def one_line(args, needle):
-        code, _, err = run_cli(*args)
-        lines = [line for line in err.splitlines() if line.strip()]
-        assert code == 2 and len(lines) == 1 and needle in lines[0] and "Traceback" not in err, err
-
-    gen = ("generate", str(model_dir), "--prompt", str(prompt), "-n", "4", "--stats-file", "off")
-    one_line((*gen, "--heads", str(out), "--draft", "eagle"), "needs eagle heads")
     from transformers import AutoModelForCausalLM
 
     eagle3_files(tmp_path / "other", AutoModelForCausalLM.from_pretrained(model_dir), hidden=32)
-    one_line((*gen, "--heads", str(tmp_path / "other"), "--draft", "eagle3"), "hidden size 32")
-    one_line((*gen, "--draft", "eagle3"), "no eagle3 heads")
+    check_trained_heads_cli(run_cli, model_dir, out, prompt, "eagle3", 24, ("eagle", "needs eagle heads"),
+                            tmp_path / "other")
 
 
 def test_published_eagle3_from_the_hub(tmp_path):
