@@ -288,6 +288,7 @@ class Program:
     """A compiled package: called with its flat tensor inputs, returns its flat outputs."""
 
     def __init__(self, path: Path):
+        self.name = Path(path).name
         # Loading checks that the package suits this CPU's vector instructions; inductor's check of what the CPU
         # supports compiles and loads a probe library for each instruction set (about a second, every process).
         # The CPU's own flags answer it here: the package key already names the CPU's capability.
@@ -539,31 +540,49 @@ class CompiledStep:
 # ---------------------------------------------------------------------------------------------------------------
 # The draft heads' programs
 
-HEADS_PACKAGES = {"clover": ("augment.pt2", "level0.pt2", "level.pt2"), "medusa": ("levels.pt2",)}
+HEADS_PACKAGES = {"clover": ("augment.pt2", "augment-small.pt2", "level0.pt2", "level.pt2", "level-small.pt2"),
+                  "medusa": ("levels.pt2",)}
 MAX_LEVEL_ROWS = 64  # nodes a Clover level can expand at once in the compiled program
+# As for the target's step: up to this many rows (a catch-up after a short accepted path, a level of a few nodes:
+# nearly every heads call) a program of its own with inductor's autotuned matrix-vector kernels, which read the
+# weights 2-3x faster there than the oneDNN products of the programs for any size.
+SMALL_ROWS = 4
 
 
 class HeadsPrograms:
     """The compiled twins of a heads drafter's per-step modules (drafters/clover2.py, medusa.py): for Clover-2 the
     augmenting block (`augment`, with the heads' own cache) and the first and later levels (`levels`); for Medusa
-    all heads at once (`levels`). Same inputs and outputs as the eager modules."""
+    all heads at once (`levels`). Same inputs and outputs as the eager modules. A Clover-2 call of up to SMALL_ROWS
+    rows runs the small twin of its program."""
 
     def __init__(self, path: Path, kind: str, capacity: int, augment_ranges: dict | None = None):
         self.path, self.kind, self.capacity = Path(path), kind, capacity
-        self.augment_ranges = augment_ranges  # {"n": [least, most], "past": [least, most]} the augment takes
-        programs = [Program(self.path / name) for name in HEADS_PACKAGES[kind]]
+        # program name -> {"n": [least, most], "past": [least, most]}: the sizes each augment program takes
+        self.augment_ranges = augment_ranges
+        programs = {name: Program(self.path / name) for name in HEADS_PACKAGES[kind]}
         self._past: dict[int, torch.Tensor] = {}
         if kind == "clover":
-            self._augment, level0, level = programs
+            self._augments = [(name, programs[name]) for name in ("augment-small.pt2", "augment.pt2")]
+            level0, level, small = programs["level0.pt2"], programs["level.pt2"], programs["level-small.pt2"]
             self.levels = (lambda states, tokens: tuple(level0(states.contiguous(), tokens)),
-                           lambda states, tokens: tuple(level(states.contiguous(), tokens)))
+                           lambda states, tokens: tuple((small if states.shape[0] <= SMALL_ROWS else level)(
+                               states.contiguous(), tokens)))
         else:
-            self.levels = lambda hidden: tuple(programs[0](hidden.contiguous()))
+            self.levels = lambda hidden: tuple(programs["levels.pt2"](hidden.contiguous()))
+
+    def _augment_for(self, cache, n: int):
+        """The augment program that takes n new positions after the cache's, or None."""
+        size = padded_size(n)
+        if self.augment_ranges is None or not fits(self.capacity, cache, size):
+            return None
+        for name, program in self._augments:
+            r = self.augment_ranges.get(name)
+            if r and r["n"][0] <= n and size <= r["n"][1] and r["past"][0] <= cache.length <= r["past"][1]:
+                return program
+        return None
 
     def fits(self, cache, n: int) -> bool:
-        r = self.augment_ranges
-        return (fits(self.capacity, cache, padded_size(n)) and r is not None
-                and r["n"][0] <= n and padded_size(n) <= r["n"][1] and r["past"][0] <= cache.length <= r["past"][1])
+        return self._augment_for(cache, n) is not None
 
     @torch.inference_mode()
     def augment(self, hidden, tokens, positions, cache):
@@ -571,13 +590,14 @@ class HeadsPrograms:
         change nothing before them, and the keys they write lie past the committed ones)."""
         n = tokens.numel()
         size = padded_size(n)
+        program = self._augment_for(cache, n)
         if size != n:
             hidden = torch.cat([hidden, hidden.new_zeros(size - n, hidden.shape[1])])
             tokens = torch.cat([tokens, tokens.new_zeros(size - n)])
             positions = torch.cat([positions, positions[-1:].expand(size - n)])
         keys, values = cache.buffers()
-        return self._augment(hidden.contiguous(), tokens, positions, _marker(cache.length, self._past), *keys,
-                             *values)[0][:n]
+        return program(hidden.contiguous(), tokens, positions, _marker(cache.length, self._past), *keys,
+                       *values)[0][:n]
 
 
 def find_heads(d: Path | None) -> dict | None:
@@ -608,8 +628,9 @@ def heads_kind(drafter) -> str | None:
     return {CloverDrafter: "clover", MedusaDrafter: "medusa"}.get(type(drafter))
 
 
-def build_heads_for(drafter, capacity: int, out: Path, log=print) -> dict:
-    """Export, compile and check the programs of a heads drafter (on an eager target); write them to `out`."""
+def build_heads_for(drafter, capacity: int, out: Path, log=print, autotune: bool = True) -> dict:
+    """Export, compile and check the programs of a heads drafter (on an eager target); write them to `out`.
+    autotune=False compiles the programs meant for autotuning without it (quicker to build, slower to run)."""
     t0 = time.perf_counter()
     kind = heads_kind(drafter)
     H = drafter.heads.cfg.hidden_size
@@ -623,21 +644,32 @@ def build_heads_for(drafter, capacity: int, out: Path, log=print) -> dict:
         drafter._catch_up()  # allocates the heads' cache buffers at full capacity
         drafter.reset(0)
         keys, values = drafter.cache.buffers()
-        n, past, rows = Dim("n", min=1, max=capacity - 1), Dim.DYNAMIC, Dim("rows", min=1, max=MAX_LEVEL_ROWS)
-        example = (torch.randn(5, H), torch.arange(5), torch.arange(20, 25), torch.empty(20, 0))
-        exported["augment.pt2"] = export(OnBuffers(drafter.augment_block, 3).eval(), (*example, *keys, *values),
-                                         (({0: n}, {0: n}, {0: n}, {0: past}, *(None for _ in keys + values)),))
-        ranges = input_ranges(exported["augment.pt2"], {"n": (0, 0), "past": (3, 0)})
-        exported["level0.pt2"] = export(drafter.levels[0].eval(), (torch.randn(1, H), torch.tensor([3])), None)
-        exported["level.pt2"] = export(drafter.levels[1].eval(), (torch.randn(3, H), torch.tensor([3, 4, 5])),
-                                       ({0: rows}, {0: rows}))
+        ranges = {}
+        # (program, most new positions, example size, autotuned): one for any size, one for a few rows
+        for name, most, example_n, tuned in (("augment.pt2", capacity - 1, 5, False),
+                                             ("augment-small.pt2", SMALL_ROWS, 2, True)):
+            n = Dim("n", min=1, max=most)
+            example = (torch.randn(example_n, H), torch.arange(example_n), torch.arange(20, 20 + example_n),
+                       torch.empty(20, 0))
+            program = export(OnBuffers(drafter.augment_block, 3).eval(), (*example, *keys, *values),
+                             (({0: n}, {0: n}, {0: n}, {0: Dim.DYNAMIC}, *(None for _ in keys + values)),))
+            exported[name] = (program, tuned)
+            ranges[name] = input_ranges(program, {"n": (0, 0), "past": (3, 0)})
+        exported["level0.pt2"] = (export(drafter.levels[0].eval(), (torch.randn(1, H), torch.tensor([3])), None),
+                                  True)
+        for name, most, example_n, tuned in (("level.pt2", MAX_LEVEL_ROWS, 3, False),
+                                             ("level-small.pt2", SMALL_ROWS, 2, True)):
+            rows = Dim("rows", min=1, max=most)
+            exported[name] = (export(drafter.levels[1].eval(), (torch.randn(example_n, H),
+                                                                torch.arange(3, 3 + example_n)),
+                                     ({0: rows}, {0: rows})), tuned)
     else:
-        exported["levels.pt2"] = export(drafter.levels.eval(), (torch.randn(1, H),), None)
+        exported["levels.pt2"] = (export(drafter.levels.eval(), (torch.randn(1, H),), None), True)
         ranges = None
     log(f"compiling the {kind} heads' programs ... {time.perf_counter() - t0:.0f} s")
     with building(out) as tmp:
-        for name, program in exported.items():
-            compile_package(program, tmp / name)
+        for name, (program, tuned) in exported.items():
+            compile_package(program, tmp / name, autotune and tuned)
         check_heads(HeadsPrograms(tmp, kind, capacity, ranges), drafter)
         meta = {"program": PROGRAM_VERSION, "kind": kind, "capacity": capacity, "topk": drafter.grower.topk,
                 "augment_ranges": ranges, "build_s": round(time.perf_counter() - t0, 1)}
@@ -690,7 +722,7 @@ def check_heads(programs: HeadsPrograms, drafter, tolerance: float = 1e-3):
             close(a[:, :, past:past + n], b[:, :, past:past + n], "the heads' cache")
     if served < 2:
         raise CloverError(f"the compiled {programs.kind} heads take too few of the sizes they were built for")
-    for first, rows in ((True, 1), (False, 1), (False, 5)):
+    for first, rows in ((True, 1), (False, 1), (False, SMALL_ROWS), (False, SMALL_ROWS + 1)):
         states, tokens = torch.randn(rows, H, generator=g), torch.randint(0, vocab, (rows,), generator=g)
         compiled = programs.levels[0 if first else 1](states, tokens)
         eager = drafter.levels[0 if first else 1](states, tokens)

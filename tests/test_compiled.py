@@ -426,8 +426,9 @@ def published_programs(programs, tmp_path_factory):
     out = {}
     for kind in DRAFTERS:
         heads = load(root / kind, model)
+        # the layouts' mapping is what is tested here, not the kernels: built without autotuning (quicker)
         meta = build_heads_for(DRAFTERS[kind][0](heads, Target(model)), capacity, root / f"{kind}-programs",
-                               log=lambda text: None)
+                               log=lambda text: None, autotune=False)
         out[kind] = (heads, root / f"{kind}-programs", meta)
     return out
 
@@ -478,3 +479,36 @@ def test_wrong_heads_programs_are_refused(programs, heads_programs, monkeypatch)
     monkeypatch.setattr(HeadsPrograms, "augment", lambda self, *args: real(self, *args) + 0.01)
     with pytest.raises(compiled.CloverError, match="heads disagree"):
         compiled.check_heads(programs_, drafter)
+
+
+def test_few_rows_run_the_small_heads_programs(programs, heads_programs, monkeypatch):
+    """A catch-up of up to SMALL_ROWS positions and a level of up to SMALL_ROWS nodes run the autotuned small
+    programs, more rows the programs for any size; each gives what the eager module gives."""
+    model, _, _ = programs["llama"]
+    heads, path, meta = heads_programs["clover"]
+    drafter = CloverDrafter(heads, Target(model))
+    drafter.cache.grow_to(meta["capacity"])
+    drafter.observe(torch.zeros(1, model.config.hidden_size), torch.zeros(1, dtype=torch.long))
+    drafter._catch_up()  # the heads' cache buffers
+    programs_ = HeadsPrograms(path, "clover", meta["capacity"], meta["augment_ranges"])
+    ran = []
+    real = compiled.Program.__call__
+    monkeypatch.setattr(compiled.Program, "__call__", lambda self, *inputs: ran.append(self.name) or real(self, *inputs))
+    H, g, small = model.config.hidden_size, torch.Generator().manual_seed(5), compiled.SMALL_ROWS
+    with torch.inference_mode():
+        for n, want in ((1, "augment-small.pt2"), (small, "augment-small.pt2"), (small + 1, "augment.pt2")):
+            keys, values = drafter.cache.buffers()
+            mine = type(drafter.cache).over([k.clone() for k in keys], [v.clone() for v in values], 10)
+            drafter.cache.length = 10
+            hidden, tokens = torch.randn(n, H, generator=g), torch.randint(0, 96, (n,), generator=g)
+            ran.clear()
+            got = programs_.augment(hidden, tokens, torch.arange(10, 10 + n), mine)
+            assert ran == [want]
+            assert torch.allclose(got, drafter.augment_block(hidden, tokens, torch.arange(10, 10 + n), drafter.cache),
+                                  atol=1e-4)
+        for rows, want in ((1, "level-small.pt2"), (small, "level-small.pt2"), (small + 1, "level.pt2")):
+            states, tokens = torch.randn(rows, H, generator=g), torch.randint(0, 96, (rows,), generator=g)
+            ran.clear()
+            got, eager = programs_.levels[1](states, tokens), drafter.levels[1](states, tokens)
+            assert ran == [want]
+            assert all(torch.allclose(a.float(), b.float(), atol=1e-4) for a, b in zip(got, eager))
