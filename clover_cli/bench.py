@@ -322,7 +322,7 @@ class BenchSession:
         if method == "plain":
             drafter = NoDrafter()
         elif method == "ngram":
-            drafter = NgramDrafter()
+            drafter = NgramDrafter(prior=s.ngram_prior)
         elif method == "medusa":
             drafter = MedusaDrafter(self.medusa_heads, s.target)
         elif method in MODEL_METHODS:
@@ -349,7 +349,7 @@ class BenchSession:
 
                 # exactly what --draft auto runs; what it learns about when the heads pay carries over between runs,
                 # as in a chat session
-                drafter = auto_drafter(drafter, self.choices.setdefault(method, ChoiceStats()))
+                drafter = auto_drafter(drafter, self.choices.setdefault(method, ChoiceStats()), s.ngram_prior)
         if method in ("medusa", "clover", "clover+ngram"):  # the heads' compiled programs, when the step is
             heads_drafter = getattr(drafter, "first", drafter)
             s.compiler.ready_heads(heads_drafter, self.medusa_path if method == "medusa" else self.clover_path)

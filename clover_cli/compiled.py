@@ -112,10 +112,13 @@ def cache_root() -> Path:
 
 
 def _fingerprint_files(model_path: Path) -> list:
-    """(name, size, mtime) of the files that make the model: its config and weights."""
+    """(name, size, mtime) of the files that make the model: its config and weights (not the n-gram prior, which
+    only drafts)."""
+    from .drafters.ngram import PRIOR_FILE
+
     out = []
     for f in sorted(model_path.iterdir()) if model_path.is_dir() else []:
-        if f.suffix in (".json", ".safetensors", ".bin", ".pt", ".py") and f.is_file():
+        if f.suffix in (".json", ".safetensors", ".bin", ".pt", ".py") and f.is_file() and f.name != PRIOR_FILE:
             st = f.stat()
             out.append((f.name, st.st_size, st.st_mtime_ns))
     return out

@@ -59,6 +59,10 @@ class Session:
                                     f"{self.template_name} template")
         self.target = Target(self.model, max_context=opts.max_context)
         check_exact(self.target)  # a model clover would not run exactly is refused here, in one line
+        from .drafters.ngram import load_prior
+
+        # tri-gram counts of the model's own replies, when its directory has them (the n-gram drafter's prior)
+        self.ngram_prior = load_prior(self.resolved.path, self.model.config.vocab_size)
         self.compiler = StepCompiler(compile_mode(opts.compile), self.target, self.resolved.path, self.dtype,
                                      self.device, self.load_in_8bit, opts.trust_remote_code, opts.allow_pickle,
                                      warn=self._warn)
@@ -89,14 +93,14 @@ class Session:
         if opts.draft == "none":
             return NoDrafter()
         if opts.draft == "ngram":
-            return NgramDrafter()
+            return NgramDrafter(prior=self.ngram_prior)
         if opts.draft == "model":
             return self._model_drafter(opts)
         if opts.draft == "self":
             return self._self_drafter(opts)
         if self.heads_path is None:
             if opts.draft == "auto":
-                return NgramDrafter()
+                return NgramDrafter(prior=self.ngram_prior)
             raise CloverError(f"no {opts.draft} heads for {self.resolved.name}: pass --heads DIR|REPO, "
                               f"or make them with `clover train`")
         if any(m.weight.device.type == "meta" for m in (self.model.get_input_embeddings(),
@@ -105,7 +109,7 @@ class Session:
             if opts.draft != "auto":
                 raise CloverError(f"{why}: keep them on a device in the map, or use --draft ngram")
             self._warn(f"{why}: drafting by n-gram lookup only")
-            return NgramDrafter()
+            return NgramDrafter(prior=self.ngram_prior)
         from .drafters import registry
 
         heads = registry.load(self.heads_path, self.model)
@@ -119,7 +123,7 @@ class Session:
             raise CloverError(f"--draft {opts.draft} needs {want} heads, but {self.heads_path} holds {arch} heads")
         grow = {"static": True} if opts.tree == "static" else {}
         drafter = registry.drafter_for(heads, self.target, **grow)
-        return auto_drafter(drafter) if opts.draft == "auto" else drafter
+        return auto_drafter(drafter, prior=self.ngram_prior) if opts.draft == "auto" else drafter
 
     def _draft_path(self):
         """The draft model's directory while --draft model is in use (its step is compiled too), else None."""
@@ -217,15 +221,16 @@ class Session:
 LOOKUP_ENOUGH = 3.0  # measured on the bundled model, CPU: 1.98x vs 1.83x plain without the skip (docs/BENCHMARKS.md)
 
 
-def auto_drafter(heads_drafter, choices=None) -> MergedDrafter:
-    """The default drafter when there are heads: the heads, and n-gram lookup for what already occurred. Whether a
-    step runs the heads is learned from the tokens per second steps gave with and without them (`choices`, shared
-    by the drafters of one session or bench method); before that, lookup alone when it already expects
-    LOOKUP_ENOUGH accepted tokens (a repeat)."""
+def auto_drafter(heads_drafter, choices=None, prior=None) -> MergedDrafter:
+    """The default drafter when there are heads: the heads, and n-gram lookup for what already occurred (with the
+    model's n-gram `prior`, if any). Whether a step runs the heads is learned from the tokens per second steps gave
+    with and without them (`choices`, shared by the drafters of one session or bench method); before that, lookup
+    alone when it already expects LOOKUP_ENOUGH accepted tokens (a repeat)."""
     from .drafters import ChoiceStats
     from .drafters.ngram import NgramDrafter
 
-    return MergedDrafter(heads_drafter, NgramDrafter(), enough=LOOKUP_ENOUGH, choices=choices or ChoiceStats())
+    return MergedDrafter(heads_drafter, NgramDrafter(prior=prior), enough=LOOKUP_ENOUGH,
+                         choices=choices or ChoiceStats())
 
 
 def heads_target_mismatch(made_for: str | None, repo: str | None) -> str | None:

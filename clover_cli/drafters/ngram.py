@@ -10,25 +10,81 @@ it proposed with the tokens the target went on to produce and keeps, per depth, 
 every token before it was, separately for each length of the matched suffix (a one-token match predicts far less
 than a four-token one). Text that repeats (a loop, a quoted passage, code being edited) earns long chains; text
 that does not keeps them short. A node's score is its share of the matches times those survival rates.
+
+A model directory may hold tri-gram counts of the model's own replies to other prompts (PRIOR_FILE, made by
+`scripts/build_ngram_prior.py`; the bundled model has one), as llama.cpp's static lookup cache and REST's datastore
+do: where the conversation has no counts yet for the last two tokens, the chain follows the prior's instead. A
+model's replies reuse its own phrases from conversation to conversation, so this drafts where lookup finds nothing.
 """
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from pathlib import Path
 
+import torch
+
+from ..errors import CloverError
 from ..tree import DraftTree, TreeBuilder
+
+PRIOR_FILE = "clover-ngram.safetensors"  # tensor "trigrams" [n, 4] int64 rows (a, b, c, count)
+MIN_CHAIN_P = 0.1  # a tri-gram chain stops at a token predicted with less than this
+
+
+def prior_table(trigrams: dict[tuple, Counter]) -> dict[tuple[int, int], tuple[int, float]]:
+    """(a, b) -> (the most frequent next token, its share of the counts), for the pairs whose best share reaches
+    MIN_CHAIN_P: all the chain needs of a pair."""
+    out = {}
+    for pair, counts in trigrams.items():
+        tok, c = counts.most_common(1)[0]
+        p = c / sum(counts.values())
+        if p >= MIN_CHAIN_P:
+            out[pair] = (tok, p)
+    return out
+
+
+def save_prior(path: Path, trigrams: dict[tuple, Counter]) -> Path:
+    """Write tri-gram counts ((a, b) -> Counter of next tokens) as PRIOR_FILE's layout, atomically."""
+    from safetensors.torch import save
+
+    from .. import atomic
+
+    rows = sorted((a, b, c, n) for (a, b), counts in trigrams.items() for c, n in counts.items() if n > 0)
+    table = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4)
+    return atomic.write_bytes(Path(path), save({"trigrams": table}))
+
+
+def load_prior(model_dir, vocab_size: int) -> dict[tuple[int, int], tuple[int, float]] | None:
+    """The prior in a model directory (None when it has none). A damaged file, or one for another vocabulary, is
+    refused in one line."""
+    from .common import read_tensors
+
+    file = Path(model_dir) / PRIOR_FILE
+    if not file.is_file():
+        return None
+    table = read_tensors(file, "n-gram prior").get("trigrams")
+    if (table is None or table.dtype != torch.int64 or table.dim() != 2 or table.shape[1] != 4
+            or (table.numel() and (table[:, :3].min() < 0 or table[:, 3].min() < 1))):
+        raise CloverError(f"n-gram prior {file}: not a table of (a, b, c, count) rows")
+    if table.numel() and table[:, :3].max() >= vocab_size:
+        raise CloverError(f"n-gram prior {file} was made for a larger vocabulary than this model's ({vocab_size})")
+    trigrams: dict[tuple, Counter] = defaultdict(Counter)
+    for a, b, c, n in table.tolist():
+        trigrams[(a, b)][c] += n
+    return prior_table(trigrams)
 
 
 class NgramDrafter:
     name = "ngram"
 
     def __init__(self, max_n: int = 4, max_depth: int = 32, matches: int = 4, decay: float = 0.8,
-                 chain_depth: int = 8):
+                 chain_depth: int = 8, prior: dict | None = None):
         self.max_n, self.max_depth, self.matches, self.chain_depth = max_n, max_depth, matches, chain_depth
         self.decay = decay  # per-depth survival before anything is learned, and the tri-gram chain's discount
         self.tokens: list[int] = []
         self.index: dict[tuple, list[int]] = defaultdict(list)
         self.trigrams: dict[tuple, Counter] = defaultdict(Counter)  # session-wide, survives resets
+        self.prior = prior or {}  # (a, b) -> (next token, share): the model's own replies elsewhere (load_prior)
         # survival[k][d]: [right, tried] (decayed counts) for the token at depth d+1 looked up after a k-token match,
         # when all before it were right; starts as PRIOR_WEIGHT observations at `decay`
         self.survival = {k: [[decay * self.PRIOR_WEIGHT, float(self.PRIOR_WEIGHT)] for _ in range(max_depth)]
@@ -100,11 +156,14 @@ class NgramDrafter:
         a, b = (context[-2], context[-1]) if len(context) >= 2 else (None, context[-1])
         for _ in range(self.chain_depth):
             counts = self.trigrams.get((a, b))
-            if not counts:
+            if counts:  # what this conversation says first
+                tok, c = counts.most_common(1)[0]
+                p = c / sum(counts.values())
+            elif (a, b) in self.prior:
+                tok, p = self.prior[(a, b)]
+            else:
                 break
-            tok, c = counts.most_common(1)[0]
-            p = c / sum(counts.values())
-            if p < 0.1:
+            if p < MIN_CHAIN_P:
                 break
             chain.append(tok)
             probs.append(p)
