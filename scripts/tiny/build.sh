@@ -12,6 +12,8 @@
 # 7. draft model, distilled from the bundled  scripts/tiny/train_draft.py (recipe.json "draft"), then
 #    target on its regenerated replies         scripts/tiny/export_draft.py -> clover_cli/bundled/tiny/draft,
 #                                              scripts/tiny/evaluate_draft.py -> docs/tiny_draft_eval.json
+# 8. the n-gram drafter's prior: tri-gram     scripts/build_ngram_prior.py -> clover_cli/bundled/tiny/
+#    counts of the bundled target's replies      clover-ngram.safetensors (400 training-split first turns)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 WORK=${WORK:-runs/tiny}
@@ -40,3 +42,4 @@ python scripts/tiny/train_draft.py --work "$WORK" --regenerated "$WORK/heads-clo
 python scripts/tiny/export_draft.py --work "$WORK"
 python scripts/tiny/evaluate_draft.py --work "$WORK"  # measures the exported (fp16) draft
 python scripts/tiny/export_draft.py --work "$WORK"    # again, for the model card's numbers
+python scripts/build_ngram_prior.py --conversations 400  # into clover_cli/bundled/tiny
