@@ -12,6 +12,7 @@ from .drafters import MergedDrafter, NoDrafter
 from .compiled import StepCompiler, StepCosts, compile_mode
 from .engine import Engine, Sampling, StepEvent, StopCheck
 from .errors import CloverError
+from .drafters.ngram import load_prior
 from .drafters.registry import resolve_heads
 from .hub import looks_like_repo, resolve_model
 from .loading import load
@@ -59,8 +60,6 @@ class Session:
                                     f"{self.template_name} template")
         self.target = Target(self.model, max_context=opts.max_context)
         check_exact(self.target)  # a model clover would not run exactly is refused here, in one line
-        from .drafters.ngram import load_prior
-
         # tri-gram counts of the model's own replies, when its directory has them (the n-gram drafter's prior)
         self.ngram_prior = load_prior(self.resolved.path, self.model.config.vocab_size)
         self.compiler = StepCompiler(compile_mode(opts.compile), self.target, self.resolved.path, self.dtype,

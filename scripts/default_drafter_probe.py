@@ -49,10 +49,10 @@ def main():
 
     def make(name):
         if policies[name] is None:
-            return NgramDrafter()
+            return NgramDrafter(prior=s.ngram_prior)
         d = CloverDrafter(heads, s.target)
         s.compiler.ready_heads(d, str(BUNDLED / "heads"))
-        return auto_drafter(d, policies[name])
+        return auto_drafter(d, policies[name], s.ngram_prior)
 
     engines = {name: Engine(s.target, make(name), budget=s.engine.budget, auto_budget=s.engine.auto_budget,
                             costs=s.engine.costs) for name in policies}

@@ -55,8 +55,8 @@ def main():
     programs.levels = (timed(first, lambda *_: "level 0, 1 node"),
                        timed(later, lambda states, _: f"level, {states.shape[0]} nodes"))
     drafter.propose = timed(drafter.propose, lambda *_: "whole proposal")
-    engine = Engine(s.target, auto_drafter(drafter) if args.default else drafter, budget=s.engine.budget, auto_budget=s.engine.auto_budget,
-                    costs=s.engine.costs)
+    engine = Engine(s.target, auto_drafter(drafter, prior=s.ngram_prior) if args.default else drafter,
+                    budget=s.engine.budget, auto_budget=s.engine.auto_budget, costs=s.engine.costs)
     encoded = [s.encode_chat(p["messages"]) for p in load_prompts(None, args.limit)]
     with torch.inference_mode():
         for _ in engine.generate(encoded[0][:64], StopCheck(8, s.eos_ids)):  # warm-up

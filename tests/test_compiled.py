@@ -466,7 +466,8 @@ def check_compiled_heads(programs, entry, kind, seed):
         assert out == reference
 
 
-def test_wrong_heads_programs_are_refused(programs, heads_programs, monkeypatch):
+def eager_clover_and_programs(programs, heads_programs):
+    """(model, an eager Clover drafter with its cache buffers at the programs' capacity, the heads' programs)."""
     model, _, _ = programs["llama"]
     heads, path, meta = heads_programs["clover"]
     drafter = CloverDrafter(heads, Target(model))
@@ -474,6 +475,11 @@ def test_wrong_heads_programs_are_refused(programs, heads_programs, monkeypatch)
     drafter.observe(torch.zeros(1, model.config.hidden_size), torch.zeros(1, dtype=torch.long))
     drafter._catch_up()  # the heads' cache buffers
     programs_ = HeadsPrograms(path, "clover", meta["capacity"], meta["augment_ranges"])
+    return model, drafter, programs_
+
+
+def test_wrong_heads_programs_are_refused(programs, heads_programs, monkeypatch):
+    _, drafter, programs_ = eager_clover_and_programs(programs, heads_programs)
     compiled.check_heads(programs_, drafter)
     real = HeadsPrograms.augment
     monkeypatch.setattr(HeadsPrograms, "augment", lambda self, *args: real(self, *args) + 0.01)
@@ -484,16 +490,11 @@ def test_wrong_heads_programs_are_refused(programs, heads_programs, monkeypatch)
 def test_few_rows_run_the_small_heads_programs(programs, heads_programs, monkeypatch):
     """A catch-up of up to SMALL_ROWS positions and a level of up to SMALL_ROWS nodes run the autotuned small
     programs, more rows the programs for any size; each gives what the eager module gives."""
-    model, _, _ = programs["llama"]
-    heads, path, meta = heads_programs["clover"]
-    drafter = CloverDrafter(heads, Target(model))
-    drafter.cache.grow_to(meta["capacity"])
-    drafter.observe(torch.zeros(1, model.config.hidden_size), torch.zeros(1, dtype=torch.long))
-    drafter._catch_up()  # the heads' cache buffers
-    programs_ = HeadsPrograms(path, "clover", meta["capacity"], meta["augment_ranges"])
+    model, drafter, programs_ = eager_clover_and_programs(programs, heads_programs)
     ran = []
     real = compiled.Program.__call__
-    monkeypatch.setattr(compiled.Program, "__call__", lambda self, *inputs: ran.append(self.name) or real(self, *inputs))
+    monkeypatch.setattr(compiled.Program, "__call__",
+                        lambda self, *inputs: ran.append(self.name) or real(self, *inputs))
     H, g, small = model.config.hidden_size, torch.Generator().manual_seed(5), compiled.SMALL_ROWS
     with torch.inference_mode():
         for n, want in ((1, "augment-small.pt2"), (small, "augment-small.pt2"), (small + 1, "augment.pt2")):

@@ -31,16 +31,17 @@ PRIOR_FILE = "clover-ngram.safetensors"  # tensor "trigrams" [n, 4] int64 rows (
 MIN_CHAIN_P = 0.1  # a tri-gram chain stops at a token predicted with less than this
 
 
+def best_next(counts: Counter) -> tuple[int, float]:
+    """The most frequent next token and its share of the counts."""
+    tok, c = counts.most_common(1)[0]
+    return tok, c / sum(counts.values())
+
+
 def prior_table(trigrams: dict[tuple, Counter]) -> dict[tuple[int, int], tuple[int, float]]:
-    """(a, b) -> (the most frequent next token, its share of the counts), for the pairs whose best share reaches
-    MIN_CHAIN_P: all the chain needs of a pair."""
-    out = {}
-    for pair, counts in trigrams.items():
-        tok, c = counts.most_common(1)[0]
-        p = c / sum(counts.values())
-        if p >= MIN_CHAIN_P:
-            out[pair] = (tok, p)
-    return out
+    """(a, b) -> best_next of its counts, for the pairs whose best share reaches MIN_CHAIN_P: all the chain needs of
+    a pair."""
+    best = {pair: best_next(counts) for pair, counts in trigrams.items()}
+    return {pair: (tok, p) for pair, (tok, p) in best.items() if p >= MIN_CHAIN_P}
 
 
 def save_prior(path: Path, trigrams: dict[tuple, Counter]) -> Path:
@@ -157,8 +158,7 @@ class NgramDrafter:
         for _ in range(self.chain_depth):
             counts = self.trigrams.get((a, b))
             if counts:  # what this conversation says first
-                tok, c = counts.most_common(1)[0]
-                p = c / sum(counts.values())
+                tok, p = best_next(counts)
             elif (a, b) in self.prior:
                 tok, p = self.prior[(a, b)]
             else:
