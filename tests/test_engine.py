@@ -305,6 +305,63 @@ def test_ngram_learns_how_far_lookups_stay_right():
     assert deep_score(broken, query, 1) > 0.9  # the first token kept being right
 
 
+def test_ngram_grows_nothing_below_min_score():
+    """With a min_score the drafter leaves out what could not pay for its verification: every node scored at least
+    that is still proposed, with the same score, and far fewer below it are built."""
+
+    def scored(tree):
+        out, depths = {}, tree.depths()
+        for i in range(1, len(tree)):
+            path, j = [], i
+            while j > 0:
+                path.append(tree.tokens[j])
+                j = tree.parents[j]
+            out[tuple(reversed(path))] = tree.scores[i]
+        return out, max(depths)
+
+    context = [50, 51] + [1, 2, 3, 4, 5] * 4 + [7, 1, 2, 3]
+    for bar in (0.05, 0.2, 0.5):
+        full, cut = NgramDrafter(max_depth=24), NgramDrafter(max_depth=24)
+        cut.min_score = bar
+        (everything, deepest), (kept, depth) = scored(full.propose(context, 200)), scored(cut.propose(context, 200))
+        assert {p: s for p, s in everything.items() if s >= bar} == {p: s for p, s in kept.items() if s >= bar}
+        assert len(kept) < len(everything) and depth < deepest
+
+
+def test_ngram_reset_makes_it_compare_the_context_again():
+    """After reset(length) the drafter checks the next context from `length` on: a rewritten conversation is
+    indexed anew (its tokens, not the old ones, are looked up)."""
+    d = NgramDrafter(max_depth=4)
+    d.propose([9, 1, 2, 3, 4, 5, 6], 8)
+    d.reset(1)
+    tree = d.propose([9, 5, 6, 8, 3, 5, 6], 8)  # as long as the old one, the same last tokens
+    assert tree.tokens[1:3] == [8, 3]  # what followed "5 6" in this conversation
+
+
+def test_greedy_argmax_rows_pick_the_first_maximum_as_torch_does():
+    from clover_cli.engine import argmax_rows
+
+    g = torch.Generator().manual_seed(0)
+    for rows, vocab in ((1, 7), (5, 8192), (33, 100)):
+        logits = torch.randint(-3, 3, (rows, vocab), generator=g).float()  # many ties
+        assert argmax_rows(logits) == logits.argmax(-1).tolist()
+        logits[0, vocab // 2] = float("nan")
+        assert argmax_rows(logits) == logits.argmax(-1).tolist()
+        assert argmax_rows(logits.bfloat16()) == logits.bfloat16().argmax(-1).tolist()
+
+
+def test_verify_upto_is_verify_for_every_size():
+    from clover_cli.engine import CostModel
+
+    rng = random.Random(3)
+    for padded in (False, True):
+        for _ in range(50):
+            table = {n: rng.random() for n in rng.sample(range(1, 90), rng.randint(2, 9))}
+            cost = CostModel(verify_s=table, padded=padded)
+            cost.monotone()
+            assert cost.verify_upto(120)[1:] == [cost.verify(n) for n in range(1, 121)]
+
+
 def test_cost_model_min_score_follows_speed_and_calibration():
     from clover_cli.engine import CostModel
 

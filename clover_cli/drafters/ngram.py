@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CloverError
-from ..tree import DraftTree, TreeBuilder
+from ..tree import DraftTree
 
 PRIOR_FILE = "clover-ngram.safetensors"  # tensor "trigrams" [n, 4] int64 rows (a, b, c, count)
 MIN_CHAIN_P = 0.1  # a tri-gram chain stops at a token predicted with less than this
@@ -83,8 +83,10 @@ class NgramDrafter:
         self.max_n, self.max_depth, self.matches, self.chain_depth = max_n, max_depth, matches, chain_depth
         self.decay = decay  # per-depth survival before anything is learned, and the tri-gram chain's discount
         self.tokens: list[int] = []
+        self.checked = 0  # how many of `tokens` the next context is known to share (until reset() says less)
         self.index: dict[tuple, list[int]] = defaultdict(list)
         self.trigrams: dict[tuple, Counter] = defaultdict(Counter)  # session-wide, survives resets
+        self.best: dict[tuple, tuple[int, float]] = {}  # best_next of trigrams' counts, per pair, while unchanged
         self.prior = prior or {}  # (a, b) -> (next token, share): the model's own replies elsewhere (load_prior)
         # survival[k][d]: [right, tried] (decayed counts) for the token at depth d+1 looked up after a k-token match,
         # when all before it were right; starts as PRIOR_WEIGHT observations at `decay`
@@ -92,6 +94,7 @@ class NgramDrafter:
                          for k in range(1, max_n + 1)}
         # (context length, matched suffix length, best looked-up chain) of the last proposal
         self.last: tuple[int, int, list[int]] | None = None
+        self.min_score = 0.0  # set by the engine: nodes scored below it do not pay for their verification
 
     PRIOR_WEIGHT = 2
     FORGET = 0.97  # each new observation at a depth weighs the older ones down by this
@@ -111,7 +114,8 @@ class NgramDrafter:
         return [right / tried for right, tried in self.survival[k]]
 
     def reset(self, length: int) -> None:
-        pass  # propose() re-synchronises with the context it is given
+        # the next context may differ from the one indexed from here on: propose() compares it from there
+        self.checked = min(self.checked, length)
 
     def observe(self, hidden, next_tokens) -> None:
         pass  # the statistics come from the context itself
@@ -119,36 +123,48 @@ class NgramDrafter:
     def _sync(self, context: list[int]) -> bool:
         """Index the context's new tokens. Returns whether it continues the context seen before."""
         n = len(self.tokens)
-        if n > len(context) or self.tokens != context[:n]:
+        start = min(self.checked, n)  # the indexed tokens before it are the context's (nothing reset them)
+        if n > len(context) or self.tokens[start:] != context[start:n]:
             self.tokens, self.index, n = [], defaultdict(list), 0
             learn = False  # a rewritten conversation: index it again, but count its tri-grams only once
         else:
             learn = True
+        self.checked = len(context)
         for i in range(n, len(context)):
             self.tokens.append(context[i])
             for k in range(1, self.max_n + 1):
                 if i - k + 1 >= 0:
                     self.index[tuple(context[i - k + 1:i + 1])].append(i)
             if learn and i >= 2:
-                self.trigrams[(context[i - 2], context[i - 1])][context[i]] += 1
+                pair = (context[i - 2], context[i - 1])
+                self.trigrams[pair][context[i]] += 1
+                self.best.pop(pair, None)
         return learn
 
-    def _lookup(self, context: list[int]) -> tuple[int, list[list[int]]]:
-        """(k, continuations) for the longest suffix of k tokens that occurred before (0, [] when none did)."""
+    def _lookup(self, context: list[int]) -> tuple[int, list[int]]:
+        """(k, positions) for the longest suffix of k tokens that occurred before: where its latest (at most
+        `matches`) earlier occurrences end, most recent first ((0, []) when none did)."""
         last = len(context) - 1
         for k in range(min(self.max_n, len(context)), 0, -1):
-            ends = [p for p in self.index.get(tuple(context[-k:]), ()) if p < last]
-            if ends:
-                picked = ends[::-1][: self.matches]
-                return k, [self._continuation(context, p) for p in picked]
+            ends = self.index.get(tuple(context[-k:]))
+            if not ends:
+                continue
+            picked = []
+            for p in reversed(ends):  # ascending positions: the latest first
+                if p < last:
+                    picked.append(p)
+                    if len(picked) == self.matches:
+                        break
+            if picked:
+                return k, picked
         return 0, []
 
-    def _continuation(self, context: list[int], p: int) -> list[int]:
-        """What followed position p, up to max_depth tokens. When it runs into the end of the context (the match
-        is the text repeating itself with period last - p), the repeat is carried on."""
-        out = context[p + 1:p + 1 + self.max_depth]
+    def _continuation(self, context: list[int], p: int, depth: int) -> list[int]:
+        """What followed position p, up to `depth` tokens. When it runs into the end of the context (the match is
+        the text repeating itself with period last - p), the repeat is carried on."""
+        out = context[p + 1:p + 1 + depth]
         period = len(context) - 1 - p
-        while len(out) < self.max_depth:
+        while len(out) < depth:
             out.append(out[len(out) - period])
         return out
 
@@ -156,9 +172,11 @@ class NgramDrafter:
         chain, probs = [], []
         a, b = (context[-2], context[-1]) if len(context) >= 2 else (None, context[-1])
         for _ in range(self.chain_depth):
-            counts = self.trigrams.get((a, b))
-            if counts:  # what this conversation says first
-                tok, p = best_next(counts)
+            best = self.best.get((a, b))
+            if best is None and self.trigrams.get((a, b)):
+                best = self.best[(a, b)] = best_next(self.trigrams[(a, b)])
+            if best is not None:  # what this conversation says first
+                tok, p = best
             elif (a, b) in self.prior:
                 tok, p = self.prior[(a, b)]
             else:
@@ -173,46 +191,53 @@ class NgramDrafter:
     def propose(self, context, budget) -> DraftTree:
         """A trie of the looked-up continuations and the tri-gram chain. A node's score is the share of earlier
         matches that continued through it times the learned chance of getting that deep (or the chain's tri-gram
-        probability, discounted by decay per depth)."""
+        probability, discounted by decay per depth). Nothing deeper than where that chance falls below min_score
+        is grown: such a node cannot pay for its verification."""
         last, self.last = self.last, None
         if self._sync(context) and last is not None:
             self._learn(last, context)
+        tokens, parents, depth, mass = [context[-1]], [-1], [0], [0.0]
         kids: list[dict[int, int]] = [{}]
-        tokens, parents, depth, score = [context[-1]], [-1], [0], [1.0]
-
-        def child(node: int, tok: int) -> int:
-            if tok not in kids[node]:
-                kids[node][tok] = len(tokens)
-                kids.append({})
-                tokens.append(tok)
-                parents.append(node)
-                depth.append(depth[node] + 1)
-                score.append(0.0)
-            return kids[node][tok]
-
-        k, found = self._lookup(context)
-        mass = [0.0]
-        for seq in found:
-            node = 0
-            for tok in seq:
-                node = child(node, tok)
-                mass.extend([0.0] * (len(tokens) - len(mass)))
-                mass[node] += 1.0 / len(found)
-        mass.extend([0.0] * (len(tokens) - len(mass)))
-        if found:
-            reach = [1.0]  # the chance a looked-up token at each depth is right, with all before it
+        k, ends = self._lookup(context)
+        reach = [1.0]  # the chance a looked-up token at each depth is right, with all before it
+        if ends:
             for rate in self.survival_rates(k):
+                if reach[-1] * rate < self.min_score:
+                    break
                 reach.append(reach[-1] * rate)
-            for i in range(1, len(tokens)):
-                score[i] = mass[i] * reach[depth[i]]
-            self.last = (len(context), k, found[0])  # the chain to learn from: the most recent match's continuation
+            # the chain to learn from: the most recent match's continuation, as deep as it can be scored
+            self.last = (len(context), k, self._continuation(context, ends[0], self.max_depth))
+            share = 1.0 / len(ends)
+            for p in ends:
+                node = 0
+                for tok in self._continuation(context, p, len(reach) - 1):
+                    nxt = kids[node].get(tok)
+                    if nxt is None:
+                        nxt = kids[node][tok] = len(tokens)
+                        kids.append({})
+                        tokens.append(tok)
+                        parents.append(node)
+                        depth.append(depth[node] + 1)
+                        mass.append(0.0)
+                    mass[nxt] += share
+                    node = nxt
+        score = [m * reach[d] for m, d in zip(mass, depth)]
+        score[0] = 1.0
         chain, probs = self._trigram_chain(context)
         node, p_path = 0, 1.0
         for tok, p in zip(chain, probs):
-            node = child(node, tok)
             p_path *= p * self.decay
-            score[node] = max(score[node], p_path)
-        builder = TreeBuilder(context[-1])
+            if p_path < self.min_score:
+                break
+            nxt = kids[node].get(tok)
+            if nxt is None:
+                nxt = kids[node][tok] = len(tokens)
+                kids.append({})
+                tokens.append(tok)
+                parents.append(node)
+                score.append(0.0)
+            score[nxt] = max(score[nxt], p_path)
+            node = nxt
         for i in range(1, len(tokens)):
-            builder.add(parents[i], tokens[i], min(score[i], builder.scores[parents[i]]))
-        return builder.build(budget)
+            score[i] = min(score[i], score[parents[i]])
+        return DraftTree(tokens, parents, score).prune(budget)
