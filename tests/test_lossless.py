@@ -77,6 +77,8 @@ def drafter_for(kind: str, model, target, rng: random.Random, reference, prompt_
     grow = {"static": True} if rng.random() < 0.3 else {"topk": rng.choice([2, 4, 8]), "width": rng.choice([1, 4])}
     if kind == "eagle" and rng.random() < 0.5:
         grow = {}  # EAGLE-2's own: top-10 children, 10 nodes expanded per depth
+    if kind == "clover":  # a catch-up over the last few positions only (holes in the heads' cache), or all
+        grow["window"] = rng.choice([None, 2, 5, CloverDrafter.WINDOW])
     return cls(heads, target, **grow)
 
 
@@ -288,9 +290,50 @@ def test_clover_drafter_catches_up_lazily_across_resets():
                   [("observe", 0, 10), ("propose",), ("observe", 10, 15), ("reset", 8), ("observe", 8, 20)],
                   [("observe", 0, 6), ("propose",), ("observe", 6, 9), ("propose",), ("observe", 9, 20)]):
         got, d = fed(spans)
-        assert d.cache.length == 20 and not d.pending
+        assert d.cache.length == 20 and not d.observed.pending
         assert torch.allclose(d.state, plain.state, atol=1e-5), spans
         assert got.tokens == want.tokens and got.parents == want.parents, spans
+
+
+def test_clover_catch_up_window_runs_the_last_positions_at_their_own_positions():
+    """A catch-up longer than the window runs the augmenting block over its last `window` positions only, at their
+    true positions, after what the cache held; a reset into the skipped stretch cuts the cache before it."""
+    from clover_cli.target import TreeKVCache, hidden_states
+
+    model = make_model("llama", 11)
+    target = Target(model)
+    heads = random_heads(model, "clover2", 5, 3, 2)
+    ids = torch.tensor([[(5 * i) % 90 + 3 for i in range(40)]])
+    with torch.inference_mode():
+        pre, _ = hidden_states(model, ids)
+    hidden, nxt = pre[0], ids[0, 1:]
+
+    d = CloverDrafter(heads, target, window=6)
+    d.observe(hidden[:30], nxt[:30])
+    d.propose(ids[0, :31].tolist(), 8)
+    assert d.cache.length == 6 and d.observed.slots == list(range(24, 30))
+    d.observe(hidden[30:33], nxt[30:33])  # within the window: every position runs
+    d.propose(ids[0, :34].tolist(), 8)
+    assert d.observed.slots == list(range(24, 33))
+
+    with torch.inference_mode():  # the same state from scratch: positions 24-29, then 30-32, in a fresh cache
+        block, cache = d.augment_block, TreeKVCache(heads.cfg.num_layers, 64, 64)
+        block(hidden[24:30], nxt[24:30], torch.arange(24, 30), cache)
+        cache.append(6)
+        want = block(hidden[30:33], nxt[30:33], torch.arange(30, 33), cache)[-1]
+    assert torch.allclose(d.state, want, atol=1e-5)
+
+    d.reset(27)  # inside what the cache holds: slots from position 27 on go
+    assert d.cache.length == 3 and d.observed.slots == [24, 25, 26]
+    d.reset(10)  # inside the skipped stretch: nothing before it had a slot
+    assert d.cache.length == 0 and d.observed.slots == []
+    d.observe(hidden[10:14], nxt[10:14])
+    d.propose(ids[0, :15].tolist(), 8)
+    assert d.observed.slots == [10, 11, 12, 13]
+    with torch.inference_mode():
+        cache = TreeKVCache(heads.cfg.num_layers, 64, 64)
+        want = d.augment_block(hidden[10:14], nxt[10:14], torch.arange(10, 14), cache)[-1]
+    assert torch.allclose(d.state, want, atol=1e-5)
 
 
 def test_merged_drafter_learns_when_its_first_drafter_pays(monkeypatch):

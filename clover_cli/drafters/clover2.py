@@ -47,9 +47,9 @@ from ..errors import CloverError
 from ..packed import pack_linears, packed_linears
 from ..target import Target, TreeKVCache, cache_kwarg
 from ..tree import DraftTree, TreeBuilder
-from .common import (TARGET_KEYS, DraftProjection, HeadsConfig, RMSNorm, TreeGrower, check_size, draft_config,
-                     finish_loading, first_file, join_pending, keep_pending, near_identity, read_config, read_tensors,
-                     rotary_for, same_weights, target_layer_class, top_tokens)
+from .common import (TARGET_KEYS, DraftProjection, HeadsConfig, Observed, RMSNorm, TreeGrower, check_size,
+                     draft_config, finish_loading, first_file, near_identity, read_config, read_tensors, rotary_for,
+                     same_weights, target_layer_class, top_tokens)
 
 ARCHITECTURE = "clover2"  # the heads config's "architecture"
 LAYOUT = "clover2-authors"  # the published layout this module reads
@@ -226,8 +226,15 @@ class CloverDrafter:
 
     name = "clover"
 
-    def __init__(self, heads, target: Target, **grow):
+    # A catch-up runs the augmenting block over at most this many of the positions committed since the last one:
+    # the first proposal of a reply would otherwise run it over the whole prompt (on the bundled model and a CPU,
+    # 7-15 ms for 330-570 positions, about as much as ten steps of heads), for drafts that gain little from
+    # attending that far back (measured: docs/BENCHMARKS.md). None: every position.
+    WINDOW = 64
+
+    def __init__(self, heads, target: Target, window: int | None = WINDOW, **grow):
         self.heads = heads
+        self.window = window
         self.target = target
         self.grower = TreeGrower(**grow)
         self.dtype = next(heads.parameters()).dtype
@@ -239,9 +246,10 @@ class CloverDrafter:
                        CloverLevel(heads, target, self.project, False, self.grower.topk))
         self.programs = None  # compiled twins of (augment_block, levels[0], levels[1]), once attached
         self.state = None
-        # what observe() was given and the augmenting block has not run over yet: it runs once, over all of it,
-        # when a proposal needs the state (a step whose tree comes from lookup alone skips the heads)
-        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # what observe() was given and the augmenting block has not run over yet: it runs once, over the last
+        # `window` positions of it, when a proposal needs the state (a step whose tree comes from lookup alone
+        # skips the heads)
+        self.observed = Observed()
         self.max_depth = heads.cfg.num_heads
         self.min_score = 0.0  # set by the engine: nodes scored below it do not pay for their verification
 
@@ -251,24 +259,22 @@ class CloverDrafter:
         self.programs = programs
 
     def reset(self, length: int) -> None:
-        self.pending = keep_pending(self.cache, self.pending, length)
+        self.observed.reset(self.cache, length)
         self.state = None
 
     def observe(self, hidden, next_tokens) -> None:
-        self.pending.append((hidden, next_tokens))
+        self.observed.add(hidden, next_tokens)
         self.state = None
 
     @torch.inference_mode()
     @packed_linears()
     def _catch_up(self) -> None:
-        if not self.pending:
+        taken = self.observed.take(self.window)
+        if taken is None:
             return
-        hidden, next_tokens = join_pending(self.pending)
-        self.pending = []
+        hidden, next_tokens, pos = taken
         n = next_tokens.numel()
         self.cache.reserve(n)
-        start = self.cache.length
-        pos = torch.arange(start, start + n, device=hidden.device)
         compiled = self.programs is not None and self.programs.fits(self.cache, n)
         block = self.programs.augment if compiled else self.augment_block
         state = block(hidden, next_tokens, pos, self.cache)

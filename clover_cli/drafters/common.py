@@ -6,6 +6,8 @@ its drafter; registry.py says which family a directory is.
 
 from __future__ import annotations
 
+import bisect
+
 import copy
 import inspect
 import json
@@ -275,6 +277,53 @@ def join_pending(pending: list) -> tuple[torch.Tensor, torch.Tensor]:
     if len(pending) == 1:
         return hiddens[0], tokens[0]
     return torch.cat(hiddens), torch.cat(tokens)
+
+
+class Observed:
+    """What a drafter with its own cache over committed positions was told (observe) and has run: observations
+    queue up (`pending`: (hidden, next tokens) pairs) and run all at once when a proposal needs them.
+
+    A long queue (a prompt, steps the drafter sat out) may run only its last `window` positions: the older ones
+    get no slot in the drafter's cache, and its attention does not see them. That is a draft's approximation only
+    (the target verifies every token), and the keys it keeps carry their true positions. `slots[i]` is the position
+    cache slot i holds."""
+
+    def __init__(self):
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.slots: list[int] = []
+        self.next = 0  # the position of the first pending observation
+
+    def add(self, hidden, next_tokens) -> None:
+        self.pending.append((hidden, next_tokens))
+
+    def reset(self, cache: TreeKVCache, length: int) -> None:
+        """Forget everything from position `length` on: the queue is cut there, or the cache is."""
+        keep = length - self.next
+        if keep >= 0:
+            kept = []
+            for hidden, tokens in self.pending:
+                if keep <= 0:
+                    break
+                kept.append((hidden[:keep], tokens[:keep]))
+                keep -= tokens.numel()
+            self.pending = kept
+            return
+        self.pending, self.next = [], length
+        del self.slots[bisect.bisect_left(self.slots, length):]
+        cache.truncate(len(self.slots))
+
+    def take(self, window: int | None = None):
+        """(hidden [n, H], next tokens [n], positions [n]) to run now, and give slots to; None when nothing waits."""
+        if not self.pending:
+            return None
+        hidden, tokens = join_pending(self.pending)
+        self.pending = []
+        start, n = self.next, tokens.numel()
+        self.next += n
+        if window is not None and n > window:
+            hidden, tokens, start, n = hidden[-window:], tokens[-window:], start + n - window, window
+        self.slots.extend(range(start, start + n))
+        return hidden, tokens, torch.arange(start, start + n, device=hidden.device)
 
 
 # ---------------------------------------------------------------------------------------------------- reading files
