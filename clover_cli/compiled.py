@@ -1,12 +1,12 @@
 """The compiled step: the target's own forward (and the draft heads' per-step modules), exported with symbolic sizes
 and compiled ahead of time.
 
-The target's step is three programs, one per range of new-token counts (1-4, 5-16, 17 and more: plain decoding,
-draft trees, prefills), each taking any number of committed tokens export found it can, a tree mask, and the rows
+The target's step is three programs, one per range of new-token counts (1-4, 5-8, 9 and more: plain decoding and
+short drafts, draft trees, larger trees and prefills), each taking any number of committed tokens export found it can, a tree mask, and the rows
 whose logits are wanted. They are the stock transformers forward with our attention function and cache
 (`Target.run`), traced by torch.export and compiled by AOTInductor with the weights frozen into them (on a CPU:
-prepacked for oneDNN, the q/k/v and gate/up projections each concatenated into one product; 1-4 rows with
-inductor's own autotuned matrix-vector kernels). They read and write the live cache's own buffers, so eager and
+prepacked for oneDNN, the q/k/v and gate/up projections each concatenated into one product; up to 8 rows with
+inductor's own autotuned kernels). They read and write the live cache's own buffers, so eager and
 compiled steps can follow each other in one conversation. Per step there is no Python between the operators, no
 guard to evaluate and one call into the compiled library.
 
@@ -47,7 +47,7 @@ from . import atomic
 from .errors import CloverError
 from .options import MODES, compile_mode  # noqa: F401 - importable from here too
 
-PROGRAM_VERSION = 5  # bump when the program's inputs, outputs or semantics change: old packages are not reused
+PROGRAM_VERSION = 6  # bump when the program's inputs, outputs or semantics change: old packages are not reused
 MAX_CAPACITY = 8192  # KV buffers of the compiled program (tokens); longer contexts run eager past this point
 MAX_WEIGHT_BYTES = 4 << 30  # the package holds a frozen copy of the weights: larger models stay eager
 # A step of n new tokens runs as the smallest of these sizes >= n (beyond them: the next multiple of 64), the extra
@@ -60,11 +60,12 @@ SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 80)
 # each new length to 2,000 tokens grew a process by ~280 MiB), and in pieces there are a few row counts only.
 PIECES = (1024, 512, 256, 128, 64)
 # One program per range of step sizes, each compiled for its rows: (file, fewest, most (None: the capacity), the
-# example size it is tuned at, autotuned). Up to 4 rows (plain decoding, short drafts) inductor's own C++
-# matrix-vector kernels, timed on this machine at build, read the weights faster than oneDNN's; above that oneDNN's,
-# whose prepacked layout is chosen for the example size (one program for 1-80 rows is 10-25% slower in the middle).
-PROGRAMS = (("step-small.pt2", 1, 4, 2, True), ("step-medium.pt2", 5, 16, 8, False),
-            ("step.pt2", 17, None, 32, False))
+# example size it is tuned at, autotuned). Up to 8 rows (plain decoding, short drafts) autotuned: inductor times its
+# own C++ kernels against oneDNN's per product on this machine at build and keeps the faster (5-6 rows ran 15-18%
+# faster than with oneDNN alone; docs/BENCHMARKS.md); above that oneDNN's, whose prepacked layout is chosen for the
+# example size (one program for 1-80 rows is 10-25% slower in the middle).
+PROGRAMS = (("step-small.pt2", 1, 4, 2, True), ("step-medium.pt2", 5, 8, 6, True),
+            ("step.pt2", 9, None, 16, False))
 META = "meta.json"
 
 
