@@ -286,7 +286,7 @@ def test_ngram_learns_how_far_lookups_stay_right():
         depths = tree.depths()
         return max((s for s, dd in zip(tree.scores, depths) if dd == depth), default=0.0)
 
-    loop = NgramDrafter(max_depth=12)
+    loop = NgramDrafter(max_depth=12, decay=0.8)
     context = [50, 51] + [1, 2, 3, 4] * 3
     first = deep_score(loop, context, 8)
     for _ in range(6):  # the text keeps repeating, as proposed
@@ -295,13 +295,13 @@ def test_ngram_learns_how_far_lookups_stay_right():
     assert deep_score(loop, context, 8) > first * 2
 
     base = [50, 51] + list(range(1, 13))
-    broken, context = NgramDrafter(max_depth=12), list(base)
+    broken, context = NgramDrafter(max_depth=12, decay=0.8), list(base)
     for j in (2, 4, 6, 8):  # a token seen before comes again; the next one is as before, the one after is new
         broken.propose(context + [base[j]], budget=64)
         context = context + [base[j], base[j + 1], 1000 + j]
         broken.propose(context, budget=64)
     query = context + [base[10]]
-    assert deep_score(broken, query, 2) < deep_score(NgramDrafter(max_depth=12), query, 2) / 2
+    assert deep_score(broken, query, 2) < deep_score(NgramDrafter(max_depth=12, decay=0.8), query, 2) / 2
     assert deep_score(broken, query, 1) > 0.9  # the first token kept being right
 
 
@@ -320,7 +320,7 @@ def test_ngram_grows_nothing_below_min_score():
         return out, max(depths)
 
     context = [50, 51] + [1, 2, 3, 4, 5] * 4 + [7, 1, 2, 3]
-    for bar in (0.05, 0.2, 0.5):
+    for bar in (0.15, 0.3, 0.6):
         full, cut = NgramDrafter(max_depth=24), NgramDrafter(max_depth=24)
         cut.min_score = bar
         (everything, deepest), (kept, depth) = scored(full.propose(context, 200)), scored(cut.propose(context, 200))
