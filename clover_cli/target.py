@@ -183,6 +183,15 @@ class TreeKVCache(Cache):
         cache.length = length
         return cache
 
+    def allocate(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
+        """Allocate every layer's buffers now (as the first forward would): a compiled program takes only a cache
+        whose buffers exist."""
+        shape = (1, kv_heads, self.capacity, head_dim)
+        for layer in self.layers:
+            if not layer.is_initialized:
+                layer.lazy_initialization(torch.empty(shape, dtype=dtype, device=device),
+                                          torch.empty(shape, dtype=dtype, device=device))
+
     def buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
         """Every layer's key and value buffers, or None before the first forward allocates them."""
         if not all(layer.is_initialized for layer in self.layers):

@@ -513,3 +513,26 @@ def test_few_rows_run_the_small_heads_programs(programs, heads_programs, monkeyp
             got, eager = programs_.levels[1](states, tokens), drafter.levels[1](states, tokens)
             assert ran == [want]
             assert all(torch.allclose(a.float(), b.float(), atol=1e-4) for a, b in zip(got, eager))
+
+
+def test_a_fresh_drafter_catches_up_on_the_prompt_compiled(programs, heads_programs, monkeypatch):
+    """attach_programs makes the heads' cache buffers, so the first catch-up (the prompt, the longest) runs the
+    compiled program too, not the eager block."""
+    from clover_cli.drafters.clover2 import CloverAugment
+
+    model, target = compiled_target(programs, "llama")
+    heads, path, meta = heads_programs["clover"]
+    drafter = CloverDrafter(heads, target)
+    drafter.attach_programs(HeadsPrograms(path, "clover", meta["capacity"], meta["augment_ranges"]))
+    eager_runs = []
+    real = CloverAugment.forward
+    monkeypatch.setattr(CloverAugment, "forward", lambda self, *args: eager_runs.append(1) or real(self, *args))
+    prompt = [(7 * i) % 90 + 3 for i in range(20)]
+    target.reset(0)
+    with torch.inference_mode():
+        hidden, _ = target.forward(torch.tensor(prompt))
+    target.cache.append(len(prompt))
+    drafter.reset(0)
+    drafter.observe(hidden, torch.tensor(prompt[1:] + [5]))
+    assert len(drafter.propose(prompt + [5], 16)) > 1
+    assert not eager_runs and drafter.cache.length == len(prompt)

@@ -254,8 +254,15 @@ class CloverDrafter:
         self.min_score = 0.0  # set by the engine: nodes scored below it do not pay for their verification
 
     def attach_programs(self, programs) -> None:
-        """Run the compiled twins from now on (clover_cli.compiled.CloverPrograms); the cache takes their capacity."""
+        """Run the compiled twins from now on (clover_cli.compiled.CloverPrograms); the cache takes their capacity,
+        and its buffers are made now, so that the first catch-up (the prompt) runs compiled too."""
         self.cache.grow_to(programs.capacity)
+        attn = getattr(self.heads.layers[0], "self_attn", None)
+        kv_heads = getattr(getattr(attn, "config", None), "num_key_value_heads", None)
+        head_dim = getattr(attn, "head_dim", None)
+        if kv_heads and head_dim:
+            param = next(self.heads.parameters())
+            self.cache.allocate(kv_heads, head_dim, param.dtype, param.device)
         self.programs = programs
 
     def reset(self, length: int) -> None:
