@@ -183,14 +183,22 @@ class TreeKVCache(Cache):
         cache.length = length
         return cache
 
-    def allocate(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
-        """Allocate every layer's buffers now (as the first forward would): a compiled program takes only a cache
-        whose buffers exist."""
-        shape = (1, kv_heads, self.capacity, head_dim)
-        for layer in self.layers:
-            if not layer.is_initialized:
-                layer.lazy_initialization(torch.empty(shape, dtype=dtype, device=device),
-                                          torch.empty(shape, dtype=dtype, device=device))
+    def allocate(self, layers, dtype: torch.dtype, device) -> None:
+        """Make every layer's buffers now, as the first forward through these decoder `layers` would: a compiled
+        program takes only a cache whose buffers exist. Left to that forward when a layer's attention does not say
+        its key/value heads and head size."""
+        shapes = []
+        for layer in layers if layers is not None and len(layers) == len(self.layers) else ():
+            attn = getattr(layer, "self_attn", None)
+            kv_heads = getattr(getattr(attn, "config", None), "num_key_value_heads", None)
+            head_dim = getattr(attn, "head_dim", None)
+            if not (isinstance(kv_heads, int) and isinstance(head_dim, int)):
+                return
+            shapes.append((1, kv_heads, self.capacity, head_dim))
+        for cache_layer, shape in zip(self.layers, shapes):
+            if not cache_layer.is_initialized:
+                cache_layer.lazy_initialization(torch.empty(shape, dtype=dtype, device=device),
+                                                torch.empty(shape, dtype=dtype, device=device))
 
     def buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
         """Every layer's key and value buffers, or None before the first forward allocates them."""
@@ -376,8 +384,10 @@ class Target:
         return self.cache.length
 
     def attach_program(self, program) -> None:
-        """Run `program` (a compiled step for this model) from now on; its KV capacity becomes the cache's."""
+        """Run `program` (a compiled step for this model) from now on; its KV capacity becomes the cache's, and its
+        buffers are made now, so that the first prefill runs compiled too."""
         self.cache.grow_to(program.capacity)
+        self.cache.allocate(decoder_layers(self.model.base_model), next(self.model.parameters()).dtype, self.device)
         self.program = program
 
     @torch.inference_mode()

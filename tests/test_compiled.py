@@ -81,6 +81,20 @@ def test_compiled_greedy_matches_transformers(programs, family, kind, seed):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_the_first_prefill_after_attaching_runs_compiled(programs, family):
+    """attach_program makes the cache's buffers (of each layer's own shape), so a fresh target's first forward
+    runs the program, and gives what the eager forward gives."""
+    model, target = compiled_target(programs, family)
+    calls = counting(target)
+    prompt = torch.tensor([(11 * i) % 90 + 3 for i in range(30)])
+    with torch.inference_mode():
+        _, logits = target.forward(prompt)
+        _, eager = Target(model).forward(prompt)
+    assert calls["n"] == 1
+    assert torch.allclose(logits, eager, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_eager_and_compiled_steps_mix_in_one_generation(programs, family):
     """The compiled step swapped in mid-reply (as a background build does) continues the same cache exactly."""
     rng = random.Random(family)

@@ -257,12 +257,8 @@ class CloverDrafter:
         """Run the compiled twins from now on (clover_cli.compiled.CloverPrograms); the cache takes their capacity,
         and its buffers are made now, so that the first catch-up (the prompt) runs compiled too."""
         self.cache.grow_to(programs.capacity)
-        attn = getattr(self.heads.layers[0], "self_attn", None)
-        kv_heads = getattr(getattr(attn, "config", None), "num_key_value_heads", None)
-        head_dim = getattr(attn, "head_dim", None)
-        if kv_heads and head_dim:
-            param = next(self.heads.parameters())
-            self.cache.allocate(kv_heads, head_dim, param.dtype, param.device)
+        param = next(self.heads.parameters())
+        self.cache.allocate(self.heads.layers, param.dtype, param.device)
         self.programs = programs
 
     def reset(self, length: int) -> None:
