@@ -186,7 +186,10 @@ def test_long_prompts_run_in_pieces_and_stay_exact(programs, family):
 def test_program_serves_only_what_fits(programs):
     model, target = compiled_target(programs, "qwen2")
     step = target.program
-    assert not step.fits(target.cache, 1)  # the buffers are made by the first (eager) forward
+    from clover_cli.target import TreeKVCache
+
+    bare = TreeKVCache(len(target.cache.layers), step.capacity, step.capacity)
+    assert not step.fits(bare, 1)  # a cache without buffers (attach_program made the target's)
     target.forward(torch.tensor([5]))
     target.reset(0)
     assert step.fits(target.cache, 1) and step.fits(target.cache, step.capacity - 1)
