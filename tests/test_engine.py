@@ -17,6 +17,18 @@ from helpers import OracleDrafter, hf_greedy, run_engine
 from test_lossless import make_model
 
 
+def path_scores(tree: DraftTree) -> dict[tuple, float]:
+    """Each drafted node's path of tokens from the root (root excluded) -> its score."""
+    out = {}
+    for i in range(1, len(tree)):
+        path, j = [], i
+        while j > 0:
+            path.append(tree.tokens[j])
+            j = tree.parents[j]
+        out[tuple(reversed(path))] = tree.scores[i]
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ KV cache
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -231,19 +243,8 @@ def test_merged_trees_are_valid_unions():
             trees.append(DraftTree(b.tokens, b.parents, b.scores))
         merged = merge_trees(*trees)
         merged.validate()
-
-        def paths(t):
-            out = {}
-            for i in range(1, len(t)):
-                path, j = [], i
-                while j > 0:
-                    path.append(t.tokens[j])
-                    j = t.parents[j]
-                out[tuple(reversed(path))] = t.scores[i]
-            return out
-
-        union = paths(merged)
-        a, b = paths(trees[0]), paths(trees[1])
+        union = path_scores(merged)
+        a, b = path_scores(trees[0]), path_scores(trees[1])
         assert set(union) == set(a) | set(b)
         for p, sc in union.items():
             assert sc >= min(max(a.get(p, 0.0), b.get(p, 0.0)), union.get(p[:-1], 1.0)) - 1e-12
@@ -310,14 +311,7 @@ def test_ngram_grows_nothing_below_min_score():
     that is still proposed, with the same score, and far fewer below it are built."""
 
     def scored(tree):
-        out, depths = {}, tree.depths()
-        for i in range(1, len(tree)):
-            path, j = [], i
-            while j > 0:
-                path.append(tree.tokens[j])
-                j = tree.parents[j]
-            out[tuple(reversed(path))] = tree.scores[i]
-        return out, max(depths)
+        return path_scores(tree), max(tree.depths())
 
     context = [50, 51] + [1, 2, 3, 4, 5] * 4 + [7, 1, 2, 3]
     for bar in (0.15, 0.3, 0.6):

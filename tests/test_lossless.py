@@ -261,18 +261,22 @@ def test_merged_drafter_skips_the_heads_when_lookup_is_confident():
     assert len(merged.propose([1, 2], 16)) >= 3 and Fixed.calls == 3  # 0.9 expected: both drafters
 
 
+def clover_and_hidden(seed: int, num_layers: int, length: int, step: int):
+    """(target, random Clover-2 heads, token ids [1, length], the target's pre-norm hidden states, next tokens)."""
+    from clover_cli.target import hidden_states
+
+    model = make_model("llama", seed)
+    heads = random_heads(model, "clover2", seed + 1, 3, num_layers)
+    ids = torch.tensor([[(step * i) % 90 + 3 for i in range(length)]])
+    with torch.inference_mode():
+        pre, _ = hidden_states(model, ids)
+    return Target(model), heads, ids, pre[0], ids[0, 1:]
+
+
 def test_clover_drafter_catches_up_lazily_across_resets():
     """observe() only queues; the augmenting block runs when a proposal needs it. Whatever mix of observes,
     proposals and partial resets, the drafter proposes what one in-order pass over the kept tokens gives."""
-    from clover_cli.target import hidden_states
-
-    model = make_model("llama", 7)
-    target = Target(model)
-    heads = random_heads(model, "clover2", 3, 3, 1)
-    ids = torch.tensor([[(7 * i) % 90 + 3 for i in range(24)]])
-    with torch.inference_mode():
-        pre, _ = hidden_states(model, ids)
-    hidden, nxt = pre[0], ids[0, 1:]
+    target, heads, ids, hidden, nxt = clover_and_hidden(7, num_layers=1, length=24, step=7)
 
     def fed(spans):
         d = CloverDrafter(heads, target, topk=4, width=4)
@@ -298,15 +302,9 @@ def test_clover_drafter_catches_up_lazily_across_resets():
 def test_clover_catch_up_window_runs_the_last_positions_at_their_own_positions():
     """A catch-up longer than the window runs the augmenting block over its last `window` positions only, at their
     true positions, after what the cache held; a reset into the skipped stretch cuts the cache before it."""
-    from clover_cli.target import TreeKVCache, hidden_states
+    from clover_cli.target import TreeKVCache
 
-    model = make_model("llama", 11)
-    target = Target(model)
-    heads = random_heads(model, "clover2", 5, 3, 2)
-    ids = torch.tensor([[(5 * i) % 90 + 3 for i in range(40)]])
-    with torch.inference_mode():
-        pre, _ = hidden_states(model, ids)
-    hidden, nxt = pre[0], ids[0, 1:]
+    target, heads, ids, hidden, nxt = clover_and_hidden(11, num_layers=2, length=40, step=5)
 
     d = CloverDrafter(heads, target, window=6)
     d.observe(hidden[:30], nxt[:30])

@@ -198,8 +198,22 @@ class NgramDrafter:
         last, self.last = self.last, None
         if self._sync(context) and last is not None:
             self._learn(last, context)
-        tokens, parents, depth, mass = [context[-1]], [-1], [0], [0.0]
+        tokens, parents, depth = [context[-1]], [-1], [0]
+        mass, chained = [0.0], [0.0]  # per node: its share of the matches, its tri-gram chain probability
         kids: list[dict[int, int]] = [{}]
+
+        def child(node: int, tok: int) -> int:
+            nxt = kids[node].get(tok)
+            if nxt is None:
+                nxt = kids[node][tok] = len(tokens)
+                kids.append({})
+                tokens.append(tok)
+                parents.append(node)
+                depth.append(depth[node] + 1)
+                mass.append(0.0)
+                chained.append(0.0)
+            return nxt
+
         k, ends = self._lookup(context)
         reach = [1.0]  # the chance a looked-up token at each depth is right, with all before it
         if ends:
@@ -209,37 +223,21 @@ class NgramDrafter:
                 reach.append(reach[-1] * rate)
             # the chain to learn from: the most recent match's continuation, as deep as it can be scored
             self.last = (len(context), k, self._continuation(context, ends[0], self.max_depth))
-            share = 1.0 / len(ends)
             for p in ends:
                 node = 0
                 for tok in self._continuation(context, p, len(reach) - 1):
-                    nxt = kids[node].get(tok)
-                    if nxt is None:
-                        nxt = kids[node][tok] = len(tokens)
-                        kids.append({})
-                        tokens.append(tok)
-                        parents.append(node)
-                        depth.append(depth[node] + 1)
-                        mass.append(0.0)
-                    mass[nxt] += share
-                    node = nxt
-        score = [m * reach[d] for m, d in zip(mass, depth)]
-        score[0] = 1.0
+                    node = child(node, tok)
+                    mass[node] += 1.0 / len(ends)
         chain, probs = self._trigram_chain(context)
         node, p_path = 0, 1.0
         for tok, p in zip(chain, probs):
             p_path *= p * self.decay
             if p_path < self.min_score:
                 break
-            nxt = kids[node].get(tok)
-            if nxt is None:
-                nxt = kids[node][tok] = len(tokens)
-                kids.append({})
-                tokens.append(tok)
-                parents.append(node)
-                score.append(0.0)
-            score[nxt] = max(score[nxt], p_path)
-            node = nxt
+            node = child(node, tok)
+            chained[node] = max(chained[node], p_path)
+        score = [max(m * reach[d] if m else 0.0, c) for m, d, c in zip(mass, depth, chained)]
+        score[0] = 1.0
         for i in range(1, len(tokens)):
             score[i] = min(score[i], score[parents[i]])
         return DraftTree(tokens, parents, score).prune(budget)
