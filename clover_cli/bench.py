@@ -6,8 +6,8 @@ clover drafting or a draft model's top-1 chain (model-chain) and MCSD tree (mode
 layers skipped as the draft (self-chain, self: --draft self; only when asked for with --methods), and
 llama.cpp (plain, with prompt lookup, and drafted by a GGUF of the same draft model as the model rows) on a GGUF
 of the same weights (clover_cli/llamacpp.py). One model load
-serves every method. Each prompt is run by every method in turn (so drift on the machine hits all alike),
-after one untimed warm-up run of each method. Our engine starts every run from an empty cache (no reuse of a
+serves every method. Each prompt is run by every method in turn (so drift on the machine hits all alike), the
+order rotated from prompt to prompt, after one untimed warm-up run of each method. Our engine starts every run from an empty cache (no reuse of a
 previous run's prefix) with a fresh drafter, so no method sees another run's output.
 """
 
@@ -451,7 +451,10 @@ def run_bench(cfg: BenchConfig):
             progress.advance(f"warm-up {m}")
         for r in range(cfg.repeats):
             for i, ids in enumerate(encoded):
-                for m in methods:
+                # each method runs first for as many prompts as the others: the first run after a prompt switch
+                # measured a few percent slower in interleaved runs (docs/BENCHMARKS.md, 2026-11-25 afternoon)
+                shift = (r * len(encoded) + i) % len(methods)
+                for m in methods[shift:] + methods[:shift]:
                     new, decode_s, total_s, stats = bs.run(m, ids, cfg, seed=1000 * r + i)
                     category = by_category[m].setdefault(prompts[i]["category"], Row(m))
                     for row in (rows[m], category):
