@@ -7,7 +7,6 @@ its drafter; registry.py says which family a directory is.
 from __future__ import annotations
 
 import bisect
-
 import copy
 import inspect
 import json
