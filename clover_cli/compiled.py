@@ -113,16 +113,11 @@ def cache_root() -> Path:
 
 
 def _fingerprint_files(model_path: Path) -> list:
-    """(name, size, mtime) of the files that make the model: its config and weights (not the n-gram prior, which
-    only drafts)."""
-    from .drafters.ngram import PRIOR_FILE
+    """(name, size, mtime) of the files that make the model: its config and weights (not the n-gram prior)."""
+    from .loading import model_files
 
-    out = []
-    for f in sorted(model_path.iterdir()) if model_path.is_dir() else []:
-        if f.suffix in (".json", ".safetensors", ".bin", ".pt", ".py") and f.is_file() and f.name != PRIOR_FILE:
-            st = f.stat()
-            out.append((f.name, st.st_size, st.st_mtime_ns))
-    return out
+    return [(f.name, f.stat().st_size, f.stat().st_mtime_ns)
+            for f in model_files(model_path, (".json", ".safetensors", ".bin", ".pt", ".py"))]
 
 
 def package_key(model_path: Path, dtype: torch.dtype, capacity: int) -> str:

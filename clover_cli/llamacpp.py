@@ -183,11 +183,10 @@ def gguf_for(resolved, model, tokenizer, cache: Path, quiet: bool = False) -> Pa
     """The cached GGUF of this model, written first when missing. It is named after the model's directory and
     keyed by its revision and its weight, config and tokenizer files' sizes and modification times; a new key
     replaces the directory's older GGUF (a float32 GGUF is as large as the model in float32)."""
-    from .drafters.ngram import PRIOR_FILE
+    from .loading import model_files
 
     source = Path(resolved.path).resolve()
-    files = sorted(f for f in source.iterdir() if f.is_file() and f.suffix in (".safetensors", ".bin", ".json")
-                   and f.name != PRIOR_FILE)
+    files = model_files(source, (".safetensors", ".bin", ".json"))
     key = json.dumps([WRITER_VERSION, resolved.revision, [(f.name, f.stat().st_size, f.stat().st_mtime_ns)
                                                          for f in files]])
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", resolved.name).strip("-.") or "model"
