@@ -13,6 +13,7 @@ distribution (sampling): the drafter only decides how many come per step.
 
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -193,30 +194,30 @@ class CostModel:
 
     def verify(self, n: int) -> float:
         sizes = sorted(self.verify_s)
-        if n <= sizes[0]:
+        return self._verify_at(n, sizes, bisect.bisect_left(sizes, n))
+
+    def _verify_at(self, n: int, sizes: list[int], j: int) -> float:
+        """verify(n), where sizes[j] is the first measured size >= n (j == len(sizes): past the largest). Between
+        two sizes: the larger one's cost when padded (the step runs that size), else linear; past the largest:
+        the line through the last two."""
+        if j == 0:
             return self.verify_s[sizes[0]]
-        for a, b in zip(sizes, sizes[1:]):
-            if n <= b:
-                if self.padded:
-                    return self.verify_s[b]
-                return self.verify_s[a] + (self.verify_s[b] - self.verify_s[a]) * (n - a) / (b - a)
-        a, b = sizes[-2], sizes[-1]
-        return self.verify_s[b] + (self.verify_s[b] - self.verify_s[a]) * (n - b) / (b - a)
+        if j == len(sizes):
+            a, b = sizes[-2], sizes[-1]
+            return self.verify_s[b] + (self.verify_s[b] - self.verify_s[a]) * (n - b) / (b - a)
+        if self.padded:
+            return self.verify_s[sizes[j]]
+        a, b = sizes[j - 1], sizes[j]
+        return self.verify_s[a] + (self.verify_s[b] - self.verify_s[a]) * (n - a) / (b - a)
 
     def verify_upto(self, most: int) -> list[float]:
-        """[verify(n) for n in 0..most] (index 0 unused) in one pass over the sorted sizes: what verify() gives."""
+        """[verify(n) for n in 0..most] (index 0 unused), the sizes sorted once and walked once."""
         sizes = sorted(self.verify_s)
         out, j = [0.0], 0
         for n in range(1, most + 1):
             while j < len(sizes) and sizes[j] < n:
                 j += 1
-            if j == 0 or j == len(sizes):
-                out.append(self.verify(n))  # below the smallest size or past the largest: verify()'s own rule
-            elif self.padded:
-                out.append(self.verify_s[sizes[j]])
-            else:
-                a, b = sizes[j - 1], sizes[j]
-                out.append(self.verify_s[a] + (self.verify_s[b] - self.verify_s[a]) * (n - a) / (b - a))
+            out.append(self._verify_at(n, sizes, j))
         return out
 
     def best_budget(self, scores: list[float]) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,7 +61,6 @@ class Session:
                                     f"{self.template_name} template")
         self.target = Target(self.model, max_context=opts.max_context)
         check_exact(self.target)  # a model clover would not run exactly is refused here, in one line
-        self._ngram_prior, self._prior_read = None, False  # read when a drafter first needs it (ngram_prior)
         self.compiler = StepCompiler(compile_mode(opts.compile), self.target, self.resolved.path, self.dtype,
                                      self.device, self.load_in_8bit, opts.trust_remote_code, opts.allow_pickle,
                                      warn=self._warn)
@@ -85,15 +85,12 @@ class Session:
     def max_context(self) -> int:
         return self.target.max_context
 
-    @property
+    @functools.cached_property
     def ngram_prior(self) -> dict | None:
         """Tri-gram counts of the model's own replies when its directory has them (the n-gram drafter's prior), read
         when a drafter first needs it: a damaged file stops only the drafters that use it (one line), not
         `--draft none` or the heads alone."""
-        if not self._prior_read:
-            self._ngram_prior = load_prior(self.resolved.path, self.model.config.vocab_size)
-            self._prior_read = True
-        return self._ngram_prior
+        return load_prior(self.resolved.path, self.model.config.vocab_size)
 
     def _drafter(self, opts: Options):
         from .drafters.ngram import NgramDrafter

@@ -261,6 +261,11 @@ def keep_pending(cache: TreeKVCache, pending: list, length: int) -> list:
     if keep <= 0:
         cache.truncate(length)
         return []
+    return cut_pending(pending, keep)
+
+
+def cut_pending(pending: list, keep: int) -> list:
+    """The first `keep` observations of a queue of (hidden, next tokens) pairs."""
     kept = []
     for hidden, tokens in pending:
         if keep <= 0:
@@ -297,15 +302,8 @@ class Observed:
 
     def reset(self, cache: TreeKVCache, length: int) -> None:
         """Forget everything from position `length` on: the queue is cut there, or the cache is."""
-        keep = length - self.next
-        if keep >= 0:
-            kept = []
-            for hidden, tokens in self.pending:
-                if keep <= 0:
-                    break
-                kept.append((hidden[:keep], tokens[:keep]))
-                keep -= tokens.numel()
-            self.pending = kept
+        if length >= self.next:
+            self.pending = cut_pending(self.pending, length - self.next)
             return
         self.pending, self.next = [], length
         del self.slots[bisect.bisect_left(self.slots, length):]
