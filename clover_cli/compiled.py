@@ -47,7 +47,7 @@ from . import atomic
 from .errors import CloverError
 from .options import MODES, compile_mode  # noqa: F401 - importable from here too
 
-PROGRAM_VERSION = 6  # bump when the program's inputs, outputs or semantics change: old packages are not reused
+PROGRAM_VERSION = 7  # bump when the program's inputs, outputs or semantics change: old packages are not reused
 MAX_CAPACITY = 8192  # KV buffers of the compiled program (tokens); longer contexts run eager past this point
 MAX_WEIGHT_BYTES = 4 << 30  # the package holds a frozen copy of the weights: larger models stay eager
 # A step of n new tokens runs as the smallest of these sizes >= n (beyond them: the next multiple of 64), the extra
@@ -60,12 +60,14 @@ SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 80)
 # each new length to 2,000 tokens grew a process by ~280 MiB), and in pieces there are a few row counts only.
 PIECES = (1024, 512, 256, 128, 64)
 # One program per range of step sizes, each compiled for its rows: (file, fewest, most (None: the capacity), the
-# example size it is tuned at, autotuned). Up to 8 rows (plain decoding, short drafts) autotuned: inductor times its
-# own C++ kernels against oneDNN's per product on this machine at build and keeps the faster (5-6 rows ran 15-18%
-# faster than with oneDNN alone; docs/BENCHMARKS.md); above that oneDNN's, whose prepacked layout is chosen for the
-# example size (one program for 1-80 rows is 10-25% slower in the middle).
-PROGRAMS = (("step-small.pt2", 1, 4, 2, True), ("step-medium.pt2", 5, 8, 6, True),
-            ("step.pt2", 9, None, 16, False))
+# example size it is tuned at, autotuned, the register blocking of inductor's C++ float32 products (None: its own
+# choice)). Up to 8 rows (plain decoding, short drafts) autotuned: inductor times its own C++ kernels against
+# oneDNN's per product on this machine at build and keeps the faster (5-6 rows ran 15-18% faster than with oneDNN
+# alone; docs/BENCHMARKS.md). For 5-8 rows its kernels are built on 16x16 register blocks: on its default 8x48 ones
+# a step of 7-8 tokens cost 15-19% more (16x16 gained nothing from 9 rows on). Above 8 rows oneDNN's, whose
+# prepacked layout is chosen for the example size (one program for 1-80 rows is 10-25% slower in the middle).
+PROGRAMS = (("step-small.pt2", 1, 4, 2, True, None), ("step-medium.pt2", 5, 8, 6, True, (16, 16)),
+            ("step.pt2", 9, None, 16, False, None))
 META = "meta.json"
 
 
@@ -273,14 +275,54 @@ def input_ranges(exported, dims: dict[str, tuple[int, int]]) -> dict[str, list[i
     return out
 
 
-def compile_package(exported, path: Path, autotune: bool = False) -> None:
+def compile_package(exported, path: Path, autotune: bool = False, blocking: tuple[int, int] | None = None) -> None:
     """AOTInductor, the weights frozen into the program (on a CPU: prepacked for oneDNN; q/k/v and gate/up fused).
-    autotune: inductor also times its own C++ matrix-product kernels on this machine and keeps what is fastest."""
+    autotune: inductor also times its own C++ matrix-product kernels on this machine and keeps what is fastest.
+    blocking: (rows, columns) of the register blocks those kernels use for float32 on AVX-512, when inductor has
+    them (see register_blocking)."""
     config = {"freezing": True, "cpp.enable_concat_linear": True}
     if autotune:
         config.update({"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"})
-    with torch.no_grad(), torch._inductor.config.patch(config):
+    with torch.no_grad(), torch._inductor.config.patch(config), register_blocking(blocking):
         torch._inductor.aoti_compile_and_package(exported, package_path=str(path))
+
+
+@contextmanager
+def register_blocking(blocking: tuple[int, int] | None):
+    """Inductor's C++ float32 products on AVX-512 built on (rows, columns) register blocks only, for the block.
+
+    Inductor picks one of its blockings (8x48, 8x32, 16x16) by a static score that prefers the largest; for 7-8 rows
+    the 16x16 ones ran 1.4-1.5x faster here (the products of a step alone; docs/BENCHMARKS.md). It offers no setting
+    for this, so its table of micro-kernels is narrowed while the block runs. Without that table, or without such an entry (another
+    torch, another instruction set), nothing changes."""
+    if blocking is None:
+        yield
+        return
+    try:
+        import torch._inductor.compile_fx  # noqa: F401  (inductor's modules import in this order)
+        from torch._inductor.codegen import cpp_micro_gemm
+        from torch._inductor.cpu_vec_isa import VecAVX512
+
+        table = cpp_micro_gemm.micro_gemm_configs
+    except (ImportError, AttributeError):
+        yield
+        return
+
+    def other_fp32_avx512(config) -> bool:
+        return (config.vec_isa_cls is VecAVX512 and config.input_dtype == torch.float
+                and config.input2_dtype == torch.float and tuple(config.register_blocking)[:2] != tuple(blocking))
+
+    saved = {cls: list(configs) for cls, configs in table.items()}
+    wanted = any(c.vec_isa_cls is VecAVX512 and tuple(c.register_blocking)[:2] == tuple(blocking)
+                 for configs in saved.values() for c in configs)
+    try:
+        if wanted:
+            for configs in table.values():
+                configs[:] = [c for c in configs if not other_fp32_avx512(c)]
+        yield
+    finally:
+        for cls, configs in saved.items():
+            table[cls][:] = configs
 
 
 class Program:
@@ -328,20 +370,20 @@ def build_for(target, out: Path, log=print) -> dict:
     Dim = torch.export.Dim
     program = OnBuffers(TargetStep(target), 4).eval()
     exported, ranges = {}, {}
-    for name, lo, hi, example_n, autotune in PROGRAMS:
+    for name, lo, hi, example_n, autotune, blocking in PROGRAMS:
         hi = min(hi or capacity - 1, capacity - 1)
         # how many committed tokens a program takes is for export to work out (past + n < capacity at least; some
         # models need more): the ranges it finds are kept and a step outside them runs another program or eager
         n, rows = Dim("n", min=lo, max=hi), Dim("rows", min=1, max=hi)
         shapes = (({0: n}, {0: n}, {0: n, 1: n}, {0: rows}, {0: Dim.DYNAMIC}, *(None for _ in keys + values)),)
         example = _example(target, example_n, min(max(37, capacity // 2), capacity - example_n - 1))
-        exported[name] = (export(program, (*example, *keys, *values), shapes), autotune)
+        exported[name] = (export(program, (*example, *keys, *values), shapes), autotune, blocking)
         ranges[name] = input_ranges(exported[name][0], {"n": (0, 0), "past": (4, 0)})
     log(f"compiling (AOTInductor, weights frozen) ... {time.perf_counter() - t0:.0f} s")
     try:
         with building(out) as tmp:
-            for name, (program, autotune) in exported.items():
-                compile_package(program, tmp / name, autotune)
+            for name, (program, autotune, blocking) in exported.items():
+                compile_package(program, tmp / name, autotune, blocking)
             step = CompiledStep(tmp, capacity, ranges)
             check(step, target)
             meta = {"program": PROGRAM_VERSION, "capacity": capacity, "ranges": ranges, "torch": torch.__version__,
@@ -1012,6 +1054,13 @@ class StepCosts:
         if not table and self.compiler is not None and self.compiler.active:
             table = dict(self.compiler.verify_s or {})  # measured by the builder
         return table or None
+
+    def reference(self) -> dict[int, float] | None:
+        """Costs of every size measured back to back: the compiled package's, taken when it was built (the stored
+        table's sizes may have been timed at different moments, some long ago); None when eager."""
+        if self.padded and self.compiler.verify_s:
+            return dict(self.compiler.verify_s)
+        return None
 
     def save(self, table: dict[int, float]) -> None:
         try:

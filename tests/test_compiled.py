@@ -402,6 +402,37 @@ def test_package_lookup_ignores_incomplete_builds(tmp_path):
     assert Package.find(d) is None  # built by an older clover
 
 
+def test_register_blocking_narrows_inductors_table_only_while_it_runs():
+    import torch._inductor.compile_fx  # noqa: F401
+    from torch._inductor.codegen import cpp_micro_gemm
+    from torch._inductor.cpu_vec_isa import VecAVX512
+
+    table = cpp_micro_gemm.micro_gemm_configs
+
+    def fp32_avx512():
+        return sorted(tuple(c.register_blocking)[:2] for configs in table.values() for c in configs
+                      if c.vec_isa_cls is VecAVX512 and c.input_dtype == torch.float
+                      and c.input2_dtype == torch.float)
+
+    def everything():
+        return {cls: list(configs) for cls, configs in table.items()}
+
+    before, blockings = everything(), fp32_avx512()
+    assert (16, 16) in blockings and len(set(blockings)) > 1  # what the programs choose among (torch 2.13)
+    with compiled.register_blocking((16, 16)):
+        assert fp32_avx512() == [(16, 16)]
+        # other instruction sets and types are left alone
+        assert sum(map(len, table.values())) == sum(map(len, before.values())) - len(blockings) + 1
+    assert everything() == before
+    with pytest.raises(RuntimeError), compiled.register_blocking((16, 16)):
+        raise RuntimeError("a failed build")
+    assert everything() == before
+    with compiled.register_blocking((3, 5)):  # a blocking inductor does not have: nothing changes
+        assert everything() == before
+    with compiled.register_blocking(None):
+        assert everything() == before
+
+
 DRAFTERS = {"clover": (CloverDrafter, "clover2"), "medusa": (MedusaDrafter, "medusa")}
 
 
