@@ -184,6 +184,13 @@ class CostModel:
     recent: dict = field(default_factory=dict)  # size -> its last forward times (refresh)
     padded: bool = False  # the step runs n tokens as the next size of verify_s (compiled): costs are steps
     partial: bool = False  # measured where the context had no room for the larger sizes: never stored
+    # costs of every size measured together (a build's, a calibration's; default: verify_s as given): a size this
+    # process has not timed follows it, scaled as the sizes it has timed are (see refresh)
+    shape: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.shape:
+            self.shape = dict(self.verify_s)
 
     def use_mode(self, mode):
         """Switch to the calibration learned under `mode` (e.g. the temperature), keeping the current one."""
@@ -245,10 +252,14 @@ class CostModel:
             self.verify_s[n] = prev = max(self.verify_s[n], prev * 1.001)
 
     def refresh(self, n: int, seconds: float):
-        """Fold the time of a real forward over n tokens into the table (sizes the table holds): a size's cost
-        becomes the median of its last REFRESH_WINDOW forwards (once there are 3), which a one-time cost (a kernel
-        built on first use) or a moment the machine was busy does not move. When that median comes in under half
-        the table's value, the table was measured on a busy machine: every size is scaled down alike."""
+        """Fold the time of a real forward over n tokens into the table. A size's cost becomes the median of its
+        last REFRESH_WINDOW forwards (once there are 3), which a one-time cost (a kernel built on first use) or a
+        moment the machine was busy does not move. Every size not timed so far in this process follows `shape`,
+        scaled by how the timed sizes compare with it: a table stored while the machine was slower (or faster)
+        comes right everywhere from the sizes in use, and a size the engine avoids because its stored cost is too
+        high gets a fair cost again. Padded (compiled), a tree of n tokens is timed as the size it runs as."""
+        if self.padded:
+            n = next((k for k in sorted(self.verify_s) if k >= n), n)
         if n not in self.verify_s or seconds <= 0:
             return
         seen = self.recent.setdefault(n, [])
@@ -256,11 +267,14 @@ class CostModel:
         del seen[:-REFRESH_WINDOW]
         if len(seen) < 3:
             return
-        median, old = sorted(seen)[len(seen) // 2], self.verify_s[n]
-        if median < 0.5 * old:
-            self.verify_s = {k: v * median / old for k, v in self.verify_s.items()}
-        else:
-            self.verify_s[n] = median
+        self.verify_s[n] = sorted(seen)[len(seen) // 2]
+        timed = [k for k, v in self.recent.items() if len(v) >= 3 and self.shape.get(k, 0) > 0]
+        if timed:
+            ratios = sorted(self.verify_s[k] / self.shape[k] for k in timed)
+            scale = ratios[len(ratios) // 2]
+            for k in self.verify_s:
+                if k in self.shape and len(self.recent.get(k, ())) < 3:
+                    self.verify_s[k] = self.shape[k] * scale
         self.monotone()
         self.refreshed = True
 
@@ -295,7 +309,8 @@ class Engine:
     def use_verify_costs(self, table: dict[int, float], padded: bool = False):
         """Size trees from these verify costs from now on (the step changed, e.g. the compiled one came in)."""
         if self.cost is not None:
-            self.cost.verify_s, self.cost.padded = dict(table), padded
+            self.cost.verify_s, self.cost.padded, self.cost.shape = dict(table), padded, dict(table)
+            self.cost.recent.clear()  # timings of the step it replaces
             self.cost.monotone()
 
     def _device_sync(self):
@@ -307,7 +322,8 @@ class Engine:
         a second on a CPU) and stored for the next process."""
         stored = self.costs.load() if self.costs is not None else None
         if stored:
-            self.cost = CostModel(verify_s=stored, padded=self.costs.padded)
+            self.cost = CostModel(verify_s=stored, padded=self.costs.padded, 
+                                   shape=getattr(self.costs, "reference", lambda: None)() or {})
             self.cost.monotone()
             return
         room = self.target.max_context - self.target.length  # the test forwards must fit the context

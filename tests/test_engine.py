@@ -375,14 +375,40 @@ def test_cost_table_refresh_follows_the_median_and_rescales_a_busy_table():
     cost.refresh(4, 1.0)
     assert cost.verify_s == {1: 1.0, 4: 1.2, 16: 2.0} and not cost.refreshed  # too few forwards yet
     cost.refresh(4, 1.1)
-    assert cost.verify_s[4] == pytest.approx(1.1) and cost.refreshed  # the median: the one-time 5.0 is ignored
-    for _ in range(3):  # the table was measured on a busy machine: every size scaled down alike
-        cost.refresh(16, 0.2)
-    assert cost.verify_s[16] == pytest.approx(0.2) and cost.verify_s[1] == pytest.approx(0.1)
+    assert cost.refreshed
+    assert cost.verify_s[4] == pytest.approx(1.1)  # the median: the one-time 5.0 is ignored
+    # the sizes not timed yet follow the shape, scaled as size 4 is (1.1 / 1.2)
+    assert cost.verify_s[1] == pytest.approx(1.0 * 1.1 / 1.2) and cost.verify_s[16] == pytest.approx(2.0 * 1.1 / 1.2)
+    for _ in range(3):  # size 16 is cheaper now than the table said
+        cost.refresh(16, 1.5)
+    assert cost.verify_s[16] == pytest.approx(1.5)
+    # size 1 (never timed) follows the median of the timed sizes' ratios to the shape: 1.1 / 1.2 and 1.5 / 2.0
+    assert cost.verify_s[1] == pytest.approx(1.0 * 1.1 / 1.2)
     for _ in range(9):  # a plain step grown slower than a 4-token tree was: bigger trees never look cheaper
-        cost.refresh(1, 0.15)
-    assert cost.verify_s[1] == pytest.approx(0.15)
+        cost.refresh(1, 1.5)
+    assert cost.verify_s[1] == pytest.approx(1.5)
     assert cost.verify_s[4] >= cost.verify_s[1] and cost.verify_s[16] >= cost.verify_s[4]
+
+
+def test_a_stale_stored_cost_comes_right_from_the_sizes_in_use():
+    """A table stored while the machine was busy says 6- and 8-token trees cost twice what the build measured: the
+    engine would avoid them and never time them again. Timing the sizes it does use brings them back to the
+    build's shape, scaled to today's speed."""
+    build = {1: 1.0, 2: 1.05, 4: 1.3, 6: 1.9, 8: 2.1, 12: 2.8}
+    stored = {1: 1.2, 2: 1.3, 4: 1.6, 6: 3.8, 8: 4.2, 12: 4.3}
+    cost = CostModel(verify_s=dict(stored), padded=True, shape=dict(build))
+    assert cost.best_budget([0.97] * 5) <= 3  # the stale table: at most a 4-token tree
+    for _ in range(3):
+        cost.refresh(1, 1.1)  # plain steps and small trees, 10% slower than at build
+        cost.refresh(3, 1.43)  # a 3-token tree runs as 4 (padded)
+    assert cost.verify_s[1] == pytest.approx(1.1) and cost.verify_s[4] == pytest.approx(1.43)
+    assert 3 not in cost.verify_s
+    for n in (6, 8, 12):
+        assert cost.verify_s[n] == pytest.approx(build[n] * 1.1)
+    assert cost.best_budget([0.97] * 5) == 5  # now a 6-token tree pays
+    for _ in range(3):
+        cost.refresh(5, 1.9 * 1.1)  # a 5-token tree runs as 6
+    assert cost.verify_s[6] == pytest.approx(1.9 * 1.1) and cost.recent.keys() == {1, 4, 6}
 
 
 def test_padded_costs_are_steps():
