@@ -6,7 +6,7 @@ short drafts, draft trees, larger trees and prefills), each taking any number of
 whose logits are wanted. They are the stock transformers forward with our attention function and cache
 (`Target.run`), traced by torch.export and compiled by AOTInductor with the weights frozen into them (on a CPU:
 prepacked for oneDNN, the q/k/v and gate/up projections each concatenated into one product; up to 8 rows with
-inductor's own autotuned kernels). They read and write the live cache's own buffers, so eager and
+inductor's own autotuned kernels, for 5-8 rows on 16x16 register blocks). They read and write the live cache's own buffers, so eager and
 compiled steps can follow each other in one conversation. Per step there is no Python between the operators, no
 guard to evaluate and one call into the compiled library.
 
@@ -23,7 +23,8 @@ never in front of a reply; the packages land in the user cache keyed by everythi
 files, dtype, capacity, torch/transformers/clover versions, CPU instruction set) and load in tens of milliseconds
 afterwards. Before a package is written, the builder checks it against the eager modules (logits, hidden states
 and cache writes on random trees; the heads' states and ranked tokens) and times the step per tree size: the engine
-sizes its trees from those timings instead of measuring its own forwards on every start (StepCosts).
+sizes its trees from those timings instead of measuring its own forwards on every start (StepCosts), keeps the
+sizes it runs current from its own forwards, and scales the rest by them.
 
 CPU only for now: on a GPU the eager path (with the Triton kernels) runs.
 """
