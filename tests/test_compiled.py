@@ -266,6 +266,29 @@ def test_stored_costs_spare_the_calibration(programs, tmp_path, monkeypatch):
     assert costs.load() == second.cost.verify_s != first.cost.verify_s
 
 
+def test_a_stale_stored_table_follows_the_builds_costs(programs, tmp_path, monkeypatch):
+    """With the compiled step active, the costs its build measured are the shape the stored table's untimed sizes
+    follow: a size stored far too dear comes back to the build's cost, scaled as the sizes in use are."""
+    monkeypatch.setenv("CLOVER_COMPILE_CACHE", str(tmp_path))
+    model, _, _ = programs["llama"]
+
+    class Built:  # what StepCosts reads of an active StepCompiler
+        active = True
+        verify_s = {1: 1.0e-3, 4: 1.3e-3, 8: 2.0e-3}
+
+    assert compiled.StepCosts(tmp_path / "model", torch.device("cpu"), torch.float32, None).reference() is None
+    costs = compiled.StepCosts(tmp_path / "model", torch.device("cpu"), torch.float32, Built())
+    assert costs.padded and costs.reference() == Built.verify_s
+    costs.save({1: 1.2e-3, 4: 1.6e-3, 8: 5.0e-3})  # stored on a busy afternoon
+    target = Target(model)
+    engine = Engine(target, drafter_for("ngram", model, target, random.Random(0), [], 0), budget=8, costs=costs)
+    engine.calibrate(5)
+    assert engine.cost.verify_s[8] == pytest.approx(5.0e-3) and engine.cost.shape == Built.verify_s
+    for _ in range(3):
+        engine.cost.refresh(1, 1.1e-3)
+    assert engine.cost.verify_s[8] == pytest.approx(2.2e-3) and engine.cost.verify_s[4] == pytest.approx(1.43e-3)
+
+
 def test_compiler_falls_back_to_eager_with_one_warning(llama_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("CLOVER_COMPILE_CACHE", str(tmp_path))
     from transformers import AutoModelForCausalLM
