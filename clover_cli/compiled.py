@@ -2,13 +2,13 @@
 and compiled ahead of time.
 
 The target's step is three programs, one per range of new-token counts (1-4, 5-8, 9 and more: plain decoding and
-short drafts, draft trees, larger trees and prefills), each taking any number of committed tokens export found it can, a tree mask, and the rows
-whose logits are wanted. They are the stock transformers forward with our attention function and cache
-(`Target.run`), traced by torch.export and compiled by AOTInductor with the weights frozen into them (on a CPU:
-prepacked for oneDNN, the q/k/v and gate/up projections each concatenated into one product; up to 8 rows with
-inductor's own autotuned kernels, for 5-8 rows on 16x16 register blocks). They read and write the live cache's own buffers, so eager and
-compiled steps can follow each other in one conversation. Per step there is no Python between the operators, no
-guard to evaluate and one call into the compiled library.
+short drafts, draft trees, larger trees and prefills), each taking any number of committed tokens export found it
+can, a tree mask, and the rows whose logits are wanted. They are the stock transformers forward with our attention
+function and cache (`Target.run`), traced by torch.export and compiled by AOTInductor with the weights frozen into
+them (on a CPU: prepacked for oneDNN, the q/k/v and gate/up projections each concatenated into one product; up to 8
+rows with inductor's own autotuned kernels, for 5-8 rows on 16x16 register blocks). They read and write the live
+cache's own buffers, so eager and compiled steps can follow each other in one conversation. Per step there is no
+Python between the operators, no guard to evaluate and one call into the compiled library.
 
     inputs   tokens [n] long, positions [n] long, tree [n, n] bool (which new tokens each one sees),
              rows [r] long (the tokens whose logits are wanted), past [past, 0] (only its length counts: the
@@ -294,8 +294,8 @@ def register_blocking(blocking: tuple[int, int] | None):
 
     Inductor picks one of its blockings (8x48, 8x32, 16x16) by a static score that prefers the largest; for 7-8 rows
     the 16x16 ones ran 1.4-1.5x faster here (the products of a step alone; docs/BENCHMARKS.md). It offers no setting
-    for this, so its table of micro-kernels is narrowed while the block runs. Without that table, or without such an entry (another
-    torch, another instruction set), nothing changes."""
+    for this, so its table of micro-kernels is narrowed while the block runs. Without that table, or without such an
+    entry (another torch, another instruction set), nothing changes."""
     if blocking is None:
         yield
         return
