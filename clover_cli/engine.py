@@ -259,7 +259,9 @@ class CostModel:
         comes right everywhere from the sizes in use, and a size the engine avoids because its stored cost is too
         high gets a fair cost again. Padded (compiled), a tree of n tokens is timed as the size it runs as."""
         if self.padded:
-            n = next((k for k in sorted(self.verify_s) if k >= n), n)
+            sizes = sorted(self.verify_s)
+            j = bisect.bisect_left(sizes, n)
+            n = sizes[j] if j < len(sizes) else n
         if n not in self.verify_s or seconds <= 0:
             return
         seen = self.recent.setdefault(n, [])
@@ -303,7 +305,9 @@ class Engine:
         self.budget = budget
         self.auto_budget = auto_budget and budget > 0
         self.cost: CostModel | None = None
-        self.costs = costs  # a store of measured verify costs (load() -> {n: s} or None, save(table)), if any
+        # a store of measured verify costs, if any: load() -> {n: s} or None, save(table), and reference() -> the
+        # costs of every size measured together, which untimed sizes follow (or None)
+        self.costs = costs
         self.context: list[int] = []  # exactly the tokens in the target's KV cache
 
     def use_verify_costs(self, table: dict[int, float], padded: bool = False):
@@ -322,8 +326,7 @@ class Engine:
         a second on a CPU) and stored for the next process."""
         stored = self.costs.load() if self.costs is not None else None
         if stored:
-            self.cost = CostModel(verify_s=stored, padded=self.costs.padded, 
-                                   shape=getattr(self.costs, "reference", lambda: None)() or {})
+            self.cost = CostModel(verify_s=stored, padded=self.costs.padded, shape=self.costs.reference() or {})
             self.cost.monotone()
             return
         room = self.target.max_context - self.target.length  # the test forwards must fit the context

@@ -201,7 +201,8 @@ def test_calibration_and_drafting_stay_inside_the_context(short_dir, monkeypatch
     monkeypatch.setattr(TreeKVCache, "reserve", lambda self, n: (asked.append(self.length + n), reserve(self, n)))
     target = Target(AutoModelForCausalLM.from_pretrained(short_dir))
     stored = []
-    store = type("Store", (), {"padded": False, "load": lambda self: None, "save": lambda self, t: stored.append(t)})
+    store = type("Store", (), {"padded": False, "load": lambda self: None, "save": lambda self, t: stored.append(t),
+                               "reference": lambda self: None})
     engine = Engine(target, NgramDrafter(), budget=64, auto_budget=True, costs=store())
     prompt = ([5, 6, 7, 8, 9] * 60)[:256 - room]  # a repeating prompt: lookup drafts deep chains
     out, _ = run_engine(engine, prompt, StopCheck(room))
