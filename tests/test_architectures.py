@@ -129,7 +129,7 @@ def test_tree_logits_are_the_models_own(models, name):
         model.set_attn_implementation(own) if own == "clover_tree" else None
 
 
-@pytest.mark.parametrize("name", NO_CLOVER_HEADS)
+@pytest.mark.parametrize("name", sorted(NO_CLOVER_HEADS))
 def test_clover_heads_refused_in_one_line_where_the_layers_do_not_fit(models, name):
     from clover_cli.drafters.common import HeadsConfig
     from clover_cli.drafters.registry import build_heads
