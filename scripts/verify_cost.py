@@ -1,5 +1,5 @@
-"""What a verify forward of the bundled model costs by tree size: eager with stock linears, eager with prepacked
-CPU linears, and the compiled step (clover_cli/compiled.py; built first if it is not cached).
+"""What a verify forward of the bundled model (or --model) costs by tree size: eager with stock linears, eager with
+prepacked CPU linears, and the compiled step (clover_cli/compiled.py; built first if it is not cached).
 
     python scripts/verify_cost.py                      # all three, alternating, 3 rounds; one JSON object
     python scripts/verify_cost.py --markdown --plot docs/step_cost.png   # also table rows and a chart
@@ -28,14 +28,14 @@ SETTINGS = {"stock": {"CLOVER_PACKED": "0", "CLOVER_COMPILE": "off"},
             "compiled": {"CLOVER_PACKED": "1", "CLOVER_COMPILE": "on"}}
 
 
-def measure(repeats: int, context: int) -> dict:
+def measure(repeats: int, context: int, model: str | None) -> dict:
     import torch
 
     from clover_cli import packed
     from clover_cli.session import Options, Session
     from clover_cli.tree import DraftTree
 
-    session = Session(Options(draft="none"), quiet=True)
+    session = Session(Options(model=model, draft="none"), quiet=True)
     session.compiler.start(background=False)  # CLOVER_COMPILE=on: built here if not cached
     target = session.target
     prompt = torch.randint(3, target.config.vocab_size, (context,), generator=torch.Generator().manual_seed(0))
@@ -59,13 +59,14 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=100)
     ap.add_argument("--context", type=int, default=300)
+    ap.add_argument("--model", help="an alias, Hub repo or directory (default: the bundled model)")
     ap.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated: stock, packed, compiled")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--plot", help="write a PNG chart of ms per forward against tree size")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(measure(args.repeats, args.context)))
+        print(json.dumps(measure(args.repeats, args.context, args.model)))
         return
     names = [n.strip() for n in args.settings.split(",") if n.strip()]
     if not names or any(n not in SETTINGS for n in names):
@@ -74,13 +75,15 @@ def main():
     for _ in range(args.rounds):
         for name in names:
             p = subprocess.run([sys.executable, __file__, "--child", "--repeats", str(args.repeats), "--context",
-                                str(args.context)], capture_output=True, text=True,
+                                str(args.context), *(["--model", args.model] if args.model else [])],
+                               capture_output=True, text=True,
                                env={**os.environ, **SETTINGS[name]})
             if p.returncode:
                 sys.exit(p.stderr.strip().splitlines()[-1] if p.stderr.strip() else "measurement failed")
             runs[name].append(json.loads(p.stdout))
     report = {"date": date.today().isoformat(), "machine": f"{platform.processor() or platform.machine()}, "
-              f"{os.cpu_count()} cpus", "context": args.context, "sizes": list(SIZES)}
+              f"{os.cpu_count()} cpus", "model": args.model or "tiny (bundled)", "context": args.context,
+              "sizes": list(SIZES)}
     for name in names:
         report[name + "_is_packed"] = runs[name][0]["packed"]
         report[name + "_is_compiled"] = runs[name][0]["compiled"]
@@ -108,7 +111,7 @@ def main():
             ax.plot(SIZES, [report[name + "_ms"][n] for n in SIZES], marker="o", label=name)
         ax.set_xlabel("new tokens verified in one forward")
         ax.set_ylabel("ms per forward")
-        ax.set_title(f"bundled model, verify forward · {report['machine']} · {report['date']}", fontsize=9)
+        ax.set_title(f"{report['model']}, verify forward · {report['machine']} · {report['date']}", fontsize=9)
         ax.set_ylim(bottom=0)
         ax.legend()
         fig.tight_layout()

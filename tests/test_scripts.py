@@ -7,7 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # compiled builds, a server bench
 
 
 def test_gpu_bench_dry_run_on_cpu():
@@ -35,14 +38,17 @@ def test_compare_heads_on_one_tree_rule(tmp_path):
     assert row["identical_to_plain"] and row["all"]["prompts"] == 2 and row["all"]["tau"] > 1
 
 
-def test_verify_cost_compares_stock_packed_and_compiled_steps(tmp_path):
+def test_verify_cost_compares_stock_packed_and_compiled_steps(tmp_path, llama_dir):
+    """On a small random model (the bundled one's compiled step takes minutes to build; the script is the same)."""
     from clover_cli import packed
 
     png = tmp_path / "cost.png"
     p = subprocess.run([sys.executable, str(ROOT / "scripts" / "verify_cost.py"), "--rounds", "1", "--repeats", "2",
-                        "--context", "32", "--plot", str(png)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+                        "--context", "32", "--model", str(llama_dir), "--plot", str(png)],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert p.returncode == 0, p.stderr
     report = json.loads(p.stdout[:p.stdout.rindex("}") + 1])
+    assert report["model"] == str(llama_dir)
     assert report["packed_is_packed"] == packed.supported() and report["stock_is_packed"] is False
     assert report["compiled_is_compiled"] is True and report["packed_is_compiled"] is False
     sizes = {"1", "2", "4", "8", "16", "24", "32", "48", "64"}
