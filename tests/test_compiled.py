@@ -23,6 +23,7 @@ from clover_cli.target import Target
 from helpers import hf_greedy, run_engine
 from test_lossless import check_prompts_and_follow_ups, drafter_for, make_model, random_heads
 
+pytestmark = pytest.mark.slow  # a program per architecture and heads kind, built once for the file (minutes)
 FAMILIES = ("llama", "mistral", "qwen2")  # GQA; a sliding window shorter than the conversations; attention bias
 
 
