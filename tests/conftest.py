@@ -36,6 +36,7 @@ def pytest_collection_modifyitems(items):
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow_files)  # stable: the order within each part is kept
 
+
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. " * 3,
     "Hello! How can I help you today? I can answer questions about science, history and code.",
