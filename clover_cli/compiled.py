@@ -48,27 +48,54 @@ from . import atomic
 from .errors import CloverError
 from .options import MODES, compile_mode  # noqa: F401 - importable from here too
 
-PROGRAM_VERSION = 7  # bump when the program's inputs, outputs or semantics change: old packages are not reused
+PROGRAM_VERSION = 8  # bump when the program's inputs, outputs or semantics change: old packages are not reused
 MAX_CAPACITY = 8192  # KV buffers of the compiled program (tokens); longer contexts run eager past this point
 MAX_WEIGHT_BYTES = 4 << 30  # the package holds a frozen copy of the weights: larger models stay eager
-# A step of n new tokens runs as the smallest of these sizes >= n (beyond them: the next multiple of 64), the extra
-# rows padding that no real token sees. oneDNN builds its kernels for every new row count the first time it meets
-# it (about 4 ms a size here): a few sizes keep that one-time cost small, and cost almost nothing per step, since
-# a product over a few rows more reads the same weights.
-SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 80)
+# Steps of up to 16 new tokens (plain decoding, most drafted trees) run a program built for exactly that many rows:
+# a static shape lets inductor specialise every kernel. On the AVX2 machine a 1-token step cost 2.5-2.8 ms this way
+# against 5.3-5.5 ms in a program for 1-4 rows, 4 rows 4.6 ms against 7.4, 16 rows 7.7 against 9.4
+# (docs/BENCHMARKS.md). A step of n tokens runs the smallest of these sizes >= n, its extra rows padding.
+STATIC = (1, 2, 4, 8, 16)
+# Larger steps run one program for any number of rows, as the smallest of SIZES >= n (beyond them: the next
+# multiple of 64). oneDNN builds its kernels for every new row count the first time it meets it (about 4 ms a size
+# here): a few sizes keep that one-time cost small, and cost almost nothing per step, since a product over a few
+# rows more reads the same weights.
+SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80)
 # A causal forward of more than SIZES[-1] tokens (a prefill) runs in pieces of these many rows (the largest that fit,
 # in turn), then the rest as a step: every new row count left kernels and buffers behind for good (a prefill of
 # each new length to 2,000 tokens grew a process by ~280 MiB), and in pieces there are a few row counts only.
 PIECES = (1024, 512, 256, 128, 64)
-# One program per range of step sizes, each compiled for its rows: (file, fewest, most (None: the capacity), the
-# example size it is tuned at, autotuned, the register blocking of inductor's C++ float32 products (None: its own
-# choice)). Up to 8 rows (plain decoding, short drafts) autotuned: inductor times its own C++ kernels against
-# oneDNN's per product on this machine at build and keeps the faster (5-6 rows ran 15-18% faster than with oneDNN
-# alone; docs/BENCHMARKS.md). For 5-8 rows its kernels are built on 16x16 register blocks: on its default 8x48 ones
-# a step of 7-8 tokens cost 15-19% more (16x16 gained nothing from 9 rows on). Above 8 rows oneDNN's, whose
-# prepacked layout is chosen for the example size (one program for 1-80 rows is 10-25% slower in the middle).
-PROGRAMS = (("step-small.pt2", 1, 4, 2, True, None), ("step-medium.pt2", 5, 8, 6, True, (16, 16)),
-            ("step.pt2", 9, None, 16, False, None))
+
+
+def program_table(static=STATIC) -> tuple:
+    """The programs of a package: (file, fewest rows, most (None: the capacity), the example size it is tuned at,
+    autotuned, the register blocking of inductor's C++ float32 products (None: its own choice)).
+
+    The static programs are autotuned: inductor times its own C++ kernels against oneDNN's per product on this machine
+    at build and keeps the faster (on an AVX-512 machine 5-6 rows ran 15-18% faster than with oneDNN alone; on the
+    AVX2 one oneDNN's were 3-4x slower for 1 row). For 5-8 rows on AVX-512 its kernels are built on 16x16 register
+    blocks: on its default 8x48 ones a step of 7-8 tokens cost 15-19% more. The program for larger steps uses
+    oneDNN's products, prepacked for its example size."""
+    table = [(f"step-{n}.pt2", n, n, n, True, (16, 16) if 5 <= n <= 8 else None) for n in static]
+    first = max(static, default=0) + 1
+    return tuple(table) + (("step.pt2", first, None, max(first, 32), False, None),)
+
+
+PROGRAMS = program_table()
+
+
+def static_sizes() -> tuple[int, ...]:
+    """STATIC, or the sizes CLOVER_COMPILE_SIZES lists ("1,4": fewer programs, a shorter build; "": none)."""
+    text = os.environ.get("CLOVER_COMPILE_SIZES")
+    if text is None:
+        return STATIC
+    try:
+        sizes = tuple(sorted({int(part) for part in text.replace(" ", "").split(",") if part}))
+    except ValueError:
+        sizes = (0,)
+    if any(not 1 <= size <= SIZES[-1] for size in sizes):
+        raise CloverError(f"CLOVER_COMPILE_SIZES must list step sizes from 1 to {SIZES[-1]}, like 1,2,4: {text!r}")
+    return sizes
 META = "meta.json"
 
 
@@ -134,6 +161,7 @@ def package_key(model_path: Path, dtype: torch.dtype, capacity: int) -> str:
         "transformers": transformers.__version__, "python": sys.version.split()[0],
         "cpu": torch.backends.cpu.get_cpu_capability(), "model": str(Path(model_path).resolve()),
         "files": _fingerprint_files(Path(model_path)), "dtype": str(dtype), "capacity": capacity,
+        "static": static_sizes(),
     }
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
     return f"{Path(model_path).name[:40]}-{digest}"
@@ -359,9 +387,10 @@ def building(out: Path):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def build_for(target, out: Path, log=print) -> dict:
-    """Export, compile, check and time the step program of `target` (a Target whose cache capacity is the program's);
-    write it to directory `out` atomically (built beside it, renamed into place). Returns the metadata written."""
+def build_for(target, out: Path, log=print, static: tuple[int, ...] | None = None) -> dict:
+    """Export, compile, check and time the step programs of `target` (a Target whose cache capacity is the
+    programs'), one for each of the `static` sizes (default: static_sizes()) and one for larger steps; write them to
+    directory `out` atomically (built beside it, renamed into place). Returns the metadata written."""
     t0 = time.perf_counter()
     capacity = target.cache.capacity
     with torch.inference_mode():  # allocates the cache buffers at full capacity
@@ -371,12 +400,18 @@ def build_for(target, out: Path, log=print) -> dict:
     Dim = torch.export.Dim
     program = OnBuffers(TargetStep(target), 4).eval()
     exported, ranges = {}, {}
-    for name, lo, hi, example_n, autotune, blocking in PROGRAMS:
+    for name, lo, hi, example_n, autotune, blocking in program_table(static_sizes() if static is None else static):
         hi = min(hi or capacity - 1, capacity - 1)
+        if lo > hi:
+            continue  # more rows than the buffers hold
+        example_n = min(example_n, hi)
         # how many committed tokens a program takes is for export to work out (past + n < capacity at least; some
         # models need more): the ranges it finds are kept and a step outside them runs another program or eager
-        n, rows = Dim("n", min=lo, max=hi), Dim("rows", min=1, max=hi)
-        shapes = (({0: n}, {0: n}, {0: n, 1: n}, {0: rows}, {0: Dim.DYNAMIC}, *(None for _ in keys + values)),)
+        if lo == hi:  # every size static: the program computes the logits of all its rows
+            shapes = ((None, None, None, None, {0: Dim.DYNAMIC}, *(None for _ in keys + values)),)
+        else:
+            n, rows = Dim("n", min=lo, max=hi), Dim("rows", min=1, max=hi)
+            shapes = (({0: n}, {0: n}, {0: n, 1: n}, {0: rows}, {0: Dim.DYNAMIC}, *(None for _ in keys + values)),)
         example = _example(target, example_n, min(max(37, capacity // 2), capacity - example_n - 1))
         exported[name] = (export(program, (*example, *keys, *values), shapes), autotune, blocking)
         ranges[name] = input_ranges(exported[name][0], {"n": (0, 0), "past": (4, 0)})
@@ -493,13 +528,15 @@ class CompiledStep:
     def __init__(self, path: Path, capacity: int, ranges: dict[str, dict[str, list[int]]]):
         self.path = Path(path)
         self.capacity = capacity
-        # (new tokens from, to, committed tokens from, to, program) for each program, fewest rows first
-        self.programs = [(*ranges[name]["n"], *ranges[name]["past"], Program(self.path / name))
-                         for name, *_ in PROGRAMS]
+        # (new tokens from, to, committed tokens from, to, program) for each program, fewest rows first; a program
+        # whose least and most rows are the same is static: it takes exactly that many and makes all their logits
+        self.programs = sorted(((*ranges[name]["n"], *ranges[name]["past"], Program(self.path / name))
+                                for name in ranges), key=lambda program: program[:4])
         self._inputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._past: dict[int, torch.Tensor] = {}
         self._tril = torch.ones(SIZES[-1], SIZES[-1], dtype=torch.bool).tril()
         self._first = torch.zeros(1, dtype=torch.long)
+        self._static = {id(program) for lo, hi, *_, program in self.programs if lo == hi}
 
     def fits(self, cache, n: int) -> bool:
         return fits(self.capacity, cache, n) and self._route(n, cache.length) is not None
@@ -515,12 +552,13 @@ class CompiledStep:
         return out + [n] * (n > 0)
 
     def _route(self, n: int, past: int):
-        """(size to run, program) for n new tokens after `past`: the padded size when a program takes it, else n
-        itself (no room to pad at the end of the buffers); None when no program takes either."""
-        for size in (padded_size(n), n):
-            if past + size < self.capacity:
-                for lo, hi, past_lo, past_hi, program in self.programs:
-                    if lo <= size <= hi and past_lo <= past <= past_hi:
+        """(size to run, program) for n new tokens after `past`: the smallest static program of n rows or more, else
+        the padded size when a program takes it, else n itself (no room to pad at the end of the buffers); None when
+        no program takes any."""
+        for lo, hi, past_lo, past_hi, program in self.programs:
+            if past_lo <= past <= past_hi:
+                for size in ((lo,) if lo == hi else (padded_size(n), n)):
+                    if n <= size and lo <= size <= hi and past + size < self.capacity:
                         return size, program
         return None
 
@@ -573,8 +611,11 @@ class CompiledStep:
         # reads their outputs or the keys they write after the committed ones.
         tree[:n].zero_()
         tree[:n, :n] = tree_mask if tree_mask is not None else self._causal(n)
-        rows = rows[:n] if logits_for is None else rows[:n][logits_for]
         keys, values = cache.buffers()
+        if id(run) in self._static:  # the logits of all its rows: the wanted ones are picked here
+            pre, logits = run(tok, pos, tree, rows, _marker(past, self._past), *keys, *values)
+            return pre[:n], (logits[:n] if logits_for is None else logits[:n][logits_for])
+        rows = rows[:n] if logits_for is None else rows[:n][logits_for]
         pre, logits = run(tok, pos, tree, rows, _marker(past, self._past), *keys, *values)
         return pre[:n], logits
 
@@ -787,8 +828,8 @@ class Package:
             meta = json.loads((d / META).read_text())
         except (OSError, ValueError):
             return None
-        if (meta.get("program") != PROGRAM_VERSION or not all((d / p[0]).is_file() for p in PROGRAMS)
-                or set(meta.get("ranges", {})) != {p[0] for p in PROGRAMS}):
+        names = set(meta.get("ranges", {}))
+        if meta.get("program") != PROGRAM_VERSION or not names or not all((d / name).is_file() for name in names):
             return None
         return Package(d, int(meta["capacity"]), {int(k): float(v) for k, v in meta.get("verify_s", {}).items()},
                        meta["ranges"])

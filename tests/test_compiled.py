@@ -426,6 +426,37 @@ def test_package_lookup_ignores_incomplete_builds(tmp_path):
     assert Package.find(d) is None  # built by an older clover
 
 
+def test_static_sizes_route_small_steps_to_their_own_programs(monkeypatch):
+    """A step runs the smallest fixed-size program that holds it, else the program for any size at a padded size,
+    else at its own size where padding would not fit in the buffers; CLOVER_COMPILE_SIZES picks the fixed sizes."""
+    from clover_cli.errors import CloverError
+
+    monkeypatch.delenv("CLOVER_COMPILE_SIZES")
+    assert compiled.static_sizes() == compiled.STATIC == (1, 2, 4, 8, 16)
+    for text, sizes in (("1,4", (1, 4)), (" 4, 1,4 ", (1, 4)), ("", ())):
+        monkeypatch.setenv("CLOVER_COMPILE_SIZES", text)
+        assert compiled.static_sizes() == sizes
+    for bad in ("0", "1,x", "81", "-1"):
+        monkeypatch.setenv("CLOVER_COMPILE_SIZES", bad)
+        with pytest.raises(CloverError, match="CLOVER_COMPILE_SIZES"):
+            compiled.static_sizes()
+    names = [(name, lo, hi) for name, lo, hi, *_ in compiled.program_table((1, 4))]
+    assert names == [("step-1.pt2", 1, 1), ("step-4.pt2", 4, 4), ("step.pt2", 5, None)]
+    assert [name for name, *_ in compiled.program_table(())] == ["step.pt2"]
+
+    step = CompiledStep.__new__(CompiledStep)
+    step.capacity = 100
+    one, four, more = object(), object(), object()
+    step.programs = [(1, 1, 0, 98, one), (4, 4, 0, 95, four), (5, 99, 0, 94, more)]
+    routes = {(n, past): step._route(n, past) for n, past in
+              ((1, 0), (1, 98), (2, 10), (3, 10), (4, 95), (5, 10), (17, 10), (6, 93), (7, 93), (2, 96), (1, 99))}
+    assert routes == {(1, 0): (1, one), (1, 98): (1, one), (2, 10): (4, four), (3, 10): (4, four),
+                      (4, 95): (4, four), (5, 10): (8, more), (17, 10): (24, more),
+                      (6, 93): (6, more),  # 8 rows would not fit after 93
+                      (7, 93): None,  # past 93 + 7 tokens leave no room in 100
+                      (2, 96): None, (1, 99): None}
+
+
 def test_register_blocking_narrows_inductors_table_only_while_it_runs():
     import torch._inductor.compile_fx  # noqa: F401
     from torch._inductor.codegen import cpp_micro_gemm
