@@ -38,6 +38,7 @@ import shutil
 import subprocess
 import sys
 import time
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -310,9 +311,12 @@ def compile_package(exported, path: Path, autotune: bool = False, blocking: tupl
     blocking: (rows, columns) of the register blocks those kernels use for float32 on AVX-512, when inductor has
     them (see register_blocking)."""
     config = {"freezing": True, "cpp.enable_concat_linear": True}
-    if autotune:
-        config.update({"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"})
-    with torch.no_grad(), torch._inductor.config.patch(config), register_blocking(blocking):
+    if autotune:  # quietly: inductor writes every product's timings to stderr otherwise
+        config.update({"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+                       "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False})
+    with torch.no_grad(), torch._inductor.config.patch(config), register_blocking(blocking), \
+            warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="TypedStorage is deprecated")  # inductor's own call, torch 2.13
         torch._inductor.aoti_compile_and_package(exported, package_path=str(path))
 
 

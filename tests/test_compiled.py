@@ -409,6 +409,19 @@ def test_bad_compile_mode_is_one_line(llama_dir, tmp_path, monkeypatch, run_cli,
     assert err.count("\n") == 1 and "must be auto, on or off" in err
 
 
+@pytest.mark.parametrize("command", ["generate", "compile"])
+def test_bad_compile_sizes_is_one_line(llama_dir, tmp_path, monkeypatch, run_cli, command):
+    monkeypatch.setenv("CLOVER_COMPILE_SIZES", "1,two")
+    monkeypatch.setenv("CLOVER_COMPILE_CACHE", str(tmp_path / "cache"))
+    p = tmp_path / "p.txt"
+    p.write_text("hi")
+    extra = ["--prompt", str(p), "--compile", "auto"] if command == "generate" else []
+    code, out, err = run_cli(command, str(llama_dir), *extra)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "CLOVER_COMPILE_SIZES must list step sizes" in err
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())  # nothing built
+
+
 def test_package_lookup_ignores_incomplete_builds(tmp_path):
     d = tmp_path / "pkg"
     d.mkdir()
