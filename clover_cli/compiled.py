@@ -57,6 +57,10 @@ MAX_WEIGHT_BYTES = 4 << 30  # the package holds a frozen copy of the weights: la
 # against 5.3-5.5 ms in a program for 1-4 rows, 4 rows 4.6 ms against 7.4, 16 rows 7.7 against 9.4
 # (docs/BENCHMARKS.md). A step of n tokens runs the smallest of these sizes >= n, its extra rows padding.
 STATIC = (1, 2, 4, 8, 16)
+# Every program holds its own frozen copy of the weights: a model whose copies for all of them would pass this many
+# bytes gets fixed-size programs for 1 and 4 tokens only (three copies, as many as before there were fixed sizes).
+COPIES_BYTES = 2 << 30
+FEW_STATIC = (1, 4)
 # Larger steps run one program for any number of rows, as the smallest of SIZES >= n (beyond them: the next
 # multiple of 64). oneDNN builds its kernels for every new row count the first time it meets it (about 4 ms a size
 # here): a few sizes keep that one-time cost small, and cost almost nothing per step, since a product over a few
@@ -85,11 +89,12 @@ def program_table(static=STATIC) -> tuple:
 PROGRAMS = program_table()
 
 
-def static_sizes() -> tuple[int, ...]:
-    """STATIC, or the sizes CLOVER_COMPILE_SIZES lists ("1,4": fewer programs, a shorter build; "": none)."""
+def static_sizes(weight_bytes: int = 0) -> tuple[int, ...]:
+    """The sizes CLOVER_COMPILE_SIZES lists ("1,4": fewer programs, a shorter build; "": none); without it STATIC,
+    or FEW_STATIC for a model of `weight_bytes` whose copies would pass COPIES_BYTES."""
     text = os.environ.get("CLOVER_COMPILE_SIZES")
     if text is None:
-        return STATIC
+        return FEW_STATIC if weight_bytes * (len(STATIC) + 1) > COPIES_BYTES else STATIC
     try:
         sizes = tuple(sorted({int(part) for part in text.replace(" ", "").split(",") if part}))
     except ValueError:
@@ -162,7 +167,8 @@ def package_key(model_path: Path, dtype: torch.dtype, capacity: int) -> str:
         "transformers": transformers.__version__, "python": sys.version.split()[0],
         "cpu": torch.backends.cpu.get_cpu_capability(), "model": str(Path(model_path).resolve()),
         "files": _fingerprint_files(Path(model_path)), "dtype": str(dtype), "capacity": capacity,
-        "static": static_sizes(),
+        # the sizes asked for; by default they follow from the model's size, which its files in the key fix
+        "static": static_sizes() if "CLOVER_COMPILE_SIZES" in os.environ else "default",
     }
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
     return f"{Path(model_path).name[:40]}-{digest}"
@@ -393,8 +399,9 @@ def building(out: Path):
 
 def build_for(target, out: Path, log=print, static: tuple[int, ...] | None = None) -> dict:
     """Export, compile, check and time the step programs of `target` (a Target whose cache capacity is the
-    programs'), one for each of the `static` sizes (default: static_sizes()) and one for larger steps; write them to
-    directory `out` atomically (built beside it, renamed into place). Returns the metadata written."""
+    programs'), one for each of the `static` sizes (default: static_sizes() for its weights) and one for larger
+    steps; write them to directory `out` atomically (built beside it, renamed into place). Returns the metadata
+    written."""
     t0 = time.perf_counter()
     capacity = target.cache.capacity
     with torch.inference_mode():  # allocates the cache buffers at full capacity
@@ -404,7 +411,9 @@ def build_for(target, out: Path, log=print, static: tuple[int, ...] | None = Non
     Dim = torch.export.Dim
     program = OnBuffers(TargetStep(target), 4).eval()
     exported, ranges = {}, {}
-    for name, lo, hi, example_n, autotune, blocking in program_table(static_sizes() if static is None else static):
+    if static is None:
+        static = static_sizes(sum(p.numel() * p.element_size() for p in target.model.parameters()))
+    for name, lo, hi, example_n, autotune, blocking in program_table(static):
         hi = min(hi or capacity - 1, capacity - 1)
         if lo > hi:
             continue  # more rows than the buffers hold

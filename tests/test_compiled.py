@@ -446,9 +446,12 @@ def test_static_sizes_route_small_steps_to_their_own_programs(monkeypatch):
 
     monkeypatch.delenv("CLOVER_COMPILE_SIZES")
     assert compiled.static_sizes() == compiled.STATIC == (1, 2, 4, 8, 16)
+    # each program holds a copy of the weights: a larger model gets fewer programs
+    assert compiled.static_sizes(36 << 20) == compiled.STATIC
+    assert compiled.static_sizes(1 << 30) == compiled.FEW_STATIC == (1, 4)
     for text, sizes in (("1,4", (1, 4)), (" 4, 1,4 ", (1, 4)), ("", ())):
         monkeypatch.setenv("CLOVER_COMPILE_SIZES", text)
-        assert compiled.static_sizes() == sizes
+        assert compiled.static_sizes() == compiled.static_sizes(1 << 30) == sizes  # what is asked for, any size
     for bad in ("0", "1,x", "81", "-1"):
         monkeypatch.setenv("CLOVER_COMPILE_SIZES", bad)
         with pytest.raises(CloverError, match="CLOVER_COMPILE_SIZES"):
