@@ -102,6 +102,8 @@ def static_sizes(weight_bytes: int = 0) -> tuple[int, ...]:
     if any(not 1 <= size <= SIZES[-1] for size in sizes):
         raise CloverError(f"CLOVER_COMPILE_SIZES must list step sizes from 1 to {SIZES[-1]}, like 1,2,4: {text!r}")
     return sizes
+
+
 META = "meta.json"
 
 
