@@ -89,12 +89,12 @@ def program_table(static=STATIC) -> tuple:
 PROGRAMS = program_table()
 
 
-def static_sizes(weight_bytes: int = 0) -> tuple[int, ...]:
+def static_sizes(nbytes: int = 0) -> tuple[int, ...]:
     """The sizes CLOVER_COMPILE_SIZES lists ("1,4": fewer programs, a shorter build; "": none); without it STATIC,
-    or FEW_STATIC for a model of `weight_bytes` whose copies would pass COPIES_BYTES."""
+    or FEW_STATIC for a model of `nbytes` of weights whose copies would pass COPIES_BYTES."""
     text = os.environ.get("CLOVER_COMPILE_SIZES")
     if text is None:
-        return FEW_STATIC if weight_bytes * (len(STATIC) + 1) > COPIES_BYTES else STATIC
+        return FEW_STATIC if nbytes * (len(STATIC) + 1) > COPIES_BYTES else STATIC
     try:
         sizes = tuple(sorted({int(part) for part in text.replace(" ", "").split(",") if part}))
     except ValueError:
@@ -119,7 +119,7 @@ def unsupported(model, device: torch.device, dtype: torch.dtype, load_in_8bit: b
         return "4-bit weights are not compiled"
     if dtype != torch.float32:
         return "the compiled step is built for float32 weights"
-    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    size = weight_bytes(model)
     if size > MAX_WEIGHT_BYTES:
         return f"the model's weights ({size / 2**30:.1f} GiB) are too large to freeze into a compiled package"
     if not torch.backends.mkldnn.is_available():
@@ -127,6 +127,11 @@ def unsupported(model, device: torch.device, dtype: torch.dtype, load_in_8bit: b
     if not (shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")):
         return "no C++ compiler found (inductor needs one)"
     return None
+
+
+def weight_bytes(model) -> int:
+    """The bytes a frozen copy of the model's weights takes."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def spread(model) -> bool:
@@ -414,7 +419,7 @@ def build_for(target, out: Path, log=print, static: tuple[int, ...] | None = Non
     program = OnBuffers(TargetStep(target), 4).eval()
     exported, ranges = {}, {}
     if static is None:
-        static = static_sizes(sum(p.numel() * p.element_size() for p in target.model.parameters()))
+        static = static_sizes(weight_bytes(target.model))
     for name, lo, hi, example_n, autotune, blocking in program_table(static):
         hi = min(hi or capacity - 1, capacity - 1)
         if lo > hi:
