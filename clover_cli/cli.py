@@ -180,10 +180,11 @@ def download(model: str = typer.Argument(..., help="Alias or Hub repo id."),
              revision: Optional[str] = Common.revision, allow_pickle: bool = Common.allow_pickle):
     """Fetch a model, the heads published for it (or --heads) and its alias's draft model into the local Hugging Face
     cache ahead of time."""
-    from .drafters.registry import resolve_heads
     from .hub import ALIASES, resolve_model
 
     resolved = resolve_model(model, revision, allow_pickle)
+    from .drafters.registry import resolve_heads  # torch comes with it: a model not found is told without it
+
     spec = ALIASES.get(model)
     fetched = []
     if heads:

@@ -25,6 +25,7 @@ from test_lossless import check_prompts_and_follow_ups, drafter_for, make_model,
 
 pytestmark = pytest.mark.slow  # a program per architecture and heads kind, built once for the file (minutes)
 FAMILIES = ("llama", "mistral", "qwen2")  # GQA; a sliding window shorter than the conversations; attention bias
+STATIC_SIZES = {"llama": (1, 4), "mistral": (4,), "qwen2": (2,)}
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,10 @@ def programs(tmp_path_factory):
     for i, family in enumerate(FAMILIES):
         model = make_model(family, seed=i)
         target = Target(model)
-        meta = build_for(target, root / family, log=lambda text: None)
+        # every program costs ~20 s to build here: llama gets fixed sizes for 1 and 4 tokens, the others one each
+        # (a 1-token step then runs padded to 2 or 4 rows), and every family the program for any size
+        meta = build_for(target, root / family, log=lambda text: None, static=STATIC_SIZES[family])
+        assert [name for name, *_ in compiled.program_table(STATIC_SIZES[family])] == sorted(meta["ranges"])
         assert meta["capacity"] == target.cache.capacity == 512
         assert set(meta["verify_s"]) >= {"1", "16", "32"} and all(v > 0 for v in meta["verify_s"].values())
         out[family] = (model, root / family, meta["capacity"])
@@ -332,6 +336,7 @@ def test_background_build_swaps_in_and_the_cli_reuses_it(llama_dir, tmp_path, mo
     """chat's path: the package is built by a child process while the session runs eager, then swapped in;
     `clover compile` and `clover generate` find it in the cache afterwards."""
     monkeypatch.setenv("CLOVER_COMPILE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CLOVER_COMPILE_SIZES", "1")  # two programs per package (the target's, the draft model's)
     from clover_cli.session import Options, Session
 
     s = Session(Options(model=str(llama_dir), draft="ngram", compile="auto"), quiet=True)
