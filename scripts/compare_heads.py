@@ -1,7 +1,8 @@
 """Draft heads side by side on one target: τ and decode tokens/s of each, overall and by prompt category.
 
     python scripts/compare_heads.py runs/cmp/clover runs/cmp/medusa [--model tiny] [--prompts question.jsonl]
-                                    [-n 128] [--tree own|eagle2|clover] [--limit N] [--json out.json]
+                                    [-n 128] [--tree own|eagle2|clover] [--window default|none|N] [--limit N]
+                                    [--json out.json]
 
 Each heads directory (any layout clover reads) drives its own drafter alone (no n-gram lookup merged in), greedy,
 through clover's engine with a fixed tree budget, on the same prompts (clover bench's built-in 30 held-out
@@ -42,8 +43,14 @@ def main():
                     help="own: each family's own tree rule; eagle2: every drafter grows EAGLE-2's tree (top-10 "
                          "children per expanded node, the best 10 of a depth expanded, no probability cut); clover: "
                          "every drafter grows clover's default tree (top-8, width 6, ratio and mass cuts)")
+    ap.add_argument("--window", default="default",
+                    help="positions a Clover-2 catch-up runs the augmenting block over: 'default' (the drafter's, "
+                         "64: a speed trade-off), 'none' (every position, as EAGLE's drafter does) or a number")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
+    if args.window not in ("default", "none") and not args.window.isdigit():
+        raise SystemExit(f"--window must be 'default', 'none' or a number, not {args.window!r}")
+    window = {} if args.window == "default" else {"window": None if args.window == "none" else int(args.window)}
     torch.set_num_threads(args.threads)
 
     s = Session(Options(model=args.model, draft="none", compile="off"), quiet=True)
@@ -58,7 +65,10 @@ def main():
             "clover": {"topk": 8, "width": 6, "min_ratio": 0.25, "top_p": 0.95}}[args.tree]
 
     def make(heads):
-        return NoDrafter() if heads is None else drafter_for(heads, s.target, **grow)  # the family's drafter
+        if heads is None:
+            return NoDrafter()
+        extra = window if heads.cfg.architecture == "clover2" else {}
+        return drafter_for(heads, s.target, **grow, **extra)  # the family's drafter
 
     engines = {name: Engine(s.target, make(h), budget=args.budget, auto_budget=False) for name, h in methods.items()}
     figures = {name: {} for name in methods}  # name -> category -> [new tokens, steps, decode s, runs]
@@ -89,7 +99,8 @@ def main():
         return {"tau": round((tokens - runs) / steps, 3) if steps else None,
                 "tokens_per_s": round((tokens - runs) / secs, 1) if secs else None, "prompts": runs}
 
-    report = {"model": s.resolved.name, "budget": args.budget, "tree": args.tree, "max_new_tokens": args.max_new_tokens,
+    report = {"model": s.resolved.name, "budget": args.budget, "tree": args.tree, "window": args.window,
+              "max_new_tokens": args.max_new_tokens,
               "threads": args.threads, "date": time.strftime("%Y-%m-%d"), "methods": {}}
     for name in methods:
         report["methods"][name] = {
