@@ -29,11 +29,11 @@ def test_compare_heads_on_one_tree_rule(tmp_path):
     out = tmp_path / "cmp.json"
     p = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_heads.py"),
                         str(ROOT / "clover_cli" / "bundled" / "tiny" / "heads"), "--tree", "eagle2", "--limit", "2",
-                        "-n", "12", "--threads", "1", "--json", str(out)],
+                        "-n", "12", "--threads", "1", "--window", "none", "--json", str(out)],
                        capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert p.returncode == 0, p.stderr
     report = json.loads(out.read_text())
-    assert report["tree"] == "eagle2"
+    assert report["tree"] == "eagle2" and report["window"] == "none"
     (name,) = [m for m in report["methods"] if m != "plain"]
     row = report["methods"][name]
     assert row["identical_to_plain"] and row["all"]["prompts"] == 2 and row["all"]["tau"] > 1
