@@ -643,7 +643,10 @@ class CompiledStep:
 # ---------------------------------------------------------------------------------------------------------------
 # The draft heads' programs
 
-HEADS_PACKAGES = {"clover": ("augment.pt2", "augment-small.pt2", "level0.pt2", "level.pt2", "level-small.pt2"),
+# The programs every heads package holds; a Clover-2 package also holds the fixed-size augment programs its metadata
+# names (augment_sizes). Bump HEADS_PROGRAM_VERSION when they change: old heads packages are rebuilt, not reused.
+HEADS_PROGRAM_VERSION = 2
+HEADS_PACKAGES = {"clover": ("augment.pt2", "level0.pt2", "level.pt2", "level-small.pt2"),
                   "medusa": ("levels.pt2",)}
 MAX_LEVEL_ROWS = 64  # nodes a Clover level can expand at once in the compiled program
 # As for the target's step: up to this many rows (a catch-up after a short accepted path, a level of a few nodes:
@@ -652,20 +655,36 @@ MAX_LEVEL_ROWS = 64  # nodes a Clover level can expand at once in the compiled p
 SMALL_ROWS = 4
 
 
+def augment_sizes() -> tuple[int, ...]:
+    """The fixed sizes of a Clover-2 catch-up's own programs: those of static_sizes() up to SMALL_ROWS (default 1, 2
+    and 4). A catch-up of up to 4 positions (nearly all) runs the smallest >= its size, padded. Built for exactly its
+    rows, the augmenting block cost 0.41-0.60 ms right after a target step, against 0.93-1.20 ms in a program for 1-4
+    rows (bundled heads, AVX2 machine; docs/BENCHMARKS.md)."""
+    return tuple(n for n in static_sizes() if n <= SMALL_ROWS)
+
+
+def augment_name(n: int) -> str:
+    return f"augment-{n}.pt2"
+
+
 class HeadsPrograms:
     """The compiled twins of a heads drafter's per-step modules (drafters/clover2.py, medusa.py): for Clover-2 the
     augmenting block (`augment`, with the heads' own cache) and the first and later levels (`levels`); for Medusa
-    all heads at once (`levels`). Same inputs and outputs as the eager modules. A Clover-2 call of up to SMALL_ROWS
-    rows runs the small twin of its program."""
+    all heads at once (`levels`). Same inputs and outputs as the eager modules. A Clover-2 catch-up of up to
+    SMALL_ROWS positions runs the program built for the smallest fixed size >= n (padded), a level of up to
+    SMALL_ROWS nodes the small twin of the level program."""
 
     def __init__(self, path: Path, kind: str, capacity: int, augment_ranges: dict | None = None):
         self.path, self.kind, self.capacity = Path(path), kind, capacity
         # program name -> {"n": [least, most], "past": [least, most]}: the sizes each augment program takes
         self.augment_ranges = augment_ranges
-        programs = {name: Program(self.path / name) for name in HEADS_PACKAGES[kind]}
+        names = HEADS_PACKAGES[kind] + tuple(n for n in augment_ranges or {} if n not in HEADS_PACKAGES[kind])
+        programs = {name: Program(self.path / name) for name in names}
         self._past: dict[int, torch.Tensor] = {}
         if kind == "clover":
-            self._augments = [(name, programs[name]) for name in ("augment-small.pt2", "augment.pt2")]
+            # fixed sizes first, smallest first; then the program for any size
+            fixed = sorted((r["n"][0], name) for name, r in (augment_ranges or {}).items() if r["n"][0] == r["n"][1])
+            self._augments = [(name, programs[name]) for _, name in fixed] + [("augment.pt2", programs["augment.pt2"])]
             level0, level, small = programs["level0.pt2"], programs["level.pt2"], programs["level-small.pt2"]
             self.levels = (lambda states, tokens: tuple(level0(states.contiguous(), tokens)),
                            lambda states, tokens: tuple((small if states.shape[0] <= SMALL_ROWS else level)(
@@ -674,14 +693,16 @@ class HeadsPrograms:
             self.levels = lambda hidden: tuple(programs["levels.pt2"](hidden.contiguous()))
 
     def _augment_for(self, cache, n: int):
-        """The augment program that takes n new positions after the cache's, or None."""
-        size = padded_size(n)
-        if self.augment_ranges is None or not fits(self.capacity, cache, size):
+        """(the augment program that takes n new positions after the cache's, the rows it runs them as), or None."""
+        if self.augment_ranges is None:
             return None
         for name, program in self._augments:
             r = self.augment_ranges.get(name)
-            if r and r["n"][0] <= n and size <= r["n"][1] and r["past"][0] <= cache.length <= r["past"][1]:
-                return program
+            lo, hi = r["n"] if r else (0, -1)
+            rows = lo if lo == hi else padded_size(n)  # a fixed-size program: its rows; else the next of SIZES
+            if r and n <= rows and lo <= rows <= hi and r["past"][0] <= cache.length <= r["past"][1] \
+                    and fits(self.capacity, cache, rows):
+                return program, rows
         return None
 
     def fits(self, cache, n: int) -> bool:
@@ -689,11 +710,11 @@ class HeadsPrograms:
 
     @torch.inference_mode()
     def augment(self, hidden, tokens, positions, cache):
-        """States of the n new positions. Run as padded_size(n) rows (the block is causal: rows after the real ones
-        change nothing before them, and the keys they write lie past the committed ones)."""
+        """States of the n new positions. Run as the rows of a fixed-size program, or padded_size(n) rows (the block is
+        causal: rows after the real ones change nothing before them, and the keys they write lie past the committed
+        ones)."""
         n = tokens.numel()
-        size = padded_size(n)
-        program = self._augment_for(cache, n)
+        program, size = self._augment_for(cache, n)
         if size != n:
             hidden = torch.cat([hidden, hidden.new_zeros(size - n, hidden.shape[1])])
             tokens = torch.cat([tokens, tokens.new_zeros(size - n)])
@@ -711,8 +732,8 @@ def find_heads(d: Path | None) -> dict | None:
         meta = json.loads((Path(d) / META).read_text())
     except (OSError, ValueError):
         return None
-    names = HEADS_PACKAGES.get(meta.get("kind"), ())
-    if meta.get("program") != PROGRAM_VERSION or not names or not all((Path(d) / n).is_file() for n in names):
+    names = HEADS_PACKAGES.get(meta.get("kind"), ()) + tuple(meta.get("augment_ranges") or ())
+    if meta.get("program") != HEADS_PROGRAM_VERSION or not names or not all((Path(d) / n).is_file() for n in names):
         return None
     return meta
 
@@ -748,14 +769,15 @@ def build_heads_for(drafter, capacity: int, out: Path, log=print, autotune: bool
         drafter.reset(0)
         keys, values = drafter.cache.buffers()
         ranges = {}
-        # (program, most new positions, example size, autotuned): one for any size, one for a few rows
-        for name, most, example_n, tuned in (("augment.pt2", capacity - 1, 5, False),
-                                             ("augment-small.pt2", SMALL_ROWS, 2, True)):
-            n = Dim("n", min=1, max=most)
+        # (program, fewest and most new positions, example size, autotuned): one for any size, one for each fixed size
+        for name, least, most, example_n, tuned in (("augment.pt2", 1, capacity - 1, 5, False),
+                                                    *((augment_name(m), m, m, m, True) for m in augment_sizes())):
             example = (torch.randn(example_n, H), torch.arange(example_n), torch.arange(20, 20 + example_n),
                        torch.empty(20, 0))
+            n = Dim("n", min=least, max=most) if least < most else None
+            rows = {0: n} if n is not None else None
             program = export(OnBuffers(drafter.augment_block, 3).eval(), (*example, *keys, *values),
-                             (({0: n}, {0: n}, {0: n}, {0: Dim.DYNAMIC}, *(None for _ in keys + values)),))
+                             ((rows, rows, rows, {0: Dim.DYNAMIC}, *(None for _ in keys + values)),))
             exported[name] = (program, tuned)
             ranges[name] = input_ranges(program, {"n": (0, 0), "past": (3, 0)})
         exported["level0.pt2"] = (export(drafter.levels[0].eval(), (torch.randn(1, H), torch.tensor([3])), None),
@@ -774,7 +796,7 @@ def build_heads_for(drafter, capacity: int, out: Path, log=print, autotune: bool
         for name, (program, tuned) in exported.items():
             compile_package(program, tmp / name, autotune and tuned)
         check_heads(HeadsPrograms(tmp, kind, capacity, ranges), drafter)
-        meta = {"program": PROGRAM_VERSION, "kind": kind, "capacity": capacity, "topk": drafter.grower.topk,
+        meta = {"program": HEADS_PROGRAM_VERSION, "kind": kind, "capacity": capacity, "topk": drafter.grower.topk,
                 "augment_ranges": ranges, "build_s": round(time.perf_counter() - t0, 1)}
         atomic.write_text(tmp / META, json.dumps(meta, indent=1))
     drafter.reset(0)

@@ -552,9 +552,12 @@ def published_programs(programs, tmp_path_factory):
     out = {}
     for kind in DRAFTERS:
         heads = load(root / kind, model)
-        # the layouts' mapping is what is tested here, not the kernels: built without autotuning (quicker)
-        meta = build_heads_for(DRAFTERS[kind][0](heads, Target(model)), capacity, root / f"{kind}-programs",
-                               log=lambda text: None, autotune=False)
+        # the layouts' mapping is what is tested here, not the kernels: built without autotuning, and with one
+        # fixed-size augment program (quicker)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("CLOVER_COMPILE_SIZES", "4")
+            meta = build_heads_for(DRAFTERS[kind][0](heads, Target(model)), capacity, root / f"{kind}-programs",
+                                   log=lambda text: None, autotune=False)
         out[kind] = (heads, root / f"{kind}-programs", meta)
     return out
 
@@ -614,8 +617,9 @@ def test_wrong_heads_programs_are_refused(programs, heads_programs, monkeypatch)
 
 
 def test_few_rows_run_the_small_heads_programs(programs, heads_programs, monkeypatch):
-    """A catch-up of up to SMALL_ROWS positions and a level of up to SMALL_ROWS nodes run the autotuned small
-    programs, more rows the programs for any size; each gives what the eager module gives."""
+    """A catch-up of up to SMALL_ROWS positions runs the fixed-size augment program of the smallest size >= n, a
+    level of up to SMALL_ROWS nodes the autotuned small level program, more rows the programs for any size; each
+    gives what the eager module gives."""
     model, drafter, programs_ = eager_clover_and_programs(programs, heads_programs)
     ran = []
     real = compiled.Program.__call__
@@ -623,7 +627,10 @@ def test_few_rows_run_the_small_heads_programs(programs, heads_programs, monkeyp
                         lambda self, *inputs: ran.append(self.name) or real(self, *inputs))
     H, g, small = model.config.hidden_size, torch.Generator().manual_seed(5), compiled.SMALL_ROWS
     with torch.inference_mode():
-        for n, want in ((1, "augment-small.pt2"), (small, "augment-small.pt2"), (small + 1, "augment.pt2")):
+        # the tests' CLOVER_COMPILE_SIZES=1,4: fixed-size augment programs for 1 and 4 positions (2 and 3 padded to 4)
+        assert compiled.augment_sizes() == (1, 4) and small == 4
+        for n, want in ((1, "augment-1.pt2"), (2, "augment-4.pt2"), (small, "augment-4.pt2"),
+                        (small + 1, "augment.pt2")):
             keys, values = drafter.cache.buffers()
             mine = type(drafter.cache).over([k.clone() for k in keys], [v.clone() for v in values], 10)
             drafter.cache.length = 10
