@@ -667,6 +667,12 @@ def augment_name(n: int) -> str:
     return f"augment-{n}.pt2"
 
 
+def heads_program_names(kind: str, augment_ranges: dict | None) -> tuple[str, ...]:
+    """The programs of a heads package of `kind` whose metadata gives these augment programs' ranges."""
+    fixed = HEADS_PACKAGES[kind]
+    return fixed + tuple(name for name in augment_ranges or () if name not in fixed)
+
+
 class HeadsPrograms:
     """The compiled twins of a heads drafter's per-step modules (drafters/clover2.py, medusa.py): for Clover-2 the
     augmenting block (`augment`, with the heads' own cache) and the first and later levels (`levels`); for Medusa
@@ -678,8 +684,7 @@ class HeadsPrograms:
         self.path, self.kind, self.capacity = Path(path), kind, capacity
         # program name -> {"n": [least, most], "past": [least, most]}: the sizes each augment program takes
         self.augment_ranges = augment_ranges
-        names = HEADS_PACKAGES[kind] + tuple(n for n in augment_ranges or {} if n not in HEADS_PACKAGES[kind])
-        programs = {name: Program(self.path / name) for name in names}
+        programs = {name: Program(self.path / name) for name in heads_program_names(kind, augment_ranges)}
         self._past: dict[int, torch.Tensor] = {}
         if kind == "clover":
             # fixed sizes first, smallest first; then the program for any size
@@ -698,9 +703,11 @@ class HeadsPrograms:
             return None
         for name, program in self._augments:
             r = self.augment_ranges.get(name)
-            lo, hi = r["n"] if r else (0, -1)
+            if r is None:
+                continue
+            lo, hi = r["n"]
             rows = lo if lo == hi else padded_size(n)  # a fixed-size program: its rows; else the next of SIZES
-            if r and n <= rows and lo <= rows <= hi and r["past"][0] <= cache.length <= r["past"][1] \
+            if n <= rows and lo <= rows <= hi and r["past"][0] <= cache.length <= r["past"][1] \
                     and fits(self.capacity, cache, rows):
                 return program, rows
         return None
@@ -732,8 +739,10 @@ def find_heads(d: Path | None) -> dict | None:
         meta = json.loads((Path(d) / META).read_text())
     except (OSError, ValueError):
         return None
-    names = HEADS_PACKAGES.get(meta.get("kind"), ()) + tuple(meta.get("augment_ranges") or ())
-    if meta.get("program") != HEADS_PROGRAM_VERSION or not names or not all((Path(d) / n).is_file() for n in names):
+    if meta.get("program") != HEADS_PROGRAM_VERSION or meta.get("kind") not in HEADS_PACKAGES:
+        return None
+    names = heads_program_names(meta["kind"], meta.get("augment_ranges"))
+    if not all((Path(d) / n).is_file() for n in names):
         return None
     return meta
 
