@@ -26,7 +26,8 @@ and cache writes on random trees; the heads' states and ranked tokens) and times
 sizes its trees from those timings instead of measuring its own forwards on every start (StepCosts), keeps the
 sizes it runs current from its own forwards, and scales the rest by them.
 
-CPU only for now: on a GPU the eager path (with the Triton kernels) runs.
+On a CUDA device nothing is built ahead: the static step of clover_cli/graphs.py is captured as CUDA graphs in the
+session, each (rows, span) on its first use; the heads run eager there.
 """
 
 from __future__ import annotations
@@ -111,12 +112,14 @@ def unsupported(model, device: torch.device, dtype: torch.dtype, load_in_8bit: b
     """Why the compiled step cannot serve this model here (one short phrase), or None when it can."""
     if spread(model):
         return "a model placed by --device-map (over several devices, or offloaded) is not compiled"
-    if device.type != "cpu":
-        return "the compiled step runs on a CPU only (the GPU path uses the Triton kernels)"
     if load_in_8bit:
         return "8-bit weights are not compiled"
     if getattr(model, "hf_quantizer", None) is not None:
         return "4-bit weights are not compiled"
+    if device.type == "cuda":
+        return None  # CUDA graphs of the static step (clover_cli/graphs.py), captured in the session
+    if device.type != "cpu":
+        return f"the compiled step runs on a CPU or a CUDA device, not {device.type}"
     if dtype != torch.float32:
         return "the compiled step is built for float32 weights"
     size = weight_bytes(model)
@@ -922,10 +925,16 @@ class StepCompiler:
         self.out = package_dir(self.model_path, dtype, self.capacity)
         why = None if mode == "off" else unsupported(target.model, device, dtype, load_in_8bit)
         self.state, self.reason = "off", "--compile off"
+        self.graphs = None  # on CUDA: the static step whose CUDA graphs are captured as each size is first used
         if why:
             self.state, self.reason = "eager", why
             if mode == "on":
                 self.warn(f"no compiled step: {why}; running eager")
+        elif mode != "off" and device.type == "cuda":
+            from .graphs import attach
+
+            self.graphs = attach(target, self.capacity)
+            self.state, self.reason = "active", "active"
         elif mode != "off" and not self._activate():
             self.state, self.reason = "missing", "not built yet"
             if _lock_holder(self.out) is not None:  # another clover process is building it: use it when it is done
@@ -942,6 +951,9 @@ class StepCompiler:
             return f"eager ({self.eager_for} reads target layers the compiled step does not return)"
         if self.state != "active":
             return f"eager ({self.reason})"
+        if self.graphs is not None:
+            heads = "; heads too" if self.heads is not None and self.heads.programs is not None else ""
+            return "CUDA graphs active" + heads + ("; draft model " + self.draft._draft_state() if self.draft else "")
         if self.draft is not None:
             return "compiled step active; draft model " + self.draft._draft_state()
         if self.heads is None or self.heads_out is None:
@@ -953,7 +965,7 @@ class StepCompiler:
     def _draft_state(self) -> str:
         """What describe() says of a draft model's step (this compiler being the draft's)."""
         if self.state == "active":
-            return "compiled"
+            return "CUDA graphs" if self.graphs is not None else "compiled"
         if self.state == "building":
             return "compiling in the background"
         return "eager" if self.state == "missing" else f"eager ({self.reason})"
@@ -967,9 +979,21 @@ class StepCompiler:
         self.heads = heads if heads_kind(heads) else None
         self.heads_path = Path(heads_path) if heads_path is not None and self.heads is not None else None
         self.heads_out = None
-        if self.heads_path is not None and self.state not in ("off", "eager"):
+        if self.graphs is not None and self.heads is not None:
+            self._attach_graphs(self.heads)
+        if self.heads_path is not None and self.state not in ("off", "eager") and self.graphs is None:
             self.heads_out = heads_dir(self.out, self.heads_path, self.heads.grower.topk)
             self._activate_heads()
+
+    def _attach_graphs(self, drafter) -> bool:
+        """On CUDA: the heads' per-step modules as static calls captured as graphs (clover_cli/graphs.py)."""
+        from .graphs import heads_graphs
+
+        programs = heads_graphs(drafter, self.capacity)
+        if programs is None:
+            return False
+        drafter.attach_programs(programs)
+        return True
 
     def _use_draft_model(self, drafter, draft_path) -> None:
         runner = getattr(drafter, "draft", None)  # a ModelDrafter runs its model as a Target
@@ -1013,6 +1037,8 @@ class StepCompiler:
             self._start_draft(background)
 
     def _start_own(self, background: bool) -> None:
+        if self.graphs is not None:
+            return  # nothing to build: the graphs are captured as they are first used
         if self.builder is None:
             step, heads = self.job().missing() if self.state in ("missing", "active") else (False, False)
             step = step and self.state == "missing"
@@ -1104,6 +1130,8 @@ class StepCompiler:
         (waiting) when they are not cached yet. False when the compiled step is not in use or the build failed."""
         if self.state != "active" or heads_kind(drafter) is None:
             return False
+        if self.graphs is not None:
+            return self._attach_graphs(drafter)
         out = heads_dir(self.out, Path(heads_path), drafter.grower.topk)
         if out not in self._loaded and find_heads(out) is None:
             job = Job(self.model_path, self.out, self.capacity, self.trust_remote_code, self.allow_pickle,

@@ -27,6 +27,9 @@ ATTN_NAME = "clover_tree"
 # CLOVER_TRITON=0 turns the kernels off.
 TRITON_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
 TREE_BITS_KWARG = "clover_tree_bits"  # packed tree mask that Target.forward hands to every attention call
+# Given by the static step (clover_cli/graphs.py): the mask is whole, over a fixed span of the buffers; the value is
+# (query positions, key positions), for layers with a sliding window
+STATIC_KWARG = "clover_static"
 _kernels = None
 
 
@@ -61,6 +64,15 @@ def tree_attention(module, query, key, value, attention_mask, scaling=None, drop
     past = total - n
     bits = kwargs.get(TREE_BITS_KWARG)
     softcap = kwargs.get("softcap")
+    if STATIC_KWARG in kwargs:  # a static step: the mask says everything, up to a sliding window
+        mask, (query_positions, key_positions) = attention_mask, kwargs[STATIC_KWARG]
+        if sliding_window is not None:
+            mask = mask & ((query_positions[:, None] - key_positions[None, :]) < sliding_window)
+        if softcap is not None:
+            return _softcapped_attention(query, key, value, mask, scaling, softcap).transpose(1, 2).contiguous(), None
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
+                                             enable_gqa=query.shape[1] != key.shape[1])
+        return out.transpose(1, 2).contiguous(), None
     if (bits is not None and softcap is None and attention_mask is not None and query.shape[0] == 1
             and not (module.training and dropout) and (sliding_window is None or total <= sliding_window)):
         kernels = triton_kernels(query.device)

@@ -102,14 +102,15 @@ def tree_attention_ref(q, k, v, tree_bits, prefix_len: int, scale: float | None 
 
 
 @triton.jit
-def _online_softmax_step(m_i, l_i, acc, s, v_tile):
-    """Fold a [BLOCK_M, BLOCK_N] tile of base-2 scores (-inf = hidden) and its values into the running state."""
+def _online_softmax_step(m_i, l_i, acc, s, v_tile, PRECISION: tl.constexpr):
+    """Fold a [BLOCK_M, BLOCK_N] tile of base-2 scores (-inf = hidden) and its values into the running state (the
+    product in `PRECISION`: float32 operands as "ieee", not the TF32 a GPU would otherwise use)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile, input_precision=PRECISION)
     return m_new, l_i, acc
 
 
@@ -159,7 +160,7 @@ def _tree_attn_fwd(
                      mask=col_ok[:, None] & d_ok[None, :], other=0.0)
         s = tl.dot(q, kt, input_precision=PRECISION) * scale_log2
         s = tl.where(col_ok[None, :], s, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, vt)
+        m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, vt, PRECISION)
 
     # The tree's own keys, masked by the ancestor bits; done by the last split.
     if split == num_splits - 1:
@@ -176,7 +177,7 @@ def _tree_attn_fwd(
             visible = (bit != 0) & j_ok[None, :]
             s = tl.dot(q, kt, input_precision=PRECISION) * scale_log2
             s = tl.where(visible, s, float("-inf"))
-            m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, vt)
+            m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, vt, PRECISION)
 
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]

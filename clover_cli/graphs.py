@@ -1,0 +1,279 @@
+"""The target's step with static shapes, captured as CUDA graphs on a GPU.
+
+A step of n new tokens runs as a fixed number of rows (SIZES: the smallest >= n; the rows after the real ones are
+padding) over a fixed span of the KV buffers (the smallest of 256, 512, 1024, ... >= committed + rows), so no shape
+depends on the step: the committed length is a device tensor, each layer writes its new keys and values with
+`index_copy_` at it, and the attention mask is built on the device from it and the tree. On CUDA each (rows, span)
+pair is captured once as a CUDA graph (`torch.cuda.graph`, on its first use: two forwards' time) and replayed after
+that: one launch per step instead of a dozen kernels per layer and the Python between them. Elsewhere (a CPU, the
+tests) the same function runs as it is, so CI checks the arithmetic that the graphs capture.
+
+It is the stock transformers forward with our attention function (`Target.run`), writing into the live cache's own
+buffers, so eager steps (a prefill longer than the largest size) and graph replays follow each other in one
+conversation. The accepted nodes' keys and values move afterwards as in eager mode (`TreeKVCache.commit`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .target import STATIC_KWARG, TreeKVCache, TreeKVLayer
+
+SIZES = (1, 2, 4, 8, 16, 32, 64)
+FIRST_SPAN = 256
+
+
+class SpanLayer(TreeKVLayer):
+    """A layer of the live cache seen through a static step: new keys and values go at the device positions
+    `owner.write_at`, attention reads the first `owner.span` positions."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.keys.index_copy_(2, self.owner.write_at, key_states)
+        self.values.index_copy_(2, self.owner.write_at, value_states)
+        return self.keys.narrow(2, 0, self.owner.span), self.values.narrow(2, 0, self.owner.span)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.span, 0
+
+
+class SpanView(TreeKVCache):
+    """The live cache's buffers as one static step sees them (made per call; holds no memory of its own)."""
+
+    def __init__(self, cache: TreeKVCache, write_at: torch.Tensor, span: int):
+        super().__init__(len(cache.layers), cache.capacity, cache.capacity)
+        self.layers = [SpanLayer(self) for _ in cache.layers]
+        for mine, live in zip(self.layers, cache.layers):
+            mine.keys, mine.values, mine.is_initialized = live.keys, live.values, True
+        self.length = cache.length  # what transformers reads as the past length; nothing of the step depends on it
+        self.write_at, self.span = write_at, span
+
+
+class Graphs:
+    """Functions run by key: on CUDA each key's is captured once as a CUDA graph (its first call) and replayed after
+    that; elsewhere called as they are. All of one owner's graphs share a memory pool: they never run at once, and
+    every caller copies what it keeps out of the outputs before the next replay."""
+
+    def __init__(self, capture: bool):
+        self.capture = capture
+        self.graphs: dict = {}  # key -> (graph, its output tensors)
+        self.pool = None
+
+    def run(self, key, fn):
+        if not self.capture:
+            return fn()
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(fn)
+        graph, outputs = self.graphs[key]
+        graph.replay()
+        return outputs
+
+    def _capture(self, fn):
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # a first run off the graph: cuBLAS's workspaces, lazy initialisations
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = fn()
+        return graph, outputs
+
+    def __len__(self):
+        return len(self.graphs)
+
+    def keys(self):
+        return self.graphs.keys()
+
+
+def bucket(n: int, sizes: tuple[int, ...]) -> int | None:
+    """The smallest of `sizes` (ascending) >= n, or None."""
+    return next((size for size in sizes if size >= n), None)
+
+
+def span_for(end: int, capacity: int) -> int:
+    """The keys a static step attends over: the smallest of FIRST_SPAN * 2^k >= end, at most the capacity."""
+    span = FIRST_SPAN
+    while span < end:
+        span *= 2
+    return min(span, capacity)
+
+
+class Rows:
+    """Input buffers of a static call over up to `rows` new positions: tokens, positions, and the tree (which new
+    positions each one sees; padding rows see themselves only, so nothing is NaN), plus the committed length as a
+    device tensor. `mask(rows, span)` is the whole attention mask [1, 1, rows, span] built from them on the device,
+    with the keys' positions (committed token i sits at position i) for layers with a sliding window."""
+
+    def __init__(self, rows: int, capacity: int, device):
+        self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
+        self.eye = torch.eye(rows, dtype=torch.bool, device=device)
+        self.causal = torch.ones(rows, rows, dtype=torch.bool, device=device).tril()
+        self.tree = self.eye.clone()
+        self.past = torch.zeros((), dtype=torch.long, device=device)
+        self.index = torch.arange(capacity, device=device)
+
+    def fill(self, past: int, rows: int, tokens, positions, tree_mask=None) -> None:
+        n = tokens.numel()
+        self.tokens[:n].copy_(tokens)
+        self.positions[:n].copy_(positions)
+        self.tree[:rows].copy_(self.eye[:rows])
+        self.tree[:n, :n].copy_(tree_mask if tree_mask is not None else self.causal[:n, :n])
+        self.past.fill_(past)
+
+    def mask(self, rows: int, span: int):
+        rel = self.index[:span] - self.past  # a key's offset among the new positions (negative: committed)
+        new = (rel >= 0) & (rel < rows)
+        at = rel.clamp(0, rows - 1)
+        mask = (self.tree[:rows].index_select(1, at) & new) | (rel < 0)
+        key_positions = torch.where(rel < 0, self.index[:span], self.positions[:rows].index_select(0, at))
+        return mask[None, None], {STATIC_KWARG: (self.positions[:rows], key_positions)}
+
+    def write_at(self, rows: int) -> torch.Tensor:
+        return self.past + self.index[:rows]
+
+
+class StaticStep:
+    """A program for Target.attach_program: `fits(cache, n)`, then `(cache, tokens, positions, tree_mask,
+    logits_for) -> (pre-norm hidden [n, H], logits)`, as Target.forward's eager path returns them."""
+
+    def __init__(self, target, capacity: int, sizes: tuple[int, ...] = SIZES, capture: bool | None = None):
+        self.target = target
+        self.capacity = capacity
+        self.sizes = tuple(sorted(sizes))
+        self.inputs = Rows(self.sizes[-1], capacity, target.device)
+        self.graphs = Graphs(target.device.type == "cuda" if capture is None else capture)
+
+    def rows_for(self, n: int) -> int | None:
+        return bucket(n, self.sizes)
+
+    def span_for(self, end: int) -> int:
+        return span_for(end, self.capacity)
+
+    def fits(self, cache, n: int) -> bool:
+        rows = self.rows_for(n)
+        return (rows is not None and cache.capacity == self.capacity and cache.length + rows <= self.capacity
+                and cache.buffers() is not None)
+
+    @torch.inference_mode()
+    def __call__(self, cache, tokens, positions, tree_mask, logits_for):
+        n = tokens.numel()
+        rows = self.rows_for(n)
+        span = self.span_for(cache.length + rows)
+        self.inputs.fill(cache.length, rows, tokens, positions, tree_mask)
+        pre, logits = self.graphs.run((rows, span), lambda: self._forward(cache, rows, span))
+        logits = logits[:n] if logits_for is None else logits[:n][logits_for]
+        return pre[:n].clone(), logits.clone()
+
+    def _forward(self, cache, rows: int, span: int):
+        """The step itself, every shape fixed by (rows, span): what a graph captures."""
+        mask, extra = self.inputs.mask(rows, span)
+        view = SpanView(cache, self.inputs.write_at(rows), span)
+        return self.target.run(self.inputs.tokens[:rows], self.inputs.positions[:rows], mask, view, None, **extra)
+
+
+def attach(target, capacity: int, sizes: tuple[int, ...] = SIZES, capture: bool | None = None) -> StaticStep:
+    """Give `target` a static step over KV buffers of `capacity` tokens (made now)."""
+    step = StaticStep(target, capacity, sizes, capture)
+    target.attach_program(step)
+    return step
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The draft heads' per-step modules, the same way (a twin of compiled.HeadsPrograms for the drafters' attach_programs)
+
+class RowBuffers:
+    """Input buffers of a module applied row by row (rows independent): copied in, padded to a bucket, run."""
+
+    def __init__(self, sizes: tuple[int, ...], graphs: Graphs):
+        self.sizes, self.graphs = sizes, graphs
+        self.states = self.tokens = None
+
+    def run(self, key, module, states, tokens):
+        r = states.shape[0]
+        rows = bucket(r, self.sizes)
+        if rows is None:
+            return module(states, tokens)
+        if self.states is None or self.states.dtype != states.dtype or self.states.shape[1] != states.shape[1]:
+            self.states = states.new_zeros(self.sizes[-1], states.shape[1])
+            self.tokens = torch.zeros(self.sizes[-1], dtype=torch.long, device=states.device)
+            self.graphs.graphs = {k: v for k, v in self.graphs.graphs.items() if k[0] != "level"}  # on old buffers
+        self.states[:r].copy_(states)
+        self.tokens[:r].copy_(tokens)
+        outputs = self.graphs.run(("level", key, rows), lambda: module(self.states[:rows], self.tokens[:rows]))
+        return tuple(out[:r].clone() for out in outputs)
+
+
+class CloverGraphs:
+    """Clover-2's catch-up (the augmenting block over up to SIZES[-1] new positions, writing the heads' own cache as
+    the target's step writes its cache) and its two level modules (per bucket of rows), as static calls."""
+
+    kind = "clover"
+
+    def __init__(self, drafter, capacity: int, sizes: tuple[int, ...] = SIZES, capture: bool | None = None):
+        device = next(drafter.heads.parameters()).device
+        self.capacity, self.sizes = capacity, tuple(sorted(sizes))
+        self.graphs = Graphs(device.type == "cuda" if capture is None else capture)
+        self.block = drafter.augment_block
+        self.inputs = Rows(self.sizes[-1], capacity, device)
+        self.hidden = None
+        rows = RowBuffers(self.sizes, self.graphs)
+        first, later = drafter.levels
+        self.levels = (lambda states, tokens: rows.run(0, first, states, tokens),
+                       lambda states, tokens: rows.run(1, later, states, tokens))
+
+    def fits(self, cache, n: int) -> bool:
+        rows = bucket(n, self.sizes)
+        return (rows is not None and cache.capacity == self.capacity and cache.length + rows <= self.capacity
+                and cache.buffers() is not None)
+
+    @torch.inference_mode()
+    def augment(self, hidden, tokens, positions, cache):
+        n = tokens.numel()
+        rows = bucket(n, self.sizes)
+        span = span_for(cache.length + rows, self.capacity)
+        if self.hidden is None or self.hidden.dtype != hidden.dtype or self.hidden.shape[1] != hidden.shape[1]:
+            self.hidden = hidden.new_zeros(self.sizes[-1], hidden.shape[1])
+            self.graphs.graphs = {k: v for k, v in self.graphs.graphs.items() if k[0] != "augment"}
+        self.hidden[:n].copy_(hidden)
+        self.inputs.fill(cache.length, rows, tokens, positions)
+        states = self.graphs.run(("augment", rows, span), lambda: self._augment(cache, rows, span))
+        return states[:n].clone()
+
+    def _augment(self, cache, rows: int, span: int):
+        mask, extra = self.inputs.mask(rows, span)
+        view = SpanView(cache, self.inputs.write_at(rows), span)
+        return self.block(self.hidden[:rows], self.inputs.tokens[:rows], self.inputs.positions[:rows], view, mask,
+                          extra)
+
+
+class MedusaGraphs:
+    """Medusa's heads over the last hidden state (one row) as one static call."""
+
+    kind = "medusa"
+
+    def __init__(self, drafter, capture: bool | None = None):
+        device = next(drafter.heads.parameters()).device
+        self.graphs = Graphs(device.type == "cuda" if capture is None else capture)
+        self.module, self.hidden = drafter.levels, None
+
+    @torch.inference_mode()
+    def levels(self, hidden):
+        if self.hidden is None or self.hidden.shape != hidden.shape or self.hidden.dtype != hidden.dtype:
+            self.hidden, self.graphs.graphs = torch.zeros_like(hidden), {}
+        self.hidden.copy_(hidden)
+        return tuple(out.clone() for out in self.graphs.run("levels", lambda: self.module(self.hidden)))
+
+
+def heads_graphs(drafter, capacity: int, capture: bool | None = None):
+    """The static twin of a Clover-2 or Medusa drafter's per-step modules (None for other drafters)."""
+    from .compiled import heads_kind
+
+    kind = heads_kind(drafter)
+    if kind == "clover":
+        return CloverGraphs(drafter, capacity, capture=capture)
+    if kind == "medusa":
+        return MedusaGraphs(drafter, capture=capture)
+    return None
