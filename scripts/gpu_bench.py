@@ -4,11 +4,15 @@
     python scripts/gpu_bench.py --shape tiny --device cpu --repeats 3     # dry run anywhere
 
 Measures (speed does not depend on weight values, so the 7B target has random weights):
-  1. memory roofline: weight bytes / measured device copy bandwidth, against plain decode ms/token (our engine);
-  2. verify-step time for trees of 1/16/32/64/128 nodes, relative to a 1-token step, at a 512-token context;
-  3. draft time of 5 Clover-2 heads (dynamic tree, 64-node budget), relative to a 1-token step;
+  1. memory roofline: weight bytes / measured device copy bandwidth, against plain decode ms/token (our engine),
+     eager and (on CUDA) with the static step captured as CUDA graphs (clover_cli/graphs.py);
+  2. verify-step time for trees of 1/16/32/64/128 nodes, relative to a 1-token step, at a 512-token context, both
+     ways (128 nodes are past the graphs' largest size: they run eager);
+  3. draft time of 5 Clover-2 heads (dynamic tree, 64-node budget), relative to a 1-token step, and of their catch-up
+     over 3 new positions; eager, and as static calls (CUDA graphs on a GPU);
   4. HF generate() greedy ms/token on the same model;
-  5. end-to-end tokens/s of the bundled model with and without speculation (clover vs none).
+  5. end-to-end tokens/s of the bundled model with and without speculation (clover vs none), with the session's
+     default step (CUDA graphs on a GPU).
 Prints one JSON object; --markdown also prints table rows for docs/BENCHMARKS.md.
 """
 
@@ -78,7 +82,9 @@ def copy_bandwidth(device, measure) -> float:
 def main():
     from clover_cli.drafters import NoDrafter
     from clover_cli.drafters.clover2 import CloverDrafter
+    from clover_cli.compiled import capacity_for
     from clover_cli.engine import Engine, StopCheck
+    from clover_cli.graphs import attach, heads_graphs
     from clover_cli.drafters.common import HeadsConfig
     from clover_cli.drafters.registry import build_heads
     from clover_cli.target import Target
@@ -91,6 +97,7 @@ def main():
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--eager-only", action="store_true", help="skip the CUDA-graph step")
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = torch.float16 if device.type == "cuda" else torch.float32
@@ -109,49 +116,72 @@ def main():
 
     target = Target(model, initial_capacity=args.context + 4 * args.new_tokens)
     prompt = torch.randint(3, model.config.vocab_size, (args.context,)).tolist()
-
-    # 1. plain decode through our engine
-    engine = Engine(target, NoDrafter(), budget=0, auto_budget=False)
-    for _ in engine.generate(prompt, StopCheck(8)):
-        pass
-    steps = []
-    for ev in engine.generate(prompt, StopCheck(args.new_tokens)):
-        if not ev.prefill:
-            steps.append(ev.elapsed_s)
-    plain_ms = 1000 * sorted(steps)[len(steps) // 2]
-    report["plain_ms_per_token"] = round(plain_ms, 3)
-    report["roofline_share"] = round(report["roofline_ms_per_token"] / plain_ms, 3)
-
-    # 2. verify steps for several tree sizes (random trees), after the prompt is in the cache
-    engine.reset()
-    target.forward(torch.tensor(prompt, device=device))
-    target.cache.append(len(prompt))
     g = torch.Generator().manual_seed(0)
-    verify = {}
+    trees = {}
     for n in (1, 16, 32, 64, 128):
         parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
-        tree = DraftTree([5] * n, parents)
-        tokens, depths, mask = tree.tensors(device)
-        fn = lambda: target.forward(tokens, target.length + depths, mask)  # noqa: E731
-        fn()
-        verify[n] = measure(fn, args.repeats)
-    report["verify_ms"] = {n: round(1000 * t, 3) for n, t in verify.items()}
-    report["verify_vs_1"] = {n: round(t / verify[1], 3) for n, t in verify.items()}
+        trees[n] = DraftTree([5] * n, parents).tensors(device)
 
-    # 3. drafting: 5 Clover-2 heads (random weights), dynamic tree, 64-node budget
+    def plain_and_verify(step: str):
+        # 1. plain decode through our engine (median ms per step after the prefill)
+        engine = Engine(target, NoDrafter(), budget=0, auto_budget=False)
+        for _ in engine.generate(prompt, StopCheck(8)):
+            pass
+        steps = []
+        for ev in engine.generate(prompt, StopCheck(args.new_tokens)):
+            if not ev.prefill:
+                steps.append(ev.elapsed_s)
+        plain_ms = 1000 * sorted(steps)[len(steps) // 2]
+        report[f"plain_ms_per_token_{step}"] = round(plain_ms, 3)
+        report[f"roofline_share_{step}"] = round(report["roofline_ms_per_token"] / plain_ms, 3)
+        # 2. verify steps for several tree sizes (random trees), after the prompt is in the cache
+        engine.reset()
+        target.reset(0)
+        target.forward(torch.tensor(prompt, device=device))
+        target.cache.append(len(prompt))
+        verify = {}
+        for n, (tokens, depths, mask) in trees.items():
+            fn = lambda: target.forward(tokens, target.length + depths, mask)  # noqa: E731
+            fn()
+            verify[n] = measure(fn, args.repeats)
+        report[f"verify_ms_{step}"] = {n: round(1000 * t, 3) for n, t in verify.items()}
+        report[f"verify_vs_1_{step}"] = {n: round(t / verify[1], 3) for n, t in verify.items()}
+        return verify
+
+    verify = plain_and_verify("eager")
+    if not args.eager_only:  # on a CPU the static step runs uncaptured (a dry run of the code path)
+
+        attach(target, capacity_for(target.max_context))
+        verify = plain_and_verify("graphs" if device.type == "cuda" else "static")
+    for key in ("plain_ms_per_token", "roofline_share", "verify_ms", "verify_vs_1"):  # the best step's numbers
+        report[key] = report.get(f"{key}_graphs", report[f"{key}_eager"])  # the eager one on a CPU
+
+    # 3. drafting: 5 Clover-2 heads (random weights), dynamic tree, 64-node budget; a proposal's levels alone, and
+    # a catch-up over 3 new positions; the heads eager, then (where the target's step is static) as static calls
     hcfg = HeadsConfig.for_target(model.config, "clover2", num_heads=5, num_layers=1)
     heads = build_heads(hcfg, model).to(device=device, dtype=dtype).eval()
-    drafter = CloverDrafter(heads, target, topk=8, width=8, min_ratio=0.0, top_p=1.0)
     hidden, _ = target.forward(torch.tensor(prompt[-16:], device=device))
-    drafter.observe(hidden, torch.tensor(prompt[-15:] + [7], device=device))
     context = prompt + [7]
+    for label in ("eager",) + (() if args.eager_only else ("graphs" if device.type == "cuda" else "static",)):
+        drafter = CloverDrafter(heads, target, topk=8, width=8, min_ratio=0.0, top_p=1.0)
+        if label != "eager":
+            drafter.attach_programs(heads_graphs(drafter, capacity_for(target.max_context)))
+        drafter.observe(hidden, torch.tensor(prompt[-15:] + [7], device=device))
 
-    def draft():
-        drafter.propose(context, 64)
-        sync()
+        def draft():
+            drafter.propose(context, 64)
+            sync()
 
-    draft()
-    report["draft_ms"] = round(1000 * measure(draft, args.repeats), 3)
+        def catch_up():
+            drafter.observe(hidden[:3], torch.tensor(context[-3:], device=device))
+            drafter._catch_up()
+            sync()
+
+        draft()
+        report[f"draft_ms_{label}"] = round(1000 * measure(draft, args.repeats), 3)
+        report[f"catch_up_3_ms_{label}"] = round(1000 * measure(catch_up, args.repeats), 3)
+    label = "graphs" if "draft_ms_graphs" in report else "eager"
+    report["draft_ms"] = report[f"draft_ms_{label}"]
     report["draft_vs_step"] = round(report["draft_ms"] / (1000 * verify[1]), 3)
 
     # 4. transformers generate() on the same model
@@ -170,20 +200,30 @@ def main():
     from clover_cli.engine import Sampling
     from clover_cli.session import Options, RunStats, Session
 
-    try:
-        session = Session(Options(draft="clover", device=args.device), quiet=True)
-    except Exception as e:  # the bundled model may be missing in a dev checkout
-        report["bundled"] = f"skipped: {e}"
-    else:
-        ids = session.encode_chat([{"role": "user", "content": "Explain how a bicycle works."}])
-        rates = {}
-        for name in ("none", "clover", "none", "clover"):
-            session.switch_draft(name)
-            stats = RunStats()
-            for ev in session.generate(ids, args.new_tokens, Sampling()):
-                stats.add(ev)
-            rates[name] = round(stats.tokens_per_s, 1)
-        report["bundled_tokens_per_s"] = rates
+    for dtype_name in ("float32", "auto"):  # float32: every drafter and either step must give one greedy output
+        outputs = {}
+        for compile_mode in ("auto", "off"):  # auto: the session's default step (CUDA graphs on a GPU); off: eager
+            try:
+                session = Session(Options(draft="clover", device=args.device, compile=compile_mode, dtype=dtype_name),
+                                  quiet=True)
+            except Exception as e:  # the bundled model may be missing in a dev checkout
+                report["bundled"] = f"skipped: {e}"
+                break
+            ids = session.encode_chat([{"role": "user", "content": "Explain how a bicycle works."}])
+            rates = {}
+            tag = f"{dtype_name}_{compile_mode}"
+            report[f"bundled_step_{tag}"] = f"{session.dtype}: {session.compiler.describe()}"
+            for name in ("none", "clover", "auto", "none", "clover", "auto"):
+                session.switch_draft(name)
+                stats, out = RunStats(), []
+                for ev in session.generate(ids, args.new_tokens, Sampling()):
+                    stats.add(ev)
+                    out += ev.tokens
+                rates[name] = max(rates.get(name, 0.0), round(stats.tokens_per_s, 1))  # the better of two runs
+                outputs.setdefault(name, set()).add(tuple(out))
+            report[f"bundled_tokens_per_s_{tag}"] = rates
+        report[f"bundled_outputs_identical_{dtype_name}"] = all(len(seen) == 1 for seen in outputs.values()) and \
+            len({next(iter(seen)) for seen in outputs.values()}) == 1
     print(json.dumps(report, indent=2))
     if args.markdown:
         print(f"| {report['date']} | {report['device']} | {args.shape} {report['dtype']} | "

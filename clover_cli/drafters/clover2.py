@@ -136,12 +136,14 @@ class Clover2Heads(nn.Module):
         """The augmenting layers' rotary embedding: the target's, or one of its class with base `rope_theta`."""
         return rotary_for(target_model, self.cfg.rope_theta)
 
-    def augment(self, hidden, next_emb, position_embeddings, position_ids, cache=None):
-        """hidden, next_emb: [B, T, H]. Returns the augmented state [B, T, H] (causal over T, after the cache)."""
+    def augment(self, hidden, next_emb, position_embeddings, position_ids, cache=None, attention_mask=None,
+                **attention):
+        """hidden, next_emb: [B, T, H]. Returns the augmented state [B, T, H] (causal over T, after the cache; or as
+        `attention_mask` and the `attention` keywords tell the attention function: clover_cli/graphs.py)."""
         u = self.fuse(hidden, next_emb)
         for layer in self.layers:
-            out = layer(u, attention_mask=None, position_ids=position_ids, **{cache_kwarg(layer): cache},
-                        use_cache=cache is not None, position_embeddings=position_embeddings)
+            out = layer(u, attention_mask=attention_mask, position_ids=position_ids, **{cache_kwarg(layer): cache},
+                        use_cache=cache is not None, position_embeddings=position_embeddings, **attention)
             u = out[0] if isinstance(out, tuple) else out
         return self.norm(u)
 
@@ -191,10 +193,11 @@ class CloverAugment(torch.nn.Module):
         self.heads, self.embed, self.rotary = heads, heads.token_embedding(target.model), heads.rotary(target.model)
         self.dtype = next(heads.parameters()).dtype
 
-    def forward(self, hidden, tokens, positions, cache):
+    def forward(self, hidden, tokens, positions, cache, attention_mask=None, attention=None):
         x = hidden.to(self.dtype)[None]
         emb = self.embed(tokens)[None].to(self.dtype)
-        return self.heads.augment(x, emb, self.rotary(x, positions[None]), positions[None], cache=cache)[0]
+        return self.heads.augment(x, emb, self.rotary(x, positions[None]), positions[None], cache=cache,
+                                  attention_mask=attention_mask, **(attention or {}))[0]
 
 
 class CloverLevel(torch.nn.Module):
