@@ -87,7 +87,8 @@ class Common:
     no_color = typer.Option(False, "--no-color", help="Plain text, no colours.")
     compile = typer.Option(None, "--compile", help="The compiled target step (CPU, float32): auto = use it when "
                            "it is built (chat and serve build it in the background meanwhile); on = build it first if "
-                           "needed; off = eager. Default: $CLOVER_COMPILE, else auto.", show_default=False)
+                           "needed; off = eager. On a CUDA GPU, auto and on capture the step as CUDA graphs as it "
+                           "runs. Default: $CLOVER_COMPILE, else auto.", show_default=False)
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_p: float, seed: int | None = None):
@@ -137,7 +138,7 @@ def _options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, dev
 
     # bad values fail here, before anything loads
     if compile_mode(compile) == "on" and device_map is not None:
-        raise CloverError("the compiled step runs a model on one CPU: --compile on cannot serve a --device-map")
+        raise CloverError("the compiled step runs a model on one device: --compile on cannot serve a --device-map")
     return Options(model=model, revision=revision, heads=heads, draft=draft, tree=tree, tree_budget=tree_budget,
                    load_in_8bit=load_in_8bit, load_in_4bit=load_in_4bit, device=device, device_map=device_map,
                    max_memory=max_memory, dtype=dtype, trust_remote_code=trust_remote_code,
@@ -535,7 +536,8 @@ def compile_step(
     trust_remote_code: bool = Common.trust_remote_code, allow_pickle: bool = Common.allow_pickle,
     force: bool = typer.Option(False, "--force", help="Build again even when a package is cached."),
 ):
-    """Build the compiled target step of a model (and its draft heads' programs) ahead of time (CPU, float32).
+    """Build the compiled target step of a model (and its draft heads' programs) ahead of time (CPU, float32; a
+    CUDA GPU needs nothing built: its CUDA graphs are captured as the step runs).
 
     clover runs the target's forward as one program compiled by AOTInductor, its weights frozen into it: a step
     costs a fraction of the eager one; the Clover-2 or Medusa heads' per-step work likewise (EAGLE heads run

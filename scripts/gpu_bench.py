@@ -148,6 +148,21 @@ def main():
         report[f"verify_vs_1_{step}"] = {n: round(t / verify[1], 3) for n, t in verify.items()}
         return verify
 
+    if device.type == "cuda":  # every linear layer of the model over one row, in one graph: the products alone
+        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        rows = {m.in_features: torch.randn(1, m.in_features, device=device, dtype=dtype) for m in linears}
+
+        def products():
+            for m in linears:
+                torch.nn.functional.linear(rows[m.in_features], m.weight)
+
+        with torch.inference_mode():
+            products()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                products()
+            report["linears_one_row_ms"] = round(1000 * measure(graph.replay, args.repeats), 3)
+
     verify = plain_and_verify("eager")
     if not args.eager_only:  # on a CPU the static step runs uncaptured (a dry run of the code path)
 
