@@ -215,7 +215,8 @@ def main():
     from clover_cli.engine import Sampling
     from clover_cli.session import Options, RunStats, Session
 
-    for dtype_name in ("float32", "auto"):  # float32: every drafter and either step must give one greedy output
+    # float32: every drafter and either step must give one greedy output; auto: the device's default (bf16 on a GPU)
+    for dtype_name in ("float32", "auto") if device.type == "cuda" else ("float32",):
         outputs = {}
         for compile_mode in ("auto", "off"):  # auto: the session's default step (CUDA graphs on a GPU); off: eager
             try:

@@ -23,6 +23,10 @@ def test_gpu_bench_dry_run_on_cpu():
     assert set(report["verify_vs_1"]) == {"1", "16", "32", "64", "128"}
     assert report["plain_ms_per_token"] > 0 and report["draft_ms"] > 0 and report["hf_ms_per_token"] > 0
     assert 0 < report["roofline_share"]
+    # the static step (uncaptured on a CPU) and the heads' static calls ran beside the eager ones
+    assert set(report["verify_vs_1_static"]) == set(report["verify_vs_1_eager"])
+    assert report["draft_ms_static"] > 0 and report["catch_up_3_ms_static"] > 0
+    assert report["bundled_outputs_identical_float32"] is True
 
 
 def test_compare_heads_on_one_tree_rule(tmp_path):

@@ -228,3 +228,35 @@ def test_heads_static_calls_match_the_eager_heads(family, device):
         assert torch.equal(got[1], want[1])
     if device == "cuda":
         assert len(programs.graphs) and len(medusa_programs.graphs)
+
+
+def test_the_session_compiler_attaches_static_calls_on_cuda(tmp_path):
+    """StepCompiler on a CUDA device (here: told so, with the model on the CPU, where the static calls run
+    uncaptured): the static step attached at once, nothing built, the heads' static calls attached to the drafter
+    and to another one (ready_heads), and what the banner says; --compile off and 8-bit stay eager."""
+    from clover_cli.compiled import StepCompiler
+
+    model = make_model("llama", 4, "cpu")
+    model.save_pretrained(tmp_path / "model")
+    target = Target(model)
+    cuda = torch.device("cuda")
+    compiler = StepCompiler("auto", target, tmp_path / "model", torch.float32, cuda, warn=pytest.fail)
+    assert compiler.active and isinstance(target.program, StaticStep)
+    twin = make_model("llama", 4, "cpu")
+    drafter = CloverDrafter(random_heads(twin, "clover2", 1, 3, 1), target)
+    compiler.use_drafter(drafter, tmp_path / "heads")
+    assert drafter.programs is not None and drafter.programs.kind == "clover"
+    assert compiler.describe() == "CUDA graphs active; heads too"
+    compiler.start(background=True)
+    assert compiler.builder is None  # nothing to build
+    other = MedusaDrafter(random_heads(twin, "medusa", 2, 3, 1), target)
+    assert compiler.ready_heads(other, tmp_path / "medusa") and other.programs.kind == "medusa"
+    reference = hf_greedy(model, [5, 6, 7, 5, 6], 24)
+    out, _ = run_engine(Engine(target, drafter, budget=16, auto_budget=False), [5, 6, 7, 5, 6], StopCheck(24))
+    assert out == reference
+
+    for mode, eight_bit, reason in (("off", False, "--compile off"), ("auto", True, "8-bit weights are not compiled")):
+        plain = Target(make_model("llama", 4, "cpu"))
+        compiler = StepCompiler(mode, plain, tmp_path / "model", torch.float32, cuda, load_in_8bit=eight_bit,
+                                warn=pytest.fail)
+        assert not compiler.active and plain.program is None and compiler.reason == reason
