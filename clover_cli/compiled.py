@@ -931,10 +931,17 @@ class StepCompiler:
             if mode == "on":
                 self.warn(f"no compiled step: {why}; running eager")
         elif mode != "off" and device.type == "cuda":
-            from .graphs import attach
+            from .graphs import attach, check
 
             self.graphs = attach(target, self.capacity)
-            self.state, self.reason = "active", "active"
+            why = check(self.graphs)
+            if why:
+                target.program, self.graphs = None, None
+                self.state, self.reason = "eager", why
+                self.warn(f"no CUDA graphs: {why}; running eager")
+            else:
+                self.state, self.reason = "active", "active"
+                self.graphs.on_failure = self._graphs_failed
         elif mode != "off" and not self._activate():
             self.state, self.reason = "missing", "not built yet"
             if _lock_holder(self.out) is not None:  # another clover process is building it: use it when it is done
@@ -985,6 +992,10 @@ class StepCompiler:
             self.heads_out = heads_dir(self.out, self.heads_path, self.heads.grower.topk)
             self._activate_heads()
 
+    def _graphs_failed(self, why: str) -> None:
+        self.state, self.reason, self.graphs = "eager", why, None
+        self.warn(f"no CUDA graphs: {why}; running eager")
+
     def _attach_graphs(self, drafter) -> bool:
         """On CUDA: the heads' per-step modules as static calls captured as graphs (clover_cli/graphs.py)."""
         from .graphs import heads_graphs
@@ -992,6 +1003,7 @@ class StepCompiler:
         programs = heads_graphs(drafter, self.capacity)
         if programs is None:
             return False
+        programs.on_failure = lambda why: self.warn(f"no CUDA graphs for the heads: {why}; they run eager")
         drafter.attach_programs(programs)
         return True
 

@@ -11,6 +11,10 @@ tests) the same function runs as it is, so CI checks the arithmetic that the gra
 It is the stock transformers forward with our attention function (`Target.run`), writing into the live cache's own
 buffers, so eager steps (a prefill longer than the largest size) and graph replays follow each other in one
 conversation. The accepted nodes' keys and values move afterwards as in eager mode (`TreeKVCache.commit`).
+
+The draft heads' per-step modules run the same way (`heads_graphs`: Clover-2's catch-up over its own cache and its
+levels, per bucket of rows; Medusa's heads). `check` runs a small tree through the eager and the static step before
+a session uses it; a capture that fails later sends the target (or the heads) back to eager for good, said once.
 """
 
 from __future__ import annotations
@@ -145,6 +149,7 @@ class StaticStep:
         self.sizes = tuple(sorted(sizes))
         self.inputs = Rows(self.sizes[-1], capacity, target.device)
         self.graphs = Graphs(target.device.type == "cuda" if capture is None else capture)
+        self.on_failure = None  # called with a one-line reason when a capture fails (the target then runs eager)
 
     def rows_for(self, n: int) -> int | None:
         return bucket(n, self.sizes)
@@ -163,7 +168,17 @@ class StaticStep:
         rows = self.rows_for(n)
         span = self.span_for(cache.length + rows)
         self.inputs.fill(cache.length, rows, tokens, positions, tree_mask)
-        pre, logits = self.graphs.run((rows, span), lambda: self._forward(cache, rows, span))
+        key = (rows, span)
+        try:
+            pre, logits = self.graphs.run(key, lambda: self._forward(cache, rows, span))
+        except Exception as e:
+            if not self.graphs.capture or key in self.graphs.graphs:
+                raise
+            # this model's forward cannot be captured (a host sync, a shape that depends on values): eager from now
+            self.target.program = None
+            if self.on_failure is not None:
+                self.on_failure(f"cannot capture a CUDA graph of this model's step ({one_line(e)})")
+            return self.target.forward(tokens, positions, tree_mask, logits_for)
         logits = logits[:n] if logits_for is None else logits[:n][logits_for]
         return pre[:n].clone(), logits.clone()
 
@@ -181,14 +196,82 @@ def attach(target, capacity: int, sizes: tuple[int, ...] = SIZES, capture: bool 
     return step
 
 
+def one_line(e: Exception) -> str:
+    text = (str(e).strip().splitlines() or [""])[0][:160]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+@torch.inference_mode()
+def check(step: StaticStep, tolerance: float | None = None) -> str | None:
+    """Why the static step cannot serve its target (None: it can): after a short prefix, a small tree (two branches,
+    depth 2) through the eager step and through the static one (captured, on CUDA) must give the same logits. Catches
+    a model whose attention ignores the mask it is given or whose forward cannot be captured. The cache is left
+    empty."""
+    from .tree import DraftTree
+
+    target = step.target
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(min(3, target.config.vocab_size - 1), target.config.vocab_size, (9,), generator=g)
+    prefix = ids[:5].to(target.device)
+    tokens, depths, mask = DraftTree(ids[5:].tolist(), [-1, 0, 0, 1]).tensors(target.device)
+    out, failed, listener = [], [], step.on_failure
+    step.on_failure = failed.append  # a capture that fails falls back to eager: that is a failed check too
+    try:
+        for program in (None, step):
+            target.program = program
+            target.reset(0)
+            target.forward(prefix)
+            target.cache.append(prefix.numel())
+            out.append(target.forward(tokens, prefix.numel() + depths, mask)[1])
+    except Exception as e:
+        return f"the static step fails on this model ({one_line(e)})"
+    finally:
+        target.reset(0)
+        target.program, step.on_failure = step, listener
+    if failed:
+        return f"the static step fails on this model: {failed[0]}"
+    want, got = out
+    if tolerance is None:
+        tolerance = 1e-3 if want.dtype == torch.float32 and next(target.model.parameters()).dtype == torch.float32 \
+            else 5e-2
+    error = float((got - want).abs().max()) / max(1.0, float(want.abs().max()))
+    if not error <= tolerance:
+        return f"the static step's logits differ from the eager step's by {error:.2g} (relative)"
+    return None
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The draft heads' per-step modules, the same way (a twin of compiled.HeadsPrograms for the drafters' attach_programs)
+
+class HeadsCalls:
+    """What the heads' static calls share: their graphs, and a way out when one cannot be captured (the drafter's
+    modules then run eager, and `on_failure` hears why once)."""
+
+    def __init__(self, drafter, capture: bool | None):
+        device = next(drafter.heads.parameters()).device
+        self.drafter = drafter
+        self.graphs = Graphs(device.type == "cuda" if capture is None else capture)
+        self.on_failure = None
+
+    def guarded(self, key, fn, eager):
+        """fn() through the graphs, or eager() (and the drafter back on its eager modules) when a capture fails."""
+        try:
+            return self.graphs.run(key, fn)
+        except Exception as e:
+            if not self.graphs.capture or key in self.graphs.graphs:
+                raise
+            if self.drafter.programs is self:
+                self.drafter.programs = None
+                if self.on_failure is not None:
+                    self.on_failure(f"cannot capture a CUDA graph of the heads ({one_line(e)})")
+            return eager()
+
 
 class RowBuffers:
     """Input buffers of a module applied row by row (rows independent): copied in, padded to a bucket, run."""
 
-    def __init__(self, sizes: tuple[int, ...], graphs: Graphs):
-        self.sizes, self.graphs = sizes, graphs
+    def __init__(self, sizes: tuple[int, ...], calls: HeadsCalls):
+        self.sizes, self.calls, self.graphs = sizes, calls, calls.graphs
         self.states = self.tokens = None
 
     def run(self, key, module, states, tokens):
@@ -202,24 +285,25 @@ class RowBuffers:
             self.graphs.graphs = {k: v for k, v in self.graphs.graphs.items() if k[0] != "level"}  # on old buffers
         self.states[:r].copy_(states)
         self.tokens[:r].copy_(tokens)
-        outputs = self.graphs.run(("level", key, rows), lambda: module(self.states[:rows], self.tokens[:rows]))
+        outputs = self.calls.guarded(("level", key, rows), lambda: module(self.states[:rows], self.tokens[:rows]),
+                                     lambda: module(states, tokens))
         return tuple(out[:r].clone() for out in outputs)
 
 
-class CloverGraphs:
+class CloverGraphs(HeadsCalls):
     """Clover-2's catch-up (the augmenting block over up to SIZES[-1] new positions, writing the heads' own cache as
     the target's step writes its cache) and its two level modules (per bucket of rows), as static calls."""
 
     kind = "clover"
 
     def __init__(self, drafter, capacity: int, sizes: tuple[int, ...] = SIZES, capture: bool | None = None):
+        super().__init__(drafter, capture)
         device = next(drafter.heads.parameters()).device
         self.capacity, self.sizes = capacity, tuple(sorted(sizes))
-        self.graphs = Graphs(device.type == "cuda" if capture is None else capture)
         self.block = drafter.augment_block
         self.inputs = Rows(self.sizes[-1], capacity, device)
         self.hidden = None
-        rows = RowBuffers(self.sizes, self.graphs)
+        rows = RowBuffers(self.sizes, self)
         first, later = drafter.levels
         self.levels = (lambda states, tokens: rows.run(0, first, states, tokens),
                        lambda states, tokens: rows.run(1, later, states, tokens))
@@ -239,7 +323,8 @@ class CloverGraphs:
             self.graphs.graphs = {k: v for k, v in self.graphs.graphs.items() if k[0] != "augment"}
         self.hidden[:n].copy_(hidden)
         self.inputs.fill(cache.length, rows, tokens, positions)
-        states = self.graphs.run(("augment", rows, span), lambda: self._augment(cache, rows, span))
+        states = self.guarded(("augment", rows, span), lambda: self._augment(cache, rows, span),
+                              lambda: self.block(hidden, tokens, positions, cache))
         return states[:n].clone()
 
     def _augment(self, cache, rows: int, span: int):
@@ -249,14 +334,13 @@ class CloverGraphs:
                           extra)
 
 
-class MedusaGraphs:
+class MedusaGraphs(HeadsCalls):
     """Medusa's heads over the last hidden state (one row) as one static call."""
 
     kind = "medusa"
 
     def __init__(self, drafter, capture: bool | None = None):
-        device = next(drafter.heads.parameters()).device
-        self.graphs = Graphs(device.type == "cuda" if capture is None else capture)
+        super().__init__(drafter, capture)
         self.module, self.hidden = drafter.levels, None
 
     @torch.inference_mode()
@@ -264,7 +348,8 @@ class MedusaGraphs:
         if self.hidden is None or self.hidden.shape != hidden.shape or self.hidden.dtype != hidden.dtype:
             self.hidden, self.graphs.graphs = torch.zeros_like(hidden), {}
         self.hidden.copy_(hidden)
-        return tuple(out.clone() for out in self.graphs.run("levels", lambda: self.module(self.hidden)))
+        return tuple(out.clone() for out in self.guarded("levels", lambda: self.module(self.hidden),
+                                                         lambda: self.module(hidden)))
 
 
 def heads_graphs(drafter, capacity: int, capture: bool | None = None):

@@ -216,8 +216,12 @@ class TreeKVCache(Cache):
         shapes = []
         for layer in layers if layers is not None and len(layers) == len(self.layers) else ():
             attn = getattr(layer, "self_attn", None)
-            kv_heads = getattr(getattr(attn, "config", None), "num_key_value_heads", None)
             head_dim = getattr(attn, "head_dim", None)
+            k_proj = getattr(attn, "k_proj", None)
+            if isinstance(k_proj, torch.nn.Linear) and isinstance(head_dim, int) and head_dim > 0:
+                kv_heads = k_proj.out_features // head_dim  # what it computes (OPT's config names heads it lacks)
+            else:
+                kv_heads = getattr(getattr(attn, "config", None), "num_key_value_heads", None)
             if not (isinstance(kv_heads, int) and isinstance(head_dim, int)):
                 return
             shapes.append((1, kv_heads, self.capacity, head_dim))

@@ -100,6 +100,29 @@ def test_greedy_is_exact_with_every_drafter(models, name):
 
 
 @pytest.mark.parametrize("name", ACCEPTED)
+def test_the_static_step_is_exact_on_every_architecture(models, name):
+    """The GPU's static step (clover_cli/graphs.py; uncaptured here) passes its own check against the eager step and
+    gives transformers' greedy output with each drafter, the heads' per-step modules as static calls too."""
+    from clover_cli.graphs import attach, check, heads_graphs
+
+    model = models[name]
+    target = Target(model)
+    step = attach(target, target.max_context)
+    assert check(step) is None
+    rng = random.Random(f"static-{name}")
+    for kind in ["none", "ngram", "medusa"] + ([] if name in NO_CLOVER_HEADS else ["clover"]):
+        base = [rng.randrange(3, VOCAB) for _ in range(rng.randint(3, 7))]
+        prompt = (base * 3)[:rng.randint(8, 20)]
+        reference = hf_greedy(model, prompt, 24)
+        d = drafter(kind, model, target, rng.randrange(1000))
+        if kind in ("medusa", "clover"):
+            d.attach_programs(heads_graphs(d, target.max_context))
+        out, _ = run_engine(Engine(target, d, budget=24, auto_budget=False), prompt, StopCheck(24))
+        assert out == reference, kind
+        assert target.program is step
+
+
+@pytest.mark.parametrize("name", ACCEPTED)
 def test_tree_logits_are_the_models_own(models, name):
     """The logits of every node of a verified tree equal the model's own forward over that node's path (with its
     reference attention): sampling draws from exactly the target's distribution, soft-capping and scaling included."""

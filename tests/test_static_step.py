@@ -260,3 +260,58 @@ def test_the_session_compiler_attaches_static_calls_on_cuda(tmp_path):
         compiler = StepCompiler(mode, plain, tmp_path / "model", torch.float32, cuda, load_in_8bit=eight_bit,
                                 warn=pytest.fail)
         assert not compiler.active and plain.program is None and compiler.reason == reason
+
+
+def test_a_capture_that_fails_falls_back_to_eager_once():
+    """A forward that cannot be captured (here: capture asked for on a CPU, where torch.cuda fails) runs eager
+    instead, the target and the heads go back to their eager modules for good, and each says why once."""
+    model = make_model("llama", 6, "cpu")
+    eager, target = Target(model, initial_capacity=256), Target(model, initial_capacity=256)
+    step = attach(target, 256, capture=True)
+    heard = []
+    step.on_failure = heard.append
+    tokens = torch.tensor([5, 9, 11, 4])
+    for t in (eager, target):
+        out = t.forward(tokens)
+    torch.testing.assert_close(out[1], eager.forward(tokens)[1])
+    assert target.program is None and len(heard) == 1 and "cannot capture" in heard[0]
+
+    twin = make_model("llama", 6, "cpu")
+    heads = random_heads(twin, "clover2", 4, 3, 1)
+    want, got = CloverDrafter(heads, eager), CloverDrafter(heads, target)
+    programs = heads_graphs(got, 256, capture=True)
+    programs.on_failure = heard.append
+    got.attach_programs(programs)
+    hidden, next_tokens = torch.randn(4, model.config.hidden_size), torch.tensor([9, 11, 4, 7])
+    for d in (want, got):
+        d.observe(hidden, next_tokens)
+    tree_want, tree_got = want.propose([5, 9, 11, 4, 7], 16), got.propose([5, 9, 11, 4, 7], 16)
+    assert (tree_got.tokens, tree_got.parents) == (tree_want.tokens, tree_want.parents)
+    assert got.programs is None and len(heard) == 2 and "heads" in heard[1]
+
+
+def test_the_session_compiler_checks_the_static_step_first(tmp_path, monkeypatch):
+    """A static step that computes something else than the eager one (here: attention that sees every key), or
+    whose first capture fails, is never used: the session runs eager with one warning line."""
+    from clover_cli import graphs
+    from clover_cli.compiled import StepCompiler
+
+    model = make_model("llama", 7, "cpu")
+    model.save_pretrained(tmp_path / "model")
+    plain_mask = graphs.Rows.mask
+
+    def sees_everything(self, rows, span):
+        mask, extra = plain_mask(self, rows, span)
+        return torch.ones_like(mask), extra
+
+    broken_capture = graphs.Graphs.__init__
+    for patch in (("mask", sees_everything), ("__init__", lambda self, capture: broken_capture(self, True))):
+        with monkeypatch.context() as m:
+            m.setattr(graphs.Rows if patch[0] == "mask" else graphs.Graphs, *patch)
+            warned = []
+            target = Target(model)
+            compiler = StepCompiler("auto", target, tmp_path / "model", torch.float32, torch.device("cuda"),
+                                    warn=warned.append)
+            assert not compiler.active and target.program is None and compiler.graphs is None
+            assert len(warned) == 1 and warned[0].startswith("no CUDA graphs: the static step"), warned
+            assert target.length == 0
