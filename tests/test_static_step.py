@@ -315,3 +315,29 @@ def test_the_session_compiler_checks_the_static_step_first(tmp_path, monkeypatch
             assert not compiler.active and target.program is None and compiler.graphs is None
             assert len(warned) == 1 and warned[0].startswith("no CUDA graphs: the static step"), warned
             assert target.length == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("temperature,top_p", [(0.7, 1.0), (1.0, 0.9), (1.5, 0.5)])
+def test_sampling_through_the_static_step_draws_what_eager_draws(temperature, top_p, device):
+    """Sampling reads the static step's logits: with the same seed, the same tokens as the eager step (whose
+    exactness against the target's distribution tests/test_engine.py checks), Clover-2 heads drafting."""
+    from clover_cli.engine import Sampling
+
+    model = make_model("qwen2", 8, device)
+    twin = make_model("qwen2", 8, "cpu")
+    eager, static = Target(model), Target(model)
+    attach(static, static.max_context)
+    rng = random.Random(int(temperature * 10))
+    for seed in range(3):
+        prompt = [rng.randrange(3, 96) for _ in range(rng.randint(3, 15))]
+        heads = random_heads(twin, "clover2", seed, 3, 1).to(device)
+        runs = []
+        for target in (eager, static):
+            drafter = CloverDrafter(heads, target, topk=4, width=4)
+            if target is static:
+                drafter.attach_programs(heads_graphs(drafter, static.max_context))
+            out, _ = run_engine(Engine(target, drafter, budget=12, auto_budget=False), prompt * 2, StopCheck(30),
+                                Sampling(temperature, top_p, seed))
+            runs.append(out)
+        assert runs[0] == runs[1]
