@@ -29,7 +29,7 @@ ATTN_NAME = "clover_tree"
 TRITON_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
 TREE_BITS_KWARG = "clover_tree_bits"  # packed tree mask that Target.forward hands to every attention call
 # Given by the static step (clover_cli/graphs.py): the mask is whole, over a fixed span of the buffers; the value is
-# (query positions, key positions), for layers with a sliding window
+# (query positions, key positions, committed + new keys), for layers with a sliding window
 STATIC_KWARG = "clover_static"
 _kernels = None
 
@@ -80,9 +80,10 @@ def tree_attention(module, query, key, value, attention_mask, scaling=None, drop
     bits = kwargs.get(TREE_BITS_KWARG)
     softcap = kwargs.get("softcap")
     if STATIC_KWARG in kwargs:  # a static step: the mask says everything, up to a sliding window
-        mask, (query_positions, key_positions) = attention_mask, kwargs[STATIC_KWARG]
-        if sliding_window is not None:
-            mask = mask & ((query_positions[:, None] - key_positions[None, :]) < sliding_window)
+        mask, (query_positions, key_positions, end) = attention_mask, kwargs[STATIC_KWARG]
+        if sliding_window is not None:  # as below: only once there are more keys than the window
+            mask = mask & (((query_positions[:, None] - key_positions[None, :]) < sliding_window)
+                           | (end <= sliding_window))
         if softcap is not None:
             return _softcapped_attention(query, key, value, mask, scaling, softcap).transpose(1, 2).contiguous(), None
         out = sdpa(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])

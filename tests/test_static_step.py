@@ -184,17 +184,18 @@ def test_static_step_class_is_a_program():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("family", ["llama", "mistral"])
-def test_heads_static_calls_match_the_eager_heads(family, device):
-    """Clover-2's catch-up (over 1..64 new positions, across span boundaries, the heads' cache written in place)
-    and its levels (1..64 rows, and more: eager), and Medusa's heads: the static calls (captured on CUDA) give
-    the eager modules' states and ranked tokens."""
+@pytest.mark.parametrize("family,window", [("llama", None), ("mistral", None), ("mistral", 5)])
+def test_heads_static_calls_match_the_eager_heads(family, window, device):
+    """Clover-2's catch-up (over 1..64 new positions, across span boundaries, the heads' cache written in place;
+    with a catch-up window, slots that are not positions, under the target's sliding window) and its levels (1..64
+    rows, and more: eager), and Medusa's heads: the static calls (captured on CUDA) give the eager modules' states
+    and ranked tokens."""
     twin = make_model(family, 5, "cpu")
     model = make_model(family, 5, device)
     target = Target(model, initial_capacity=640)
     attach(target, 640)
     heads = random_heads(twin, "clover2", 11, 3, 2).to(device)
-    eager, static = CloverDrafter(heads, target, window=None), CloverDrafter(heads, target, window=None)
+    eager, static = CloverDrafter(heads, target, window=window), CloverDrafter(heads, target, window=window)
     programs = heads_graphs(static, 640)
     static.attach_programs(programs)
     g = torch.Generator().manual_seed(3)
@@ -208,7 +209,7 @@ def test_heads_static_calls_match_the_eager_heads(family, device):
         torch.testing.assert_close(static.state, eager.state, atol=2e-5, rtol=1e-4)
         torch.testing.assert_close(static.cache.layers[0].keys[:, :, :static.cache.length],
                                    eager.cache.layers[0].keys[:, :, :eager.cache.length], atol=2e-5, rtol=1e-4)
-    assert static.cache.length == eager.cache.length == 288
+    assert static.cache.length == eager.cache.length == (288 if window is None else 40)
     for r in (1, 3, 8, 20, 64, 70):
         states = torch.randn(r, hidden_size, generator=g).to(device)
         tokens = torch.randint(3, 96, (r,), generator=g).to(device)
@@ -305,7 +306,8 @@ def test_the_session_compiler_checks_the_static_step_first(tmp_path, monkeypatch
         return torch.ones_like(mask), extra
 
     broken_capture = graphs.Graphs.__init__
-    for patch in (("mask", sees_everything), ("__init__", lambda self, capture: broken_capture(self, True))):
+    always = lambda self, capture, device=None: broken_capture(self, True)  # noqa: E731 - captures even on a CPU
+    for patch in (("mask", sees_everything), ("__init__", always)):
         with monkeypatch.context() as m:
             m.setattr(graphs.Rows if patch[0] == "mask" else graphs.Graphs, *patch)
             warned = []
@@ -341,3 +343,37 @@ def test_sampling_through_the_static_step_draws_what_eager_draws(temperature, to
                                 Sampling(temperature, top_p, seed))
             runs.append(out)
         assert runs[0] == runs[1]
+
+
+def test_a_draft_model_whose_capture_fails_midway_still_proposes(monkeypatch):
+    """A draft model's static step whose capture fails at a new size in the middle of a proposal (out of memory at a
+    larger span, say): the proposal finishes on the eager step, the same way it started, and proposes what the
+    static step would have."""
+    from clover_cli import graphs
+    from clover_cli.drafters.draft_model import ModelDrafter
+
+    model, draft = make_model("llama", 0, "cpu"), make_model("llama", 1, "cpu")
+    context = [5, 9, 11, 4, 7, 8, 20]
+    trees = []
+    for fail in (False, True):
+        target = Target(model, initial_capacity=256)
+        drafter = ModelDrafter(draft, target, tree="mcsd", root_k=3, max_depth=4, stop_below=0.0)
+        step = attach(drafter.draft, 256)
+        heard = []
+        step.on_failure = heard.append
+        seen = set()
+        if fail:
+            def run(self, key, fn):  # the first (rows, span) "captures" (runs as it is), every later new one fails
+                if key not in seen and seen:
+                    raise RuntimeError("out of memory")
+                seen.add(key)
+                return fn()
+
+            monkeypatch.setattr(graphs.Graphs, "run", run)
+            step.graphs.capture = True  # the failure path is the capturing one
+        tree = drafter.propose(context, 16)
+        trees.append((tree.tokens, tree.parents))
+        assert len(tree) > 3
+        assert (drafter.draft.program is None, len(heard)) == ((True, 1) if fail else (False, 0))
+        assert len(seen) == fail  # it failed after a first static call of this proposal
+    assert trees[0] == trees[1]

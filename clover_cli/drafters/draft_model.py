@@ -175,6 +175,7 @@ class ModelDrafter:
         self.root_k = root_k if tree == "mcsd" else 1
         self.max_depth, self.stop_below, self.root_min = max_depth, stop_below, root_min
         self.draft = runner(draft_model, target)
+        self._whole = False  # whether this proposal runs the whole tree per depth (a compiled step): set per proposal
         # room for the tree's nodes after the last committed position
         self.draft.cache.max_capacity = max(self.draft.cache.max_capacity,
                                             self.draft.max_context + self.root_k * self.max_depth)
@@ -282,7 +283,7 @@ class ModelDrafter:
                 logits: bool = False):
         """Run the branch tips of one depth as one batch (_extend), each seeing its ancestors among the tree nodes
         already written; `slot` (tree node -> its place among the written nodes) gains the tips."""
-        if self.draft.program is not None:
+        if self._whole:
             return self._expand_whole(builder, tips, committed, logits)
         sees = torch.zeros(len(tips), len(slot), dtype=torch.bool)
         for r, node in enumerate(tips):
@@ -356,6 +357,9 @@ class ModelDrafter:
             if len(builder.tokens) > budget:
                 break
         slot: dict[int, int] = {}  # tree node -> its place among the nodes written into the draft's cache
+        # one way for the whole proposal: a compiled step that falls back to eager midway (a CUDA graph that cannot
+        # be captured) must not leave later depths looking for nodes the whole-tree calls never wrote
+        self._whole = self.draft.program is not None
         try:
             for depth in range(1, min(self.max_depth, room)):
                 if not tips or len(builder.tokens) > budget:
@@ -416,6 +420,7 @@ class ModelDrafter:
         if tips:
             proposals[0] = q
         slot: dict[int, int] = {}
+        self._whole = self.draft.program is not None  # one way for the whole proposal (see above)
         try:
             for depth in range(1, min(self.max_depth, room)):
                 if not tips or len(builder.tokens) > budget:
