@@ -13,7 +13,7 @@ import zlib
 import pytest
 import torch
 
-from clover_cli.drafters import MergedDrafter, NoDrafter
+from clover_cli.drafters import MergedDrafter
 from clover_cli.drafters.clover2 import CloverDrafter
 from clover_cli.drafters.medusa import MedusaDrafter
 from clover_cli.drafters.ngram import NgramDrafter
@@ -22,8 +22,8 @@ from clover_cli.graphs import SIZES, StaticStep, attach, heads_graphs
 from clover_cli.target import Target
 from clover_cli.tree import DraftTree
 from conftest import tiny_config
-from helpers import OracleDrafter, run_engine
-from test_lossless import random_heads
+from helpers import run_engine
+from test_lossless import drafter_for as lossless_drafter, random_heads
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
 FAMILIES = {"llama": {}, "mistral": {"sliding_window": 24}, "qwen2": {}}
@@ -111,13 +111,8 @@ def test_a_step_that_does_not_fit_runs_eager():
 
 
 def drafter_for(kind, model, target, rng, reference, prompt_len):
-    if kind == "none":
-        return NoDrafter()
-    if kind == "ngram":
-        return NgramDrafter(max_depth=rng.choice([3, 6, 10]))
-    if kind == "oracle":
-        return OracleDrafter(reference, prompt_len, model.config.vocab_size, rng.choice([0.5, 0.8, 0.95]),
-                             rng.randrange(10**6))
+    if kind in ("none", "ngram", "oracle"):
+        return lossless_drafter(kind, model, target, rng, reference, prompt_len)
     # built beside a CPU twin of the model: moving the model itself would move the weights the graphs read
     twin = make_model(model.config.model_type, model.seed, "cpu")
     heads = random_heads(twin, "clover2", rng.randrange(10**6), rng.choice([1, 3, 5]), 1)
