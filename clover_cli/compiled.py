@@ -27,7 +27,7 @@ sizes its trees from those timings instead of measuring its own forwards on ever
 sizes it runs current from its own forwards, and scales the rest by them.
 
 On a CUDA device nothing is built ahead: the static step of clover_cli/graphs.py is captured as CUDA graphs in the
-session, each (rows, span) on its first use; the heads run eager there.
+session, each (rows, span) on its first use, and the heads' per-step modules likewise (graphs.heads_graphs).
 """
 
 from __future__ import annotations
