@@ -63,14 +63,20 @@ class Graphs:
         self.graphs: dict = {}  # key -> (graph, its output tensors)
         self.pool = None
 
-    def run(self, key, fn):
+    def run(self, key, fn, failed=None):
+        """fn()'s outputs, through key's graph; when capturing it fails and `failed` is given, failed(the error)."""
         if not self.capture:
             return fn()
-        with torch.cuda.device(self.device):
-            if key not in self.graphs:
-                self.graphs[key] = self._capture(fn)
-            graph, outputs = self.graphs[key]
-            graph.replay()
+        try:
+            with torch.cuda.device(self.device):
+                if key not in self.graphs:
+                    self.graphs[key] = self._capture(fn)
+                graph, outputs = self.graphs[key]
+                graph.replay()
+        except Exception as e:
+            if failed is None or key in self.graphs:
+                raise
+            return failed(e)
         return outputs
 
     def _capture(self, fn):
@@ -98,6 +104,13 @@ class Graphs:
 def bucket(n: int, sizes: tuple[int, ...]) -> int | None:
     """The smallest of `sizes` (ascending) >= n, or None."""
     return next((size for size in sizes if size >= n), None)
+
+
+def fits(sizes: tuple[int, ...], capacity: int, cache, n: int) -> bool:
+    """Whether a static call of the bucket for n rows can write into `cache` (buffers made, of this capacity)."""
+    rows = bucket(n, sizes)
+    return (rows is not None and cache.capacity == capacity and cache.length + rows <= capacity
+            and cache.buffers() is not None)
 
 
 def span_for(end: int, capacity: int) -> int:
@@ -165,9 +178,7 @@ class StaticStep:
         return span_for(end, self.capacity)
 
     def fits(self, cache, n: int) -> bool:
-        rows = self.rows_for(n)
-        return (rows is not None and cache.capacity == self.capacity and cache.length + rows <= self.capacity
-                and cache.buffers() is not None)
+        return fits(self.sizes, self.capacity, cache, n)
 
     @torch.inference_mode()
     def __call__(self, cache, tokens, positions, tree_mask, logits_for):
@@ -175,17 +186,17 @@ class StaticStep:
         rows = self.rows_for(n)
         span = self.span_for(cache.length + rows)
         self.inputs.fill(cache.length, rows, tokens, positions, tree_mask)
-        key = (rows, span)
-        try:
-            pre, logits = self.graphs.run(key, lambda: self._forward(cache, rows, span))
-        except Exception as e:
-            if not self.graphs.capture or key in self.graphs.graphs:
-                raise
-            # this model's forward cannot be captured (a host sync, a shape that depends on values): eager from now
-            self.target.program = None
+
+        def failed(e):  # this model's forward cannot be captured (a host sync, a shape that depends on values)
+            self.target.program = None  # eager from now on
             if self.on_failure is not None:
                 self.on_failure(f"cannot capture a CUDA graph of this model's step ({one_line(e)})")
+            return None
+
+        out = self.graphs.run((rows, span), lambda: self._forward(cache, rows, span), failed)
+        if out is None:
             return self.target.forward(tokens, positions, tree_mask, logits_for)
+        pre, logits = out
         logits = logits[:n] if logits_for is None else logits[:n][logits_for]
         return pre[:n].clone(), logits.clone()
 
@@ -267,16 +278,14 @@ class HeadsCalls:
 
     def guarded(self, key, fn, eager):
         """fn() through the graphs, or eager() (and the drafter back on its eager modules) when a capture fails."""
-        try:
-            return self.graphs.run(key, fn)
-        except Exception as e:
-            if not self.graphs.capture or key in self.graphs.graphs:
-                raise
+        def failed(e):
             if self.drafter.programs is self:
                 self.drafter.programs = None
                 if self.on_failure is not None:
                     self.on_failure(f"cannot capture a CUDA graph of the heads ({one_line(e)})")
             return eager()
+
+        return self.graphs.run(key, fn, failed)
 
 
 class RowBuffers:
@@ -322,9 +331,7 @@ class CloverGraphs(HeadsCalls):
                        lambda states, tokens: rows.run(1, later, states, tokens))
 
     def fits(self, cache, n: int) -> bool:
-        rows = bucket(n, self.sizes)
-        return (rows is not None and cache.capacity == self.capacity and cache.length + rows <= self.capacity
-                and cache.buffers() is not None)
+        return fits(self.sizes, self.capacity, cache, n)
 
     @torch.inference_mode()
     def augment(self, hidden, tokens, positions, cache):

@@ -358,9 +358,9 @@ def test_a_draft_model_whose_capture_fails_midway_still_proposes(monkeypatch):
         step.on_failure = heard.append
         seen = set()
         if fail:
-            def run(self, key, fn):  # the first (rows, span) "captures" (runs as it is), every later new one fails
+            def run(self, key, fn, failed=None):  # the first (rows, span) "captures" (runs as it is), later new fail
                 if key not in seen and seen:
-                    raise RuntimeError("out of memory")
+                    return failed(RuntimeError("out of memory"))
                 seen.add(key)
                 return fn()
 
