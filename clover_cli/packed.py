@@ -5,6 +5,13 @@ linear is bound by reading its weight, which MKL's general matrix product (`F.li
 prepacked layout a verify forward of the bundled model runs 1.2x (1 token) to 1.5x (4-32 tokens) faster
 (scripts/verify_cost.py, docs/BENCHMARKS.md). Its rows are computed independently of how many there are.
 
+Not everywhere, though: a oneDNN call costs ~25-30 us before any arithmetic on an AVX2 machine, where `F.linear`
+multiplies one row by a 256x256 weight in 10 us (docs/BENCHMARKS.md, 2026-11-26): there the eager 1-token step of the
+bundled model ran 1.45x slower packed. So pack_linears times both, per weight shape, for 1, 2, 3-4, 5-8 and 9-16
+rows (where a call's fixed cost can outweigh the product), and a PackedLinear runs `F.linear` for the row counts
+where that was clearly faster on this machine; 17 rows and more always run packed. CLOVER_PACKED=1 packs every row
+count (no timing), CLOVER_PACKED=0 turns packing off.
+
 `pack_linears(module)` turns the module's plain `nn.Linear`s into `PackedLinear`s (same object, same parameters; the
 weight stays shared, so tied embeddings stay tied, and a second, packed copy is kept beside it: the linears' memory
 doubles, so a module whose linears exceed MAX_PACKED_BYTES (4 GiB) is left as it is). They take the packed
@@ -17,6 +24,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from contextlib import contextmanager
 
 import torch
@@ -31,6 +39,9 @@ WARM_MAX_BYTES = 256 << 20  # above this the kernels' one-time compile is small 
 _state = threading.local()  # .depth: how many packed_linears() blocks this thread is in
 _warmed: set = set()  # (weight shape, dtype, bias) whose kernels were compiled for 1..WARM_ROWS rows
 _supported: bool | None = None
+TIMED_ROWS = (1, 2, 4, 8, 16)  # the row counts timed both ways: buckets 1, 2, 3-4, 5-8, 9-16 (1 + their index's bits)
+STOCK_MARGIN = 0.9  # F.linear is taken for a bucket only when it ran in under 90% of the packed time
+_stock_buckets: dict = {}  # (weight shape, dtype, bias) -> one bool per TIMED_ROWS bucket: F.linear faster there
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
@@ -90,13 +101,18 @@ class PackedLinear(nn.Linear):
         state["packed_key"] = None
         return state
 
+    stock_buckets: tuple = ()  # per TIMED_ROWS bucket: run F.linear there (set by pack_linears)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (not getattr(_state, "depth", 0) or torch.is_grad_enabled() or x.device.type != "cpu"
                 or x.dtype not in PACKED_DTYPES or x.dtype != self.weight.dtype):
             return F.linear(x, self.weight, self.bias)
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        bucket = (rows - 1).bit_length()  # 1 -> 0, 2 -> 1, 3-4 -> 2, 5-8 -> 3, 9-16 -> 4
+        if rows and bucket < len(self.stock_buckets) and self.stock_buckets[bucket]:
+            return F.linear(x, self.weight, self.bias)
         if self._key() != self.packed_key:  # replaced, cast or changed in place since it was packed
             self.repack()
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if rows <= WARM_ROWS:
             return _linear(x, self.packed, self.bias)
         return _linear_in_chunks(x, self.packed, self.bias, rows)
@@ -138,13 +154,39 @@ def pack_linears(module: nn.Module, max_bytes: int = MAX_PACKED_BYTES) -> int:
         m.repack()
         shapes.setdefault((tuple(m.weight.shape), m.weight.dtype, m.bias is not None), m)
     if size <= WARM_MAX_BYTES:
+        timed = os.environ.get("CLOVER_PACKED", "auto") != "1"
         with torch.inference_mode():
             for key, m in shapes.items():
                 if key not in _warmed:
                     for rows in range(1, WARM_ROWS + 1):
                         _linear(m.weight.new_zeros(rows, m.in_features), m.packed, m.bias)
                     _warmed.add(key)
+                if timed and key not in _stock_buckets:
+                    _stock_buckets[key] = tuple(stock_faster(m, rows) for rows in TIMED_ROWS)
+        for m in linears:
+            key = (tuple(m.weight.shape), m.weight.dtype, m.bias is not None)
+            m.stock_buckets = _stock_buckets.get(key, ()) if timed else ()
     return len(linears)
+
+
+def _seconds(fn, calls: int) -> float:
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t) / calls
+
+
+def stock_faster(m: PackedLinear, rows: int, rounds: int = 3) -> bool:
+    """Whether F.linear multiplies `rows` rows by m's weight clearly faster than oneDNN's prepacked product here: the
+    two timed alternately, the fastest of `rounds` rounds each (of 5 calls, or 1 for products over 0.5 ms)."""
+    x = torch.full((rows, m.in_features), 0.5, dtype=m.weight.dtype)  # not the global generator: seeds stay as set
+    stock = lambda: F.linear(x, m.weight, m.bias)  # noqa: E731
+    packed = lambda: _linear(x, m.packed, m.bias)  # noqa: E731
+    calls = 1 if max(_seconds(stock, 1), _seconds(packed, 1)) > 5e-4 else 5
+    t_stock = t_packed = float("inf")
+    for _ in range(rounds):
+        t_stock, t_packed = min(t_stock, _seconds(stock, calls)), min(t_packed, _seconds(packed, calls))
+    return t_stock < STOCK_MARGIN * t_packed
 
 
 @contextmanager

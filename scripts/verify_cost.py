@@ -1,11 +1,12 @@
 """What a verify forward of the bundled model (or --model) costs by tree size: eager with stock linears, eager with
-prepacked CPU linears, and the compiled step (clover_cli/compiled.py; built first if it is not cached).
+prepacked CPU linears for every row count, eager as clover runs it (prepacked where pack_linears timed it faster:
+"auto"), and the compiled step (clover_cli/compiled.py; built first if it is not cached).
 
-    python scripts/verify_cost.py                      # all three, alternating, 3 rounds; one JSON object
+    python scripts/verify_cost.py                      # all four, alternating, 3 rounds; one JSON object
     python scripts/verify_cost.py --markdown --plot docs/step_cost.png   # also table rows and a chart
     python scripts/verify_cost.py --settings stock,packed   # only some
 
-Each measurement runs in its own process (CLOVER_PACKED=0/1, CLOVER_COMPILE=off/on), after a 300-token prompt is
+Each measurement runs in its own process (CLOVER_PACKED=0/1/auto, CLOVER_COMPILE=off/on), after a 300-token prompt is
 in the cache; a tree of n tokens is a chain (speed does not depend on its shape). Median of --repeats forwards per
 size, then the median over rounds. The machine's speed drifts, so the settings alternate.
 """
@@ -25,6 +26,7 @@ from datetime import date
 SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 SETTINGS = {"stock": {"CLOVER_PACKED": "0", "CLOVER_COMPILE": "off"},
             "packed": {"CLOVER_PACKED": "1", "CLOVER_COMPILE": "off"},
+            "auto": {"CLOVER_PACKED": "auto", "CLOVER_COMPILE": "off"},
             "compiled": {"CLOVER_PACKED": "1", "CLOVER_COMPILE": "on"}}
 
 
@@ -60,7 +62,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=100)
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--model", help="an alias, Hub repo or directory (default: the bundled model)")
-    ap.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated: stock, packed, compiled")
+    ap.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated: stock, packed, auto, compiled")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--plot", help="write a PNG chart of ms per forward against tree size")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -91,7 +93,7 @@ def main():
     if "stock" in names and "packed" in names:
         report["speedup"] = {n: round(report["stock_ms"][n] / report["packed_ms"][n], 2) for n in SIZES}
     if "compiled" in names:
-        eager = "packed" if "packed" in names else names[0]
+        eager = next((n for n in ("auto", "packed") if n in names), names[0])
         report["compiled_speedup"] = {n: round(report[eager + "_ms"][n] / report["compiled_ms"][n], 2)
                                       for n in SIZES}
         report["compiled_vs_1"] = {n: round(report["compiled_ms"][n] / report["compiled_ms"][1], 2) for n in SIZES}

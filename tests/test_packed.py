@@ -1,4 +1,5 @@
-"""Prepacked CPU linears: same results as F.linear, used only where the engine asks, never stale."""
+"""Prepacked CPU linears: same results as F.linear, used only where the engine asks, never stale; F.linear for the
+row counts where it was timed faster."""
 
 from __future__ import annotations
 
@@ -17,6 +18,14 @@ from helpers import hf_greedy
 from test_lossless import make_model
 
 pytestmark = pytest.mark.skipif(not packed.supported(), reason="this torch build has no oneDNN prepacked linear")
+
+
+@pytest.fixture(autouse=True)
+def every_row_count_packed(monkeypatch, request):
+    """The packed path itself is what these tests check: CLOVER_PACKED=1 packs every row count, untimed (the timed
+    choice has its own tests, which ask for it)."""
+    if "timed" not in request.node.name:
+        monkeypatch.setenv("CLOVER_PACKED", "1")
 
 
 def _mlp(seed=0, bias=True):
@@ -154,3 +163,52 @@ def test_target_packs_its_model_and_transformers_generate_is_unchanged():
     assert hf_greedy(model, prompt, 24) == before
     _, mine = target.forward(torch.tensor(prompt))
     torch.testing.assert_close(mine, logits[0], rtol=1e-4, atol=1e-4)
+
+
+def test_timed_choice_runs_f_linear_where_it_was_faster(monkeypatch):
+    """Unless CLOVER_PACKED=1, pack_linears times F.linear against the packed product per weight shape for 1, 2, 3-4,
+    5-8 and 9-16 rows, once per shape, and a PackedLinear runs F.linear (bit for bit) in the buckets where that was
+    faster; 17 rows and more, and the buckets where packing won, run packed."""
+    monkeypatch.setenv("CLOVER_PACKED", "auto")
+    asked = []
+
+    def fake_stock_faster(m, rows):  # stands in for the timing: F.linear "faster" for 1 and 3-4 rows only
+        asked.append((tuple(m.weight.shape), rows))
+        return rows in (1, 4)
+
+    monkeypatch.setattr(packed, "stock_faster", fake_stock_faster)
+    monkeypatch.setattr(packed, "_stock_buckets", {})
+    mlp = _mlp(7)
+    assert pack_linears(mlp) == 2
+    assert sorted(asked) == sorted((shape, rows) for shape in ((96, 64), (48, 96)) for rows in packed.TIMED_ROWS)
+    assert mlp[0].stock_buckets == (True, False, True, False, False)
+    calls = []
+    real = packed._linear
+    monkeypatch.setattr(packed, "_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for rows, stock in ((1, True), (2, False), (3, True), (4, True), (5, False), (16, False), (17, False),
+                        (70, False)):
+        x = torch.randn(rows, 64)
+        calls.clear()
+        with torch.inference_mode(), packed_linears():
+            out = mlp(x)
+        assert (calls == []) == stock, (rows, calls)
+        if stock:
+            assert torch.equal(out, _reference(mlp, x))
+        torch.testing.assert_close(out, _reference(mlp, x), rtol=1e-5, atol=1e-5)
+    asked.clear()
+    twin = _mlp(8)
+    pack_linears(twin)  # the same shapes: timed once per process, the choice reused
+    assert asked == [] and twin[2].stock_buckets == mlp[2].stock_buckets
+
+
+def test_timed_choice_is_a_real_timing_and_leaves_the_seed_alone(monkeypatch):
+    """stock_faster itself: it returns a bool from real timings of both products, without drawing from torch's global
+    generator (seeded runs stay as they were)."""
+    monkeypatch.setenv("CLOVER_PACKED", "auto")
+    mlp = _mlp(9)
+    pack_linears(mlp)
+    torch.manual_seed(123)
+    want = torch.rand(3)
+    torch.manual_seed(123)
+    assert all(isinstance(packed.stock_faster(mlp[0], rows), bool) for rows in packed.TIMED_ROWS)
+    assert torch.equal(torch.rand(3), want)
