@@ -535,19 +535,24 @@ def test_a_full_output_device_is_one_line(llama_dir, prompt_file):
             assert err.count("\n") == 1 and err.startswith("clover: error:") and "No space left" in err, err
 
 
-def test_prompts_from_pipes_and_devices(llama_dir, tmp_path):
+def test_prompts_from_pipes_and_devices(llama_dir, tmp_path, run_cli):
+    """A FIFO, standard input as "-" and as /dev/stdin (a real pipe: a child process), and a missing file."""
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     feeder = subprocess.Popen(["sh", "-c", f"printf 'Hello there' > {fifo}"])
-    r = clover("generate", llama_dir, "--prompt", fifo, "-n", "4", "--json", *GEN)
+    code, out, err = run_cli("generate", str(llama_dir), "--prompt", str(fifo), "-n", "4", "--json", *GEN)
     feeder.wait(30)
+    assert code == 0, err
+    assert json.loads(out)["prompt_tokens"] > 3
+    code, out, err = run_cli("generate", str(llama_dir), "--prompt", "-", "-n", "4", "--json", *GEN,
+                             stdin="Hello there")
+    assert code == 0, err
+    assert json.loads(out)["prompt_tokens"] > 3
+    r = clover("generate", llama_dir, "--prompt", "/dev/stdin", "-n", "4", "--json", *GEN, input=b"Hello there")
     assert r.returncode == 0, r.stderr.decode()
-    for source in ("/dev/stdin", "-"):
-        r = clover("generate", llama_dir, "--prompt", source, "-n", "4", "--json", *GEN, input=b"Hello there")
-        assert r.returncode == 0, r.stderr.decode()
-        assert json.loads(r.stdout)["prompt_tokens"] > 3
-    r = clover("generate", llama_dir, "--prompt", tmp_path / "nope.txt", "-n", "4", *GEN)
-    assert r.returncode == 2 and r.stderr.decode().strip().endswith("prompt file not found: " + str(tmp_path / "nope.txt"))
+    assert json.loads(r.stdout)["prompt_tokens"] > 3
+    code, out, err = run_cli("generate", str(llama_dir), "--prompt", str(tmp_path / "nope.txt"), "-n", "4", *GEN)
+    assert code == 2 and err.strip().endswith("prompt file not found: " + str(tmp_path / "nope.txt")), err
 
 
 def test_an_unexpected_error_is_one_line_and_debug_shows_it(run_cli, llama_dir, prompt_file, monkeypatch):
