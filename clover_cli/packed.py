@@ -6,8 +6,8 @@ prepacked layout a verify forward of the bundled model runs 1.2x (1 token) to 1.
 (scripts/verify_cost.py, docs/BENCHMARKS.md). Its rows are computed independently of how many there are.
 
 Not everywhere, though: a oneDNN call costs ~25-30 us before any arithmetic on an AVX2 machine, where `F.linear`
-multiplies one row by a 256x256 weight in 10 us (docs/BENCHMARKS.md, 2026-11-26): there the eager 1-token step of the
-bundled model ran 1.45x slower packed. So pack_linears times both, per weight shape, for 1, 2, 3-4, 5-8 and 9-16
+multiplies one row by a 256x256 weight in 10 us and by a 64x64 one in 4 (docs/BENCHMARKS.md, 2026-11-26). So
+pack_linears times both, per weight shape, for 1, 2, 3-4, 5-8 and 9-16
 rows (where a call's fixed cost can outweigh the product), and a PackedLinear runs `F.linear` for the row counts
 where that was clearly faster on this machine; 17 rows and more always run packed. Only modules whose linears are
 warmed up (up to WARM_MAX_BYTES) are timed; larger ones run packed at every row count. CLOVER_PACKED=1 packs every
@@ -153,7 +153,7 @@ def pack_linears(module: nn.Module, max_bytes: int = MAX_PACKED_BYTES) -> int:
     for m in linears:
         m.__class__ = PackedLinear
         m.repack()
-        shapes.setdefault((tuple(m.weight.shape), m.weight.dtype, m.bias is not None), m)
+        shapes.setdefault(_shape_key(m), m)
     if size <= WARM_MAX_BYTES:
         timed = os.environ.get("CLOVER_PACKED", "auto") != "1"
         with torch.inference_mode():
@@ -165,9 +165,13 @@ def pack_linears(module: nn.Module, max_bytes: int = MAX_PACKED_BYTES) -> int:
                 if timed and key not in _stock_buckets:
                     _stock_buckets[key] = tuple(stock_faster(m, rows) for rows in TIMED_ROWS)
         for m in linears:
-            key = (tuple(m.weight.shape), m.weight.dtype, m.bias is not None)
-            m.stock_buckets = _stock_buckets.get(key, ()) if timed else ()
+            m.stock_buckets = _stock_buckets.get(_shape_key(m), ()) if timed else ()
     return len(linears)
+
+
+def _shape_key(m: nn.Linear) -> tuple:
+    """What a linear's kernels and timings depend on: (weight shape, dtype, whether it has a bias)."""
+    return tuple(m.weight.shape), m.weight.dtype, m.bias is not None
 
 
 def _seconds(fn, calls: int) -> float:
