@@ -7,11 +7,11 @@ prepacked layout a verify forward of the bundled model runs 1.2x (1 token) to 1.
 
 Not everywhere, though: a oneDNN call costs ~25-30 us before any arithmetic on an AVX2 machine, where `F.linear`
 multiplies one row by a 256x256 weight in 10 us and by a 64x64 one in 4 (docs/BENCHMARKS.md, 2026-11-26). So
-pack_linears times both, per weight shape, for 1, 2, 3-4, 5-8 and 9-16
-rows (where a call's fixed cost can outweigh the product), and a PackedLinear runs `F.linear` for the row counts
-where that was clearly faster on this machine; 17 rows and more always run packed. Only modules whose linears are
-warmed up (up to WARM_MAX_BYTES) are timed; larger ones run packed at every row count. CLOVER_PACKED=1 packs every
-row count (no timing), CLOVER_PACKED=0 turns packing off.
+pack_linears times both, per weight shape, for 1, 2, 3-4, 5-8 and 9-16 rows (where a call's fixed cost can outweigh
+the product), and a PackedLinear runs `F.linear` for the row counts where that was clearly faster on this machine;
+17 rows and more always run packed. Only modules whose linears are warmed up (up to WARM_MAX_BYTES) are timed;
+larger ones run packed at every row count. CLOVER_PACKED=1 packs every row count (no timing), CLOVER_PACKED=0 turns
+packing off.
 
 `pack_linears(module)` turns the module's plain `nn.Linear`s into `PackedLinear`s (same object, same parameters; the
 weight stays shared, so tied embeddings stay tied, and a second, packed copy is kept beside it: the linears' memory

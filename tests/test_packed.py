@@ -21,11 +21,10 @@ pytestmark = pytest.mark.skipif(not packed.supported(), reason="this torch build
 
 
 @pytest.fixture(autouse=True)
-def every_row_count_packed(monkeypatch, request):
+def every_row_count_packed(monkeypatch):
     """The packed path itself is what these tests check: CLOVER_PACKED=1 packs every row count, untimed (the timed
-    choice has its own tests, which ask for it)."""
-    if "timed" not in request.node.name:
-        monkeypatch.setenv("CLOVER_PACKED", "1")
+    choice's tests set CLOVER_PACKED=auto themselves)."""
+    monkeypatch.setenv("CLOVER_PACKED", "1")
 
 
 def _mlp(seed=0, bias=True):
