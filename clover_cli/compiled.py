@@ -407,11 +407,12 @@ def building(out: Path):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def build_for(target, out: Path, log=print, static: tuple[int, ...] | None = None) -> dict:
+def build_for(target, out: Path, log=print, static: tuple[int, ...] | None = None, autotune: bool = True) -> dict:
     """Export, compile, check and time the step programs of `target` (a Target whose cache capacity is the
     programs'), one for each of the `static` sizes (default: static_sizes() for its weights) and one for larger
     steps; write them to directory `out` atomically (built beside it, renamed into place). Returns the metadata
-    written."""
+    written. autotune=False compiles the programs meant for autotuning without it (quicker to build, slower to
+    run)."""
     t0 = time.perf_counter()
     capacity = target.cache.capacity
     with torch.inference_mode():  # allocates the cache buffers at full capacity
@@ -423,7 +424,7 @@ def build_for(target, out: Path, log=print, static: tuple[int, ...] | None = Non
     exported, ranges = {}, {}
     if static is None:
         static = static_sizes(weight_bytes(target.model))
-    for name, lo, hi, example_n, autotune, blocking in program_table(static):
+    for name, lo, hi, example_n, tuned, blocking in program_table(static):
         hi = min(hi or capacity - 1, capacity - 1)
         if lo > hi:
             continue  # more rows than the buffers hold
@@ -436,13 +437,13 @@ def build_for(target, out: Path, log=print, static: tuple[int, ...] | None = Non
             n, rows = Dim("n", min=lo, max=hi), Dim("rows", min=1, max=hi)
             shapes = (({0: n}, {0: n}, {0: n, 1: n}, {0: rows}, {0: Dim.DYNAMIC}, *(None for _ in keys + values)),)
         example = _example(target, example_n, min(max(37, capacity // 2), capacity - example_n - 1))
-        exported[name] = (export(program, (*example, *keys, *values), shapes), autotune, blocking)
+        exported[name] = (export(program, (*example, *keys, *values), shapes), autotune and tuned, blocking)
         ranges[name] = input_ranges(exported[name][0], {"n": (0, 0), "past": (4, 0)})
     log(f"compiling (AOTInductor, weights frozen) ... {time.perf_counter() - t0:.0f} s")
     try:
         with building(out) as tmp:
-            for name, (program, autotune, blocking) in exported.items():
-                compile_package(program, tmp / name, autotune, blocking)
+            for name, (program, tuned, blocking) in exported.items():
+                compile_package(program, tmp / name, tuned, blocking)
             step = CompiledStep(tmp, capacity, ranges)
             check(step, target)
             meta = {"program": PROGRAM_VERSION, "capacity": capacity, "ranges": ranges, "torch": torch.__version__,
