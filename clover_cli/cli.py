@@ -460,6 +460,10 @@ def train(
     reg_weight: float = typer.Option(1.0, "--reg-weight", help="Weight of the hidden-state regression (SmoothL1) "
                                                                "beside the soft cross-entropy; the Clover-2 "
                                                                "authors' code uses 10."),
+    loss_vocab: str = typer.Option("full", "--loss-vocab", help="full: the soft cross-entropy over the whole "
+                                                                "vocabulary; draft: over the --draft-vocab tokens "
+                                                                "only (the target's distribution renormalised "
+                                                                "there; far cheaper on a CPU)."),
     device: str = Common.device, dtype: str = Common.dtype, revision: Optional[str] = Common.revision,
     trust_remote_code: bool = Common.trust_remote_code,
 ):
@@ -472,7 +476,7 @@ def train(
         max_conversations=max_conversations, regenerate=regenerate, regen_turns=regen_turns,
         regen_max_tokens=regen_max_tokens, draft_vocab=draft_vocab, cache_features=cache_features, resume=resume,
         overwrite=overwrite, push_to_hub=push_to_hub, seed=seed, device=device, dtype=dtype, revision=revision,
-        trust_remote_code=trust_remote_code, reg_weight=reg_weight))
+        trust_remote_code=trust_remote_code, reg_weight=reg_weight, loss_vocab=loss_vocab))
 
 
 @app.command()

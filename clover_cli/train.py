@@ -7,7 +7,8 @@
               last hidden states before and after its final norm; its distributions come from lm_head(after).
     loss      head i at position t predicts token t+2+i:
                   soft cross-entropy against softmax(lm_head(h_{t+1+i}))  +  reg_weight * SmoothL1(o_i, h_{t+1+i})
-              weighted 0.7^i, over positions whose predicted token is an assistant token.
+              weighted 0.7^i, over positions whose predicted token is an assistant token. With --loss-vocab draft
+              both distributions cover the --draft-vocab tokens only (the target's renormalised over them).
               EAGLE (one model, teacher-forced on the target's own features as EAGLE-1 trains): its output at t
               regresses h_{t+1} from [e(tok_{t+1}); h_t + noise] (uniform noise of width 0.2 on the input features,
               as the reference adds), with the same soft cross-entropy and EAGLE-1's weights: the regression
@@ -81,6 +82,7 @@ class TrainConfig:
     regen_turns: int = 4
     regen_max_tokens: int = 256
     reg_weight: float = 1.0
+    loss_vocab: str = "full"
     decay: float = 0.7
     warmup_frac: float = 0.05
     weight_decay: float = 0.0
@@ -112,6 +114,8 @@ def validate(cfg: TrainConfig):
         raise CloverError(f"--regen-turns must be between 1 and 64, not {cfg.regen_turns}")
     if cfg.regenerate and not 1 <= cfg.regen_max_tokens < cfg.max_len:
         raise CloverError(f"--regen-max-tokens must be between 1 and --max-len - 1, not {cfg.regen_max_tokens}")
+    if cfg.loss_vocab not in ("full", "draft"):
+        raise CloverError(f"--loss-vocab must be full or draft, not {cfg.loss_vocab!r}")
     if not (math.isfinite(cfg.reg_weight) and 0 <= cfg.reg_weight <= 1000):
         raise CloverError(f"--reg-weight must be between 0 and 1000, not {cfg.reg_weight}")
     if cfg.max_conversations is not None and cfg.max_conversations < 1:
@@ -556,8 +560,14 @@ def heads_loss(heads, arch: str, model, x, mask, pre, post, cfg: TrainConfig):
         from .drafters.eagle3 import eagle3_loss
 
         return eagle3_loss(heads, model, x, mask, post, cfg)
+    inner = getattr(heads, "module", heads)  # under DistributedDataParallel
+    # --loss-vocab draft: both distributions over the draft vocabulary only (the tokens the heads can propose),
+    # the target's renormalised there: a head's projection costs draft_vocab / vocab_size of the whole one's
+    vocab = getattr(inner, "draft_vocab", None) if cfg.loss_vocab == "draft" else None
+    weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
+    if vocab is not None:
+        weight, bias = weight[vocab], (bias[vocab] if bias is not None else None)
     if arch in ("clover", "eagle"):
-        inner = getattr(heads, "module", heads)  # under DistributedDataParallel
         pos = torch.arange(T, device=x.device)[None].expand(B, T)
         feature = pre
         if arch == "eagle":  # EAGLE reads the post-norm features, noised while training
@@ -578,10 +588,10 @@ def heads_loss(heads, arch: str, model, x, mask, pre, post, cfg: TrainConfig):
     with torch.no_grad():
         t_logits = lm_head(post[need].to(lm_head.weight.dtype)).float()
         t_arg = t_logits.argmax(-1)
-        t_prob = torch.softmax(t_logits, -1)
+        t_prob = torch.softmax(t_logits if vocab is None else t_logits[:, vocab], -1)
         del t_logits
-        t_emb = t_prob @ lm_head.weight.float()
-        t_bias = t_prob @ lm_head.bias.float() if getattr(lm_head, "bias", None) is not None else None
+        t_emb = t_prob @ weight.float()
+        t_bias = t_prob @ bias.float() if bias is not None else None
         del t_prob
         row_of = torch.full(mask.shape, -1, dtype=torch.long, device=mask.device)
         row_of[need] = torch.arange(t_emb.shape[0], device=mask.device)
@@ -599,13 +609,14 @@ def heads_loss(heads, arch: str, model, x, mask, pre, post, cfg: TrainConfig):
         student = out[:, :n][m]
         teacher = post[:, 1 + i:1 + i + n][m]
         rows = row_of[:, 1 + i:1 + i + n][m]
-        s_logits = lm_head(student.to(lm_head.weight.dtype))
+        s_logits = F.linear(student.to(weight.dtype), weight, bias)
         dot = (t_emb[rows] * student.float()).sum(-1) + (t_bias[rows] if t_bias is not None else 0.0)
         ce = (torch.logsumexp(s_logits.float(), -1) - dot).mean()
         reg = F.smooth_l1_loss(student.float(), teacher.float(), reduction="none").mean(-1).mean()
         loss_i = ce + reg_weight * reg
         total = total + (cfg.decay ** i) * loss_i
-        acc = (s_logits.argmax(-1) == t_arg[rows]).float().mean().item()
+        s_arg = s_logits.argmax(-1) if vocab is None else vocab[s_logits.argmax(-1)]
+        acc = (s_arg == t_arg[rows]).float().mean().item()
         per_head.append((loss_i.item(), acc, int(m.sum())))
     return total, per_head
 
@@ -894,7 +905,7 @@ def _train(cfg, accelerator, device, log, resuming, resolved, model, tokenizer, 
         unwrapped.cfg.training = {"data": cfg.data, "steps": step, "regenerate": cfg.regenerate,
                                   "conversations": len(ids), "tokens_per_epoch": n_tokens, "lr": cfg.lr,
                                   "batch_tokens": cfg.batch_tokens, "max_len": cfg.max_len,
-                                  "reg_weight": cfg.reg_weight,
+                                  "reg_weight": cfg.reg_weight, "loss_vocab": cfg.loss_vocab,
                                   "heldout_accuracy": final.get("heldout_accuracy"),
                                   "heldout_tau": final.get("heldout_tau"),
                                   "accept_by_depth": final.get("accept_by_depth"),

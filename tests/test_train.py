@@ -158,6 +158,7 @@ def test_bad_out_and_options(fresh_model, data_file, tmp_path, run_cli):
     assert (foreign / "notes.txt").read_text() == "keep me"
     for args, needle in [(["--arch", "eagle9"], "--arch"), (["--heads", "0"], "--heads"), (["--lr", "-1"], "--lr"),
                          (["--reg-weight", "nan"], "--reg-weight"), (["--resume"], "no checkpoint"),
+                         (["--loss-vocab", "some"], "--loss-vocab"),
                          (["--max-len", "64", "--batch-tokens", "32"],
                                                            "--batch-tokens")]:
         code, _, err = run_cli("train", str(fresh_model), "--data", str(data_file), "--out", str(tmp_path / "x"),
@@ -239,8 +240,11 @@ def test_device_cuda_n(fresh_model, data_file, tmp_path, run_cli, monkeypatch):
     assert code == 2 and "accelerate launch" in err and err.count("\n") == 1 and chosen == [1]
 
 
-def test_loss_matches_the_direct_soft_cross_entropy(llama_dir):
-    """heads_loss's shortcut (logsumexp - expected output embedding) equals -sum p log q computed directly."""
+@pytest.mark.parametrize("loss_vocab", ["full", "draft"])
+def test_loss_matches_the_direct_soft_cross_entropy(llama_dir, loss_vocab):
+    """heads_loss's shortcut (logsumexp - expected output embedding) equals -sum p log q computed directly; with
+    --loss-vocab draft both distributions are over the draft vocabulary, the target's renormalised there, and the
+    agreement compares token ids."""
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
@@ -257,21 +261,55 @@ def test_loss_matches_the_direct_soft_cross_entropy(llama_dir):
         torch.nn.init.normal_(p, std=0.05)
     x = torch.randint(3, model.config.vocab_size, (2, 40))
     mask = (torch.rand(2, 40) < 0.6).float()
+    vocab = torch.randperm(model.config.vocab_size)[:40]
+    heads.draft_vocab = vocab  # drafting uses it either way; the loss only with --loss-vocab draft
     with torch.no_grad():
         pre, post = hidden_states(model, x)
-    cfg = TrainConfig(model="m", out="o", reg_weight=0.0, decay=0.5)
+    cfg = TrainConfig(model="m", out="o", reg_weight=0.0, decay=0.5, loss_vocab=loss_vocab)
     total, per_head = heads_loss(heads, "medusa", model, x, mask, pre, post, cfg)
     lm_head = model.get_output_embeddings()
+    keep = vocab if loss_vocab == "draft" else torch.arange(model.config.vocab_size)
     expected = 0.0
     for i, out in enumerate(heads.forward_train(post)):
         n = 40 - 2 - i
         m = mask[:, 2 + i:2 + i + n] > 0
-        p = torch.softmax(lm_head(post[:, 1 + i:1 + i + n][m]), -1)
-        logq = F.log_softmax(lm_head(out[:, :n][m]), -1)
-        ce = -(p * logq).sum(-1).mean()
+        target_logits = lm_head(post[:, 1 + i:1 + i + n][m])
+        p = torch.softmax(target_logits[:, keep], -1)
+        q_logits = lm_head(out[:, :n][m])[:, keep]
+        ce = -(p * F.log_softmax(q_logits, -1)).sum(-1).mean()
         assert abs(per_head[i][0] - ce.item()) < 1e-4
+        agree = (keep[q_logits.argmax(-1)] == target_logits.argmax(-1)).float().mean().item()
+        assert per_head[i][1] == pytest.approx(agree)
         expected = expected + 0.5 ** i * ce
     assert abs(total.item() - expected.item()) < 1e-4
+
+
+def test_draft_loss_vocabulary_agrees_in_token_ids(llama_dir):
+    """With --loss-vocab draft a head that outputs the target's own next features agrees with the target wherever
+    the target's choice is in the draft vocabulary: its choice over the shortlist is mapped back to a token id."""
+    from transformers import AutoModelForCausalLM
+
+    from clover_cli.target import hidden_states
+    from clover_cli.train import TrainConfig, heads_loss
+
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_pretrained(llama_dir).eval()
+    x = torch.randint(3, model.config.vocab_size, (2, 30))
+    mask = torch.ones(2, 30)
+    with torch.no_grad():
+        pre, post = hidden_states(model, x)
+        chosen = model.get_output_embeddings()(post).argmax(-1).unique()
+    others = torch.tensor([v for v in torch.randperm(model.config.vocab_size).tolist() if v not in chosen.tolist()])
+
+    class Oracle(torch.nn.Module):  # head i's output at t: the target's feature at t+1+i, what it regresses to
+        def forward(self, h):
+            return [torch.cat([h[:, 1 + i:], h[:, :1 + i]], 1) for i in range(3)]
+
+    heads = Oracle()
+    heads.draft_vocab = torch.cat([others[:20], chosen, others[20:40]])  # the chosen ids not first, not in order
+    _, per_head = heads_loss(heads, "medusa", model, x, mask, pre, post, TrainConfig(model="m", out="o",
+                                                                                      loss_vocab="draft"))
+    assert [agree for _, agree, _ in per_head] == [1.0, 1.0, 1.0]
 
 
 PROBE = """
