@@ -463,7 +463,8 @@ def train(
     loss_vocab: str = typer.Option("full", "--loss-vocab", help="full: the soft cross-entropy over the whole "
                                                                 "vocabulary; draft: over the --draft-vocab tokens "
                                                                 "only (the target's distribution renormalised "
-                                                                "there; far cheaper on a CPU)."),
+                                                                "there; the heads' projections shrink in the "
+                                                                "same ratio)."),
     device: str = Common.device, dtype: str = Common.dtype, revision: Optional[str] = Common.revision,
     trust_remote_code: bool = Common.trust_remote_code,
 ):
