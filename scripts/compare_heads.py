@@ -2,14 +2,16 @@
 
     python scripts/compare_heads.py runs/cmp/clover runs/cmp/medusa [--model tiny] [--prompts question.jsonl]
                                     [-n 128] [--tree own|eagle2|clover] [--window default|none|N] [--limit N]
-                                    [--json out.json]
+                                    [--acceptance learned|raw] [--json out.json]
 
 Each heads directory (any layout clover reads) drives its own drafter alone (no n-gram lookup merged in), greedy,
 through clover's engine with a fixed tree budget, on the same prompts (clover bench's built-in 30 held-out
 ShareGPT prompts in six categories by default, or --prompts in bench's formats), interleaved prompt by prompt after
 a warm-up. Every output is checked token for token against plain decoding (the drafters are lossless). τ = tokens
 per target forward after prefill. `--tree eagle2` gives every drafter the same tree rule (EAGLE-2's), so that the
-heads are compared rather than their families' tree policies.
+heads are compared rather than their families' tree policies. `--acceptance raw` scores tree nodes by the drafters'
+own probabilities (as before 2026-11-26); `learned` (the engine's default) by the chance of acceptance each engine
+learns from its verifications (engine.AcceptanceCurve), kept from prompt to prompt as in a chat session.
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ def main():
     ap.add_argument("--window", default="default",
                     help="positions a Clover-2 catch-up runs the augmenting block over: 'default' (the drafter's, "
                          "64: a speed trade-off), 'none' (every position, as EAGLE's drafter does) or a number")
+    ap.add_argument("--acceptance", choices=("learned", "raw"), default="learned",
+                    help="tree scores: the engine's learned chance of acceptance (default) or the drafters' own "
+                         "probabilities")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     if args.window not in ("default", "none") and not args.window.isdigit():
@@ -70,7 +75,8 @@ def main():
         extra = window if heads.cfg.architecture == "clover2" else {}
         return drafter_for(heads, s.target, **grow, **extra)  # the family's drafter
 
-    engines = {name: Engine(s.target, make(h), budget=args.budget, auto_budget=False) for name, h in methods.items()}
+    engines = {name: Engine(s.target, make(h), budget=args.budget, auto_budget=False,
+                            learn_acceptance=args.acceptance == "learned") for name, h in methods.items()}
     figures = {name: {} for name in methods}  # name -> category -> [new tokens, steps, decode s, runs]
     outputs = {name: [] for name in methods}
     with torch.inference_mode():
@@ -100,6 +106,7 @@ def main():
                 "tokens_per_s": round((tokens - runs) / secs, 1) if secs else None, "prompts": runs}
 
     report = {"model": s.resolved.name, "budget": args.budget, "tree": args.tree, "window": args.window,
+              "acceptance": args.acceptance,
               "max_new_tokens": args.max_new_tokens,
               "threads": args.threads, "date": time.strftime("%Y-%m-%d"), "methods": {}}
     for name in methods:

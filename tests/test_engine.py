@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from clover_cli.drafters.ngram import NgramDrafter
-from clover_cli.engine import CostModel, Engine, Sampling, StopCheck, accept, warp
+from clover_cli.engine import AcceptanceCurve, CostModel, Engine, Sampling, StopCheck, accept, warp
 from clover_cli.target import Target, cache_kwarg
 from clover_cli.tree import DraftTree, TreeBuilder
 from helpers import OracleDrafter, hf_greedy, run_engine
@@ -249,6 +249,120 @@ def test_merged_trees_are_valid_unions():
         for p, sc in union.items():
             assert sc >= min(max(a.get(p, 0.0), b.get(p, 0.0)), union.get(p[:-1], 1.0)) - 1e-12
             assert sc <= union.get(p[:-1], 1.0) + 1e-12
+
+
+def test_prune_and_merge_keep_each_nodes_drafter_probability():
+    from clover_cli.tree import merge_trees
+
+    rng = random.Random(2)
+    prob_of = lambda tok, k: (tok % 97) / 194 + k / 2  # noqa: E731  (a token's probability in tree k: alignment)
+    for _ in range(200):
+        trees = []
+        for k, with_probs in enumerate((rng.random() < 0.7, rng.random() < 0.5)):
+            b = TreeBuilder(7)
+            for _ in range(rng.randint(0, 25)):
+                parent = rng.randrange(len(b.tokens))
+                tok = rng.randrange(12)  # a small alphabet: the two trees share paths
+                if tok not in [b.tokens[c] for c in range(1, len(b.tokens)) if b.parents[c] == parent]:
+                    b.add(parent, tok, b.scores[parent] * rng.random(), prob=prob_of(tok, k) if with_probs else None)
+            trees.append(b.build(rng.randint(0, 30)))
+        merged = merge_trees(*trees).prune(rng.randint(0, 40))
+        assert (merged.probs is None) == all(t.probs is None for t in trees)
+        for k, tree in enumerate(trees):
+            if tree.probs is not None:
+                assert len(tree.probs) == len(tree.tokens)
+                assert all(tree.probs[i] == prob_of(tree.tokens[i], k) for i in range(1, len(tree)))
+        if merged.probs is None:
+            continue
+        # each node keeps the first tree's probability where that tree drafted it with one, else the second's
+        where = [_paths(t) if t.probs is not None else {} for t in trees]
+        for path, i in _paths(merged).items():
+            k = next((k for k in (0, 1) if path in where[k]), None)
+            assert merged.probs[i] == (None if k is None else trees[k].probs[where[k][path]])
+
+
+def _paths(tree: DraftTree) -> dict[tuple, int]:
+    out = {(): 0}
+    for i in range(1, len(tree)):
+        parent_path = next(p for p, j in out.items() if j == tree.parents[i])
+        out[parent_path + (tree.tokens[i],)] = i
+    return {p: i for p, i in out.items() if p}
+
+
+# ------------------------------------------------------------------------------------------------ acceptance curve
+
+def test_acceptance_curve_counts_only_nodes_whose_parent_was_accepted():
+    # root -> a (0.52) -> b (0.33); root -> c (0.17)
+    tree = DraftTree([9, 1, 2, 3], [-1, 0, 1, 0], [1.0, 0.52, 0.17, 0.17], probs=[1.0, 0.52, 0.33, 0.17])
+    curve = AcceptanceCurve()
+    curve.observe(tree, [0, 1])  # a accepted, its child b and its sibling c not
+    bins = {b: (curve.seen[b], curve.accepted[b]) for b in range(curve.BINS) if curve.seen[b]}
+    assert bins == {10: (1.0, 1.0), 6: (1.0, 0.0), 3: (1.0, 0.0)}
+    curve = AcceptanceCurve()
+    curve.observe(tree, [0])  # a and c rejected; b was never tested (its parent was not accepted)
+    bins = {b: (curve.seen[b], curve.accepted[b]) for b in range(curve.BINS) if curve.seen[b]}
+    assert bins == {10: (1.0, 0.0), 3: (1.0, 0.0)}
+    curve.observe(DraftTree([9, 1], [-1, 0], [1.0, 0.5]), [0, 1])  # a drafter without probabilities: nothing
+    assert sum(curve.seen) == 2.0
+
+
+def test_acceptance_curve_starts_at_the_identity_and_learns_a_monotone_chance():
+    curve = AcceptanceCurve()
+    for p in (0.0, 0.01, 0.2, 0.47, 0.8):
+        assert curve(p) == pytest.approx(p, abs=1e-9)  # nothing seen: the drafter's own probability
+    rng = random.Random(5)
+    truth = lambda p: min(1.0, 0.05 + 2.2 * p)  # noqa: E731  (greedy accepts far more than p says)
+    for _ in range(6000):
+        p = rng.random()
+        curve.observe(DraftTree([9, 1], [-1, 0], [1.0, p], probs=[1.0, p]), [0, 1] if rng.random() < truth(p) else [0])
+    curve.fit()
+    grid = [i / 100 for i in range(101)]
+    values = [curve(p) for p in grid]
+    assert all(b >= a - 1e-12 for a, b in zip(values, values[1:]))  # non-decreasing
+    assert max(values) <= curve.CAP and min(values) >= 0.0
+    for p in (0.1, 0.2, 0.3, 0.6, 0.9):
+        assert curve(p) == pytest.approx(min(truth(p), curve.CAP), abs=0.08)
+    # the verdicts of an unlucky bin out of order are pooled with their neighbours, never a dip
+    curve.seen[8], curve.accepted[8] = 1000.0, 0.0
+    curve.fit()
+    values = [curve(p) for p in grid]
+    assert all(b >= a - 1e-12 for a, b in zip(values, values[1:]))
+
+
+def test_grower_scores_children_by_the_curve_and_keeps_their_own_probabilities():
+    from clover_cli.drafters.common import TreeGrower
+
+    for curve in (None, lambda p: min(0.99, 2 * p)):
+        grower = TreeGrower(topk=4, width=4, min_ratio=0.0, top_p=1.0)
+        grower.curve = curve
+        b = TreeBuilder(3)
+        level = grower.expand(b, [0], [[0.45, 0.3, 0.1]], [[11, 12, 13]], budget=10)
+        chance = (lambda p: p) if curve is None else curve
+        assert b.scores[1:] == [chance(0.45), chance(0.3), chance(0.1)]
+        assert b.probs == [None, 0.45, 0.3, 0.1]
+        grower.expand(b, level[:1], [[0.5]], [[21]], budget=10)
+        assert b.scores[-1] == pytest.approx(chance(0.45) * chance(0.5))
+        assert b.build(10).probs[-1] == 0.5
+
+
+@pytest.mark.parametrize("learn", [True, False])
+def test_engine_learns_the_acceptance_curve_of_a_heads_drafter_and_stays_exact(learn):
+    from clover_cli.drafters.clover2 import CloverDrafter
+    from test_lossless import random_heads
+
+    model = make_model("llama", 3)
+    target = Target(model)
+    drafter = CloverDrafter(random_heads(model, "clover2", 4, 3, 1), target)
+    engine = Engine(target, drafter, budget=12, auto_budget=False, learn_acceptance=learn)
+    for prompt in ([5, 6, 7, 5, 6, 7], [9, 10, 11, 12]):
+        engine.reset()
+        out, _ = run_engine(engine, prompt, StopCheck(24))
+        assert out == hf_greedy(model, prompt, 24)
+    if learn:
+        curve = engine.curves[0.0]
+        assert drafter.curve is curve and sum(curve.seen) > 0
+    else:
+        assert engine.curves is None and drafter.curve is None
 
 
 # ------------------------------------------------------------------------------------------------ n-gram

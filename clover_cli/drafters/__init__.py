@@ -112,6 +112,16 @@ class MergedDrafter:
             if hasattr(d, "min_score"):
                 d.min_score = value
 
+    @property
+    def curve(self):
+        return getattr(self.first, "curve", None)
+
+    @curve.setter
+    def curve(self, value) -> None:
+        for d in (self.first, self.second):
+            if hasattr(d, "curve"):
+                d.curve = value
+
     def reset(self, length: int) -> None:
         self.first.reset(length)
         self.second.reset(length)

@@ -47,7 +47,7 @@ from ..errors import CloverError
 from ..packed import pack_linears, packed_linears
 from ..target import Target, TreeKVCache, cache_kwarg
 from ..tree import DraftTree, TreeBuilder
-from .common import (TARGET_KEYS, DraftProjection, HeadsConfig, Observed, RMSNorm, TreeGrower, check_size,
+from .common import (TARGET_KEYS, DraftProjection, GrowsTree, HeadsConfig, Observed, RMSNorm, TreeGrower, check_size,
                      draft_config, finish_loading, first_file, near_identity, read_config, read_tensors, rotary_for,
                      same_weights, target_layer_class, top_tokens)
 
@@ -222,7 +222,7 @@ class CloverLevel(torch.nn.Module):
         return states, top_p, top_i
 
 
-class CloverDrafter:
+class CloverDrafter(GrowsTree):
     """Clover-2 heads growing a dynamic (or static) tree. Per proposal: the augmenting block catches up on what the
     target committed since the last one (CloverAugment), then one CloverLevel per depth. Each of those runs eager,
     or compiled once `attach_programs` gives their compiled twins (same inputs, same outputs)."""

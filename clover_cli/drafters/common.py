@@ -171,13 +171,20 @@ STATIC_TREE = [
 
 
 class TreeGrower:
-    """Chooses the children of each expanded node: dynamic (by probability) or static (fixed rank paths)."""
+    """Chooses the children of each expanded node: dynamic (by probability) or static (fixed rank paths).
+
+    A child's score is its parent's times the chance that the target accepts it: the drafter's probability for it,
+    or, when the engine gives the grower an acceptance curve (`curve`, engine.AcceptanceCurve), that probability
+    mapped through what verification has shown it to be worth (greedy decoding accepts a head's top candidate of
+    probability 0.3 about 80% of the time). The probability cuts below stay on the drafter's own probabilities.
+    """
 
     def __init__(self, topk: int = 8, width: int = 6, min_ratio: float = 0.25, top_p: float = 0.95,
                  static: bool = False):
         self.topk, self.width, self.min_ratio, self.top_p = topk, width, min_ratio, top_p
         self.static = set(STATIC_TREE) if static else None
         self.paths: dict[int, tuple] = {0: ()}
+        self.curve = None  # set by the engine: a drafter probability -> the chance of acceptance
 
     def start(self):
         self.paths = {0: ()}
@@ -189,18 +196,19 @@ class TreeGrower:
 
         A dynamic tree gets no child scored below min_score (one not worth verifying).
         """
-        children = []
+        children, curve = [], self.curve
         for row, parent in enumerate(level):
             base, best, mass = builder.scores[parent], top_p[row][0], 0.0
             for rank, (p, tok) in enumerate(zip(top_p[row], top_i[row])):
+                chance = p if curve is None else curve(p)
                 if self.static is not None:
                     path = self.paths[parent] + (rank,)
                     if path not in self.static:
                         continue
-                elif p < self.min_ratio * best or mass >= self.top_p or base * p < min_score:
+                elif p < self.min_ratio * best or mass >= self.top_p or base * chance < min_score:
                     break
                 mass += p
-                child = builder.add(parent, tok, base * p)
+                child = builder.add(parent, tok, base * chance, prob=p)
                 self.paths[child] = self.paths[parent] + (rank,)
                 children.append(child)
         if self.static is not None:
@@ -211,6 +219,18 @@ class TreeGrower:
             floor = sorted(builder.scores[1:], reverse=True)[budget - 1]
             children = [c for c in children if builder.scores[c] >= floor]
         return children[: self.width]
+
+
+class GrowsTree:
+    """A drafter whose tree a TreeGrower (`self.grower`) grows: the engine hands it an acceptance curve."""
+
+    @property
+    def curve(self):
+        return self.grower.curve
+
+    @curve.setter
+    def curve(self, value) -> None:
+        self.grower.curve = value
 
 
 def top_tokens(logits: torch.Tensor, k: int, token_ids: torch.Tensor | None = None):

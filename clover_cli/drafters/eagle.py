@@ -34,9 +34,9 @@ from ..errors import CloverError
 from ..packed import pack_linears, packed_linears
 from ..target import Target, TreeKVCache, cache_kwarg, find_final_norm
 from ..tree import DraftTree, TreeBuilder
-from .common import (STATIC_TREE, DraftProjection, HeadsConfig, TreeGrower, check_size, draft_config, finish_loading,
-                     first_file, join_pending, keep_pending, near_identity, read_config, read_tensors, rotary_for,
-                     same_weights, target_layer_class, top_tokens)
+from .common import (STATIC_TREE, DraftProjection, GrowsTree, HeadsConfig, TreeGrower, check_size, draft_config,
+                     finish_loading, first_file, join_pending, keep_pending, near_identity, read_config, read_tensors,
+                     rotary_for, same_weights, target_layer_class, top_tokens)
 
 ARCHITECTURE = "eagle"
 LAYOUT = "eagle"
@@ -107,7 +107,7 @@ def build(cfg: HeadsConfig, target_model) -> nn.Module:
     return heads
 
 
-class EagleDrafter:
+class EagleDrafter(GrowsTree):
     """EAGLE-1's model drafting EAGLE-2's dynamic tree (or the static one). Per proposal: the model catches up on
     what the target committed since the last one (its own KV cache over committed positions), then one batched run
     per depth over the nodes to expand, their keys and values written after the committed ones and dropped again

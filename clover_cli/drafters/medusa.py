@@ -22,8 +22,8 @@ from ..errors import CloverError
 from ..packed import pack_linears, packed_linears
 from ..target import Target, find_final_norm
 from ..tree import DraftTree, TreeBuilder
-from .common import (DraftProjection, HeadsConfig, TreeGrower, check_size, finish_loading, first_file, read_config,
-                     read_tensors, top_tokens)
+from .common import (DraftProjection, GrowsTree, HeadsConfig, TreeGrower, check_size, finish_loading, first_file,
+                     read_config, read_tensors, top_tokens)
 
 ARCHITECTURE = "medusa"
 LAYOUT = "medusa-authors"
@@ -104,7 +104,7 @@ class MedusaLevels(torch.nn.Module):
         return top_tokens(self.project(torch.cat(outs)), self.k, self.token_ids)
 
 
-class MedusaDrafter:
+class MedusaDrafter(GrowsTree):
     """Medusa heads: every head reads the last hidden state (MedusaLevels, eager or compiled); head d proposes the
     tokens at depth d for every node of the level above."""
 
