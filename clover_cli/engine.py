@@ -293,77 +293,84 @@ class CostModel:
 
 class AcceptanceCurve:
     """The chance that the target accepts a drafted node whose parent it accepted, as a function of the drafter's
-    own probability p for the node, learned from every verification.
+    own probability p for the node and its rank among its siblings, learned from every verification.
 
     A drafter's probabilities are not that chance: distilled heads estimate the target's distribution, while greedy
-    decoding accepts whatever is the target's argmax, so a head's top candidate at p = 0.3-0.4 was accepted 80-93% of
-    the time on held-out prompts (the bundled model's heads, Clover-2 and EAGLE alike); sampling accepts less. Trees
-    grown and pruned on the raw product of probabilities are therefore too wide and too shallow. The engine keeps
-    one curve per sampling mode and hands it to the drafter, whose tree scores then multiply these chances.
+    decoding accepts exactly the target's argmax. On held-out prompts (the bundled model's Clover-2 and EAGLE heads)
+    a top candidate at p = 0.1-0.2 was accepted 43-69% of the time and one at 0.3-0.4 70-80%, while a second candidate
+    was accepted 5-20% of the time whatever its p, a third or later one 1-7%; sampling accepts less. Trees grown
+    and pruned on the raw product of probabilities spend their budget on siblings and too little on depth. The
+    engine keeps one curve per sampling mode and hands it to the drafter, whose tree scores then multiply these
+    chances.
 
-    Estimated per bin of p: verdicts counted (a node counts when its parent was accepted; accepted or not), starting
-    from PRIOR pseudo-verdicts at the identity, the bins made non-decreasing in p (pool-adjacent-violators), linear
-    between bin centres and capped at CAP. Each bin keeps at most MOST verdicts' weight, so the curve follows the
-    text. Only the nodes of a drafter that reports its probabilities (DraftTree.probs) are counted or rescored.
+    Estimated per rank class (first, second, later) and bin of p: verdicts counted (a node counts when its parent
+    was accepted; accepted or not), starting from PRIOR pseudo-verdicts at the identity, made non-decreasing in p
+    within a class (pool-adjacent-violators), linear between bin centres and capped at CAP. Each bin keeps at most
+    MOST verdicts' weight, so the curve follows the text. Only the nodes of a drafter that reports its ranks and
+    probabilities (DraftTree.drafted) are counted or rescored.
     """
 
     BINS = 20
+    RANKS = 3  # the first candidate, the second, any later one
     PRIOR = 3.0
     MOST = 1000.0
     CAP = 0.99
     REFIT = 4  # verifications between two fits
 
     def __init__(self):
-        self.seen = [0.0] * self.BINS
-        self.accepted = [0.0] * self.BINS
-        self.values = [(b + 0.5) / self.BINS for b in range(self.BINS)]  # the curve at the bin centres
+        self.seen = [[0.0] * self.BINS for _ in range(self.RANKS)]
+        self.accepted = [[0.0] * self.BINS for _ in range(self.RANKS)]
+        # the curve of each rank class at the bin centres
+        self.values = [[(b + 0.5) / self.BINS for b in range(self.BINS)] for _ in range(self.RANKS)]
         self.pending = 0
 
-    def __call__(self, p: float) -> float:
+    def __call__(self, p: float, rank: int = 0) -> float:
+        values = self.values[min(rank, self.RANKS - 1)]
         x = p * self.BINS - 0.5  # in bin centres
         if x <= 0.0:  # below the first centre: from 0 at p = 0
-            return self.values[0] * max(x + 0.5, 0.0) * 2.0
+            return values[0] * max(x + 0.5, 0.0) * 2.0
         j = int(x)
         if j >= self.BINS - 1:
-            return self.values[-1]
+            return values[-1]
         f = x - j
-        return self.values[j] + f * (self.values[j + 1] - self.values[j])
+        return values[j] + f * (values[j + 1] - values[j])
 
     def observe(self, tree: DraftTree, path: list[int]) -> None:
         """Count the verdicts of one verification: `path` the accepted nodes, root first."""
-        if tree.probs is None:
+        if tree.drafted is None:
             return
         on = set(path)
         for i in range(1, len(tree.tokens)):
-            p = tree.probs[i]
-            if p is None or tree.parents[i] not in on:
+            if tree.drafted[i] is None or tree.parents[i] not in on:
                 continue
-            b = min(max(int(p * self.BINS), 0), self.BINS - 1)
-            self.seen[b] += 1.0
-            self.accepted[b] += i in on
-            if self.seen[b] > self.MOST:
-                self.seen[b] *= 0.5
-                self.accepted[b] *= 0.5
+            rank, p = tree.drafted[i]
+            r, b = min(rank, self.RANKS - 1), min(max(int(p * self.BINS), 0), self.BINS - 1)
+            seen, accepted = self.seen[r], self.accepted[r]
+            seen[b] += 1.0
+            accepted[b] += i in on
+            if seen[b] > self.MOST:
+                seen[b] *= 0.5
+                accepted[b] *= 0.5
         self.pending += 1
         if self.pending >= self.REFIT:
             self.fit()
 
     def fit(self) -> None:
         self.pending = 0
-        blocks = []  # [weighted sum, weight, bins] pooled left to right while they decrease
-        for b in range(self.BINS):
-            centre = (b + 0.5) / self.BINS
-            w = self.seen[b] + self.PRIOR
-            blocks.append([self.accepted[b] + self.PRIOR * centre, w, 1])
-            while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-                s, w, n = blocks.pop()
-                blocks[-1][0] += s
-                blocks[-1][1] += w
-                blocks[-1][2] += n
-        values = []
-        for s, w, n in blocks:
-            values += [min(s / w, self.CAP)] * n
-        self.values = values
+        for r in range(self.RANKS):
+            blocks = []  # [weighted sum, weight, bins] pooled left to right while they decrease
+            for b in range(self.BINS):
+                centre = (b + 0.5) / self.BINS
+                blocks.append([self.accepted[r][b] + self.PRIOR * centre, self.seen[r][b] + self.PRIOR, 1])
+                while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+                    s, w, n = blocks.pop()
+                    blocks[-1][0] += s
+                    blocks[-1][1] += w
+                    blocks[-1][2] += n
+            values = []
+            for s, w, n in blocks:
+                values += [min(s / w, self.CAP)] * n
+            self.values[r] = values
 
 
 class Engine:

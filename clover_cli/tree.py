@@ -20,9 +20,9 @@ class DraftTree:
     # node -> the distribution its children were sampled from (in their order, without replacement), for q-aware
     # verification under sampling (engine.accept); None: every drafted token is a fixed candidate
     proposals: dict | None = None
-    # node -> the drafter's own probability of the node given its parent (None where it gives none), before any
-    # calibration: what the engine's acceptance curve learns from (engine.AcceptanceCurve)
-    probs: list | None = None
+    # node -> (its rank among its siblings, its probability given its parent) as the drafter gave them (None where
+    # it gives none), before any calibration: what the engine's acceptance curve learns from (engine.AcceptanceCurve)
+    drafted: list | None = None
 
     @staticmethod
     def root_only(root: int) -> "DraftTree":
@@ -84,7 +84,7 @@ class DraftTree:
             tokens=[self.tokens[i] for i in kept],
             parents=[new_index[self.parents[i]] if i else -1 for i in kept],
             scores=[self.scores[i] for i in kept],
-            probs=[self.probs[i] for i in kept] if self.probs is not None else None,
+            drafted=[self.drafted[i] for i in kept] if self.drafted is not None else None,
         )
 
     def validate(self):
@@ -106,31 +106,31 @@ class TreeBuilder:
 
     def __init__(self, root: int):
         self.tokens, self.parents, self.scores = [root], [-1], [1.0]
-        self.probs: list | None = None  # the drafter's own conditional probabilities, when it gives them
+        self.drafted: list | None = None  # the drafter's own (rank, probability) of each node, when it gives them
 
-    def add(self, parent: int, token: int, score: float, prob: float | None = None) -> int:
-        if prob is not None and self.probs is None:
-            self.probs = [None] * len(self.tokens)
+    def add(self, parent: int, token: int, score: float, drafted: tuple[int, float] | None = None) -> int:
+        if drafted is not None and self.drafted is None:
+            self.drafted = [None] * len(self.tokens)
         self.tokens.append(token)
         self.parents.append(parent)
         self.scores.append(score)
-        if self.probs is not None:
-            self.probs.append(prob)
+        if self.drafted is not None:
+            self.drafted.append(drafted)
         return len(self.tokens) - 1
 
     def build(self, budget: int) -> DraftTree:
-        return DraftTree(self.tokens, self.parents, self.scores, probs=self.probs).prune(budget)
+        return DraftTree(self.tokens, self.parents, self.scores, drafted=self.drafted).prune(budget)
 
 
 def merge_trees(a: DraftTree, b: DraftTree) -> DraftTree:
     """The union of two trees with the same root: shared paths once, each node scored by the better estimate.
 
     Scores stay non-increasing along every path (a node never outscores its parent), so prune() still applies.
-    A node's drafter probability (`probs`) is the first tree's where it has one, else the second's.
+    A node's drafter (rank, probability) (`drafted`) is the first tree's where it has one, else the second's.
     """
     assert a.tokens[0] == b.tokens[0], "trees to merge must share their root"
     tokens, parents, scores = [a.tokens[0]], [-1], [1.0]
-    probs: list = [None]
+    drafted: list = [None]
     kids: list[dict[int, int]] = [{}]
 
     def add(tree: DraftTree):
@@ -146,13 +146,13 @@ def merge_trees(a: DraftTree, b: DraftTree) -> DraftTree:
                 tokens.append(tok)
                 parents.append(parent)
                 scores.append(0.0)
-                probs.append(None)
+                drafted.append(None)
             scores[node] = min(scores[parent], max(scores[node], tree.scores[i]))
-            if probs[node] is None and tree.probs is not None:
-                probs[node] = tree.probs[i]
+            if drafted[node] is None and tree.drafted is not None:
+                drafted[node] = tree.drafted[i]
             where[i] = node
 
     add(a)
     add(b)
-    has = a.probs is not None or b.probs is not None
-    return DraftTree(tokens, parents, scores, probs=probs if has else None)
+    has = a.drafted is not None or b.drafted is not None
+    return DraftTree(tokens, parents, scores, drafted=drafted if has else None)

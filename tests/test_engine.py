@@ -251,34 +251,34 @@ def test_merged_trees_are_valid_unions():
             assert sc <= union.get(p[:-1], 1.0) + 1e-12
 
 
-def test_prune_and_merge_keep_each_nodes_drafter_probability():
+def test_prune_and_merge_keep_each_nodes_drafter_rank_and_probability():
     from clover_cli.tree import merge_trees
 
     rng = random.Random(2)
-    prob_of = lambda tok, k: (tok % 97) / 194 + k / 2  # noqa: E731  (a token's probability in tree k: alignment)
+    info = lambda tok, k: (tok % 3, (tok % 97) / 194 + k / 2)  # noqa: E731  (a token's (rank, p) in tree k)
     for _ in range(200):
         trees = []
-        for k, with_probs in enumerate((rng.random() < 0.7, rng.random() < 0.5)):
+        for k, with_info in enumerate((rng.random() < 0.7, rng.random() < 0.5)):
             b = TreeBuilder(7)
             for _ in range(rng.randint(0, 25)):
                 parent = rng.randrange(len(b.tokens))
                 tok = rng.randrange(12)  # a small alphabet: the two trees share paths
                 if tok not in [b.tokens[c] for c in range(1, len(b.tokens)) if b.parents[c] == parent]:
-                    b.add(parent, tok, b.scores[parent] * rng.random(), prob=prob_of(tok, k) if with_probs else None)
+                    b.add(parent, tok, b.scores[parent] * rng.random(), drafted=info(tok, k) if with_info else None)
             trees.append(b.build(rng.randint(0, 30)))
         merged = merge_trees(*trees).prune(rng.randint(0, 40))
-        assert (merged.probs is None) == all(t.probs is None for t in trees)
+        assert (merged.drafted is None) == all(t.drafted is None for t in trees)
         for k, tree in enumerate(trees):
-            if tree.probs is not None:
-                assert len(tree.probs) == len(tree.tokens)
-                assert all(tree.probs[i] == prob_of(tree.tokens[i], k) for i in range(1, len(tree)))
-        if merged.probs is None:
+            if tree.drafted is not None:
+                assert len(tree.drafted) == len(tree.tokens)
+                assert all(tree.drafted[i] == info(tree.tokens[i], k) for i in range(1, len(tree)))
+        if merged.drafted is None:
             continue
-        # each node keeps the first tree's probability where that tree drafted it with one, else the second's
-        where = [_paths(t) if t.probs is not None else {} for t in trees]
+        # each node keeps the first tree's (rank, p) where that tree drafted it with them, else the second's
+        where = [_paths(t) if t.drafted is not None else {} for t in trees]
         for path, i in _paths(merged).items():
             k = next((k for k in (0, 1) if path in where[k]), None)
-            assert merged.probs[i] == (None if k is None else trees[k].probs[where[k][path]])
+            assert merged.drafted[i] == (None if k is None else trees[k].drafted[where[k][path]])
 
 
 def _paths(tree: DraftTree) -> dict[tuple, int]:
@@ -291,58 +291,66 @@ def _paths(tree: DraftTree) -> dict[tuple, int]:
 
 # ------------------------------------------------------------------------------------------------ acceptance curve
 
+def _counted(curve):
+    return {(r, b): (curve.seen[r][b], curve.accepted[r][b])
+            for r in range(curve.RANKS) for b in range(curve.BINS) if curve.seen[r][b]}
+
+
 def test_acceptance_curve_counts_only_nodes_whose_parent_was_accepted():
-    # root -> a (0.52) -> b (0.33); root -> c (0.17)
-    tree = DraftTree([9, 1, 2, 3], [-1, 0, 1, 0], [1.0, 0.52, 0.17, 0.17], probs=[1.0, 0.52, 0.33, 0.17])
+    # root -> a (first, 0.52) -> b (first, 0.33); root -> c (second, 0.17); root -> d (fourth, 0.04)
+    tree = DraftTree([9, 1, 2, 3, 4], [-1, 0, 1, 0, 0], [1.0, 0.52, 0.17, 0.17, 0.04],
+                     drafted=[None, (0, 0.52), (0, 0.33), (1, 0.17), (3, 0.04)])
     curve = AcceptanceCurve()
-    curve.observe(tree, [0, 1])  # a accepted, its child b and its sibling c not
-    bins = {b: (curve.seen[b], curve.accepted[b]) for b in range(curve.BINS) if curve.seen[b]}
-    assert bins == {10: (1.0, 1.0), 6: (1.0, 0.0), 3: (1.0, 0.0)}
+    curve.observe(tree, [0, 1])  # a accepted, its child b and its siblings c, d not
+    assert _counted(curve) == {(0, 10): (1.0, 1.0), (0, 6): (1.0, 0.0), (1, 3): (1.0, 0.0), (2, 0): (1.0, 0.0)}
     curve = AcceptanceCurve()
-    curve.observe(tree, [0])  # a and c rejected; b was never tested (its parent was not accepted)
-    bins = {b: (curve.seen[b], curve.accepted[b]) for b in range(curve.BINS) if curve.seen[b]}
-    assert bins == {10: (1.0, 0.0), 3: (1.0, 0.0)}
-    curve.observe(DraftTree([9, 1], [-1, 0], [1.0, 0.5]), [0, 1])  # a drafter without probabilities: nothing
-    assert sum(curve.seen) == 2.0
+    curve.observe(tree, [0])  # a, c and d rejected; b was never tested (its parent was not accepted)
+    assert _counted(curve) == {(0, 10): (1.0, 0.0), (1, 3): (1.0, 0.0), (2, 0): (1.0, 0.0)}
+    curve.observe(DraftTree([9, 1], [-1, 0], [1.0, 0.5]), [0, 1])  # a drafter without ranks and probabilities
+    assert sum(map(sum, curve.seen)) == 3.0
 
 
-def test_acceptance_curve_starts_at_the_identity_and_learns_a_monotone_chance():
+def test_acceptance_curve_starts_at_the_identity_and_learns_a_monotone_chance_per_rank():
     curve = AcceptanceCurve()
     for p in (0.0, 0.01, 0.2, 0.47, 0.8):
-        assert curve(p) == pytest.approx(p, abs=1e-9)  # nothing seen: the drafter's own probability
+        for rank in (0, 1, 5):
+            assert curve(p, rank) == pytest.approx(p, abs=1e-9)  # nothing seen: the drafter's own probability
     rng = random.Random(5)
-    truth = lambda p: min(1.0, 0.05 + 2.2 * p)  # noqa: E731  (greedy accepts far more than p says)
-    for _ in range(6000):
-        p = rng.random()
-        curve.observe(DraftTree([9, 1], [-1, 0], [1.0, p], probs=[1.0, p]), [0, 1] if rng.random() < truth(p) else [0])
+    truth = {0: lambda p: min(1.0, 0.05 + 2.2 * p), 1: lambda p: 0.15, 2: lambda p: 0.3 * p}  # greedy-like
+    for _ in range(9000):
+        p, rank = rng.random(), rng.choice([0, 1, 2, 4])
+        accepted = rng.random() < truth[min(rank, 2)](p)
+        curve.observe(DraftTree([9, 1], [-1, 0], [1.0, p], drafted=[None, (rank, p)]), [0, 1] if accepted else [0])
     curve.fit()
     grid = [i / 100 for i in range(101)]
-    values = [curve(p) for p in grid]
-    assert all(b >= a - 1e-12 for a, b in zip(values, values[1:]))  # non-decreasing
-    assert max(values) <= curve.CAP and min(values) >= 0.0
-    for p in (0.1, 0.2, 0.3, 0.6, 0.9):
-        assert curve(p) == pytest.approx(min(truth(p), curve.CAP), abs=0.08)
+    for rank in (0, 1, 2):
+        values = [curve(p, rank) for p in grid]
+        assert all(b >= a - 1e-12 for a, b in zip(values, values[1:]))  # non-decreasing
+        assert max(values) <= curve.CAP and min(values) >= 0.0
+        for p in (0.15, 0.3, 0.6, 0.9):
+            assert curve(p, rank) == pytest.approx(min(truth[rank](p), curve.CAP), abs=0.1)
+    assert curve(0.5, 7) == curve(0.5, 2)  # every later rank shares the last class
     # the verdicts of an unlucky bin out of order are pooled with their neighbours, never a dip
-    curve.seen[8], curve.accepted[8] = 1000.0, 0.0
+    curve.seen[0][8], curve.accepted[0][8] = 1000.0, 0.0
     curve.fit()
     values = [curve(p) for p in grid]
     assert all(b >= a - 1e-12 for a, b in zip(values, values[1:]))
 
 
-def test_grower_scores_children_by_the_curve_and_keeps_their_own_probabilities():
+def test_grower_scores_children_by_the_curve_and_keeps_their_own_rank_and_probability():
     from clover_cli.drafters.common import TreeGrower
 
-    for curve in (None, lambda p: min(0.99, 2 * p)):
+    for curve in (None, lambda p, rank: min(0.99, 2 * p) if rank == 0 else p / 4):
         grower = TreeGrower(topk=4, width=4, min_ratio=0.0, top_p=1.0)
         grower.curve = curve
         b = TreeBuilder(3)
         level = grower.expand(b, [0], [[0.45, 0.3, 0.1]], [[11, 12, 13]], budget=10)
-        chance = (lambda p: p) if curve is None else curve
-        assert b.scores[1:] == [chance(0.45), chance(0.3), chance(0.1)]
-        assert b.probs == [None, 0.45, 0.3, 0.1]
+        chance = (lambda p, rank: p) if curve is None else curve
+        assert b.scores[1:] == [chance(0.45, 0), chance(0.3, 1), chance(0.1, 2)]
+        assert b.drafted == [None, (0, 0.45), (1, 0.3), (2, 0.1)]
         grower.expand(b, level[:1], [[0.5]], [[21]], budget=10)
-        assert b.scores[-1] == pytest.approx(chance(0.45) * chance(0.5))
-        assert b.build(10).probs[-1] == 0.5
+        assert b.scores[-1] == pytest.approx(chance(0.45, 0) * chance(0.5, 0))
+        assert b.build(10).drafted[-1] == (0, 0.5)
 
 
 @pytest.mark.parametrize("learn", [True, False])
@@ -360,7 +368,7 @@ def test_engine_learns_the_acceptance_curve_of_a_heads_drafter_and_stays_exact(l
         assert out == hf_greedy(model, prompt, 24)
     if learn:
         curve = engine.curves[0.0]
-        assert drafter.curve is curve and sum(curve.seen) > 0
+        assert drafter.curve is curve and sum(map(sum, curve.seen)) > 0
     else:
         assert engine.curves is None and drafter.curve is None
 

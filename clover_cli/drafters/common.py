@@ -174,9 +174,10 @@ class TreeGrower:
     """Chooses the children of each expanded node: dynamic (by probability) or static (fixed rank paths).
 
     A child's score is its parent's times the chance that the target accepts it: the drafter's probability for it,
-    or, when the engine gives the grower an acceptance curve (`curve`, engine.AcceptanceCurve), that probability
-    mapped through what verification has shown it to be worth (greedy decoding accepts a head's top candidate of
-    probability 0.3 about 80% of the time). The probability cuts below stay on the drafter's own probabilities.
+    or, when the engine gives the grower an acceptance curve (`curve`, engine.AcceptanceCurve), what verification
+    has shown a candidate of that probability and rank among its siblings to be worth (greedy decoding accepts a
+    head's top candidate of probability 0.3 about 70% of the time, its second one about 12% whatever its
+    probability). The probability cuts below stay on the drafter's own probabilities.
     """
 
     def __init__(self, topk: int = 8, width: int = 6, min_ratio: float = 0.25, top_p: float = 0.95,
@@ -184,7 +185,7 @@ class TreeGrower:
         self.topk, self.width, self.min_ratio, self.top_p = topk, width, min_ratio, top_p
         self.static = set(STATIC_TREE) if static else None
         self.paths: dict[int, tuple] = {0: ()}
-        self.curve = None  # set by the engine: a drafter probability -> the chance of acceptance
+        self.curve = None  # set by the engine: (probability, rank) -> the chance of acceptance
 
     def start(self):
         self.paths = {0: ()}
@@ -200,7 +201,7 @@ class TreeGrower:
         for row, parent in enumerate(level):
             base, best, mass = builder.scores[parent], top_p[row][0], 0.0
             for rank, (p, tok) in enumerate(zip(top_p[row], top_i[row])):
-                chance = p if curve is None else curve(p)
+                chance = p if curve is None else curve(p, rank)
                 if self.static is not None:
                     path = self.paths[parent] + (rank,)
                     if path not in self.static:
@@ -208,7 +209,7 @@ class TreeGrower:
                 elif p < self.min_ratio * best or mass >= self.top_p or base * chance < min_score:
                     break
                 mass += p
-                child = builder.add(parent, tok, base * chance, prob=p)
+                child = builder.add(parent, tok, base * chance, drafted=(rank, p))
                 self.paths[child] = self.paths[parent] + (rank,)
                 children.append(child)
         if self.static is not None:
