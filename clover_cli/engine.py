@@ -298,7 +298,7 @@ class AcceptanceCurve:
     A drafter's probabilities are not that chance: distilled heads estimate the target's distribution, while greedy
     decoding accepts exactly the target's argmax. On held-out prompts (the bundled model's Clover-2 and EAGLE heads)
     a top candidate at p = 0.1-0.2 was accepted 43-69% of the time and one at 0.3-0.4 70-80%, while a second candidate
-    was accepted 5-20% of the time whatever its p, a third or later one 1-7%; sampling accepts less. Trees grown
+    was accepted mostly 5-20% of the time whatever its p, a third or later one 1-7%; sampling accepts less. Trees grown
     and pruned on the raw product of probabilities spend their budget on siblings and too little on depth. The
     engine keeps one curve per sampling mode and hands it to the drafter, whose tree scores then multiply these
     chances.
