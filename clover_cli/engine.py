@@ -382,15 +382,15 @@ class Engine:
     """
 
     def __init__(self, target: Target, drafter, budget: int = 32, auto_budget: bool = True, costs=None,
-                 curves: dict | None = None, learn_acceptance: bool = True):
+                 learn_acceptance: bool = True):
         self.target = target
         self.drafter = drafter
         self.budget = budget
         self.auto_budget = auto_budget and budget > 0
         self.cost: CostModel | None = None
-        # sampling mode -> AcceptanceCurve handed to a drafter that takes one; may be shared by engines that outlive
-        # one another (a session's, a bench's). learn_acceptance=False: drafters score nodes by their own probabilities
-        self.curves = None if not learn_acceptance else {} if curves is None else curves
+        # sampling mode -> AcceptanceCurve handed to a drafter that takes one, kept across replies;
+        # learn_acceptance=False: drafters score nodes by their own probabilities
+        self.curves: dict | None = {} if learn_acceptance else None
         # a store of measured verify costs, if any: load() -> {n: s} or None, save(table), and reference() -> the
         # costs of every size measured together, which untimed sizes follow (or None)
         self.costs = costs
