@@ -1,14 +1,16 @@
 """The compiled step: the target's own forward (and the draft heads' per-step modules), exported with symbolic sizes
 and compiled ahead of time.
 
-The target's step is three programs, one per range of new-token counts (1-4, 5-8, 9 and more: plain decoding and
-short drafts, draft trees, larger trees and prefills), each taking any number of committed tokens export found it
-can, a tree mask, and the rows whose logits are wanted. They are the stock transformers forward with our attention
-function and cache (`Target.run`), traced by torch.export and compiled by AOTInductor with the weights frozen into
-them (on a CPU: prepacked for oneDNN, the q/k/v and gate/up projections each concatenated into one product; up to 8
-rows with inductor's own autotuned kernels, for 5-8 rows on 16x16 register blocks). They read and write the live
-cache's own buffers, so eager and compiled steps can follow each other in one conversation. Per step there is no
-Python between the operators, no guard to evaluate and one call into the compiled library.
+The target's step is a few programs: one each for exactly 1, 2, 4, 8 and 16 new tokens (STATIC; a smaller step runs
+padded to the next of them) and one for any larger number (draft trees, prefills), each taking any number of
+committed tokens export found it can, a tree mask, and the rows whose logits are wanted. They are the stock
+transformers forward with our attention function and cache (`Target.run`), traced by torch.export and compiled by
+AOTInductor with the weights frozen into them (on a CPU: prepacked for oneDNN, the q/k/v and gate/up projections
+each concatenated into one product; the fixed sizes with inductor's own autotuned kernels). A model whose float32
+weights a float16 or bfloat16 checkpoint holds exactly gets its 1-token program with those weights kept narrow and
+widened as they are read (NARROW). They read and write the live cache's own buffers, so eager and compiled steps
+can follow each other in one conversation. Per step there is no Python between the operators, no guard to evaluate
+and one call into the compiled library.
 
     inputs   tokens [n] long, positions [n] long, tree [n, n] bool (which new tokens each one sees),
              rows [r] long (the tokens whose logits are wanted), past [past, 0] (only its length counts: the
@@ -50,7 +52,7 @@ from . import atomic
 from .errors import CloverError
 from .options import MODES, compile_mode  # noqa: F401 - importable from here too
 
-PROGRAM_VERSION = 8  # bump when the program's inputs, outputs or semantics change: old packages are not reused
+PROGRAM_VERSION = 9  # bump when the program's inputs, outputs or semantics change: old packages are not reused
 MAX_CAPACITY = 8192  # KV buffers of the compiled program (tokens); longer contexts run eager past this point
 MAX_WEIGHT_BYTES = 4 << 30  # the package holds a frozen copy of the weights: larger models stay eager
 # Steps of up to 16 new tokens (plain decoding, most drafted trees) run a program built for exactly that many rows:
@@ -62,6 +64,14 @@ STATIC = (1, 2, 4, 8, 16)
 # bytes gets fixed-size programs for 1 and 4 tokens only (three copies, as many as before there were fixed sizes).
 COPIES_BYTES = 2 << 30
 FEW_STATIC = (1, 4)
+# A 1-token step reads every weight once for one row of arithmetic, so its time is the weights' bytes. A checkpoint
+# stored in float16 or bfloat16 and run in float32 (the bundled model; most Hub models on a CPU) holds only values
+# that narrow type represents exactly: the 1-token program keeps the linears' weights in it and widens each as it is
+# read, the same float32 products from half the bytes (NarrowLinear). The bundled model's 1-token program took
+# 2.0 ms a call against 2.8 ms on the AVX2 machine (docs/BENCHMARKS.md). For 2 rows and more the products as
+# reductions lose to inductor's and oneDNN's kernels on float32 weights (4 rows: 6.1 ms against 4.9): those programs
+# keep float32 weights, frozen and prepacked as before.
+NARROW = (torch.float16, torch.bfloat16)
 # Larger steps run one program for any number of rows, as the smallest of SIZES >= n (beyond them: the next
 # multiple of 64). oneDNN builds its kernels for every new row count the first time it meets it (about 4 ms a size
 # here): a few sizes keep that one-time cost small, and cost almost nothing per step, since a product over a few
@@ -130,6 +140,49 @@ def unsupported(model, device: torch.device, dtype: torch.dtype, load_in_8bit: b
     if not (shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")):
         return "no C++ compiler found (inductor needs one)"
     return None
+
+
+def narrow_dtype(model) -> torch.dtype | None:
+    """The first of NARROW that holds every float32 nn.Linear weight of `model` exactly, or None (some weight needs
+    float32, or there are no linears)."""
+    weights = [m.weight.detach() for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    if not weights or any(w.dtype != torch.float32 for w in weights):
+        return None
+    for dtype in NARROW:
+        if all(torch.equal(w.to(dtype).float(), w) for w in weights):
+            return dtype
+    return None
+
+
+class NarrowLinear(torch.nn.Module):
+    """An nn.Linear whose weight is kept in a narrower type that holds it exactly, computed as a multiply-and-sum
+    over the input's last dimension in the input's type: inductor fuses the widening into the reduction's loads, so
+    a one-row product reads half the bytes of the float32 weight."""
+
+    def __init__(self, linear: torch.nn.Linear, dtype: torch.dtype):
+        super().__init__()
+        self.register_buffer("weight", linear.weight.detach().to(dtype))
+        self.bias = linear.bias
+
+    def forward(self, x):
+        out = (x.unsqueeze(-2) * self.weight.to(x.dtype)).sum(-1)
+        return out if self.bias is None else out + self.bias
+
+
+@contextmanager
+def narrow_linears(model, dtype: torch.dtype):
+    """Every nn.Linear of `model` a NarrowLinear of `dtype` while the block runs (an export), put back after."""
+    swapped = []
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                setattr(parent, name, NarrowLinear(child, dtype))
+                swapped.append((parent, name, child))
+    try:
+        yield len(swapped)
+    finally:
+        for parent, name, child in reversed(swapped):
+            setattr(parent, name, child)
 
 
 def weight_bytes(model) -> int:
@@ -321,12 +374,14 @@ def input_ranges(exported, dims: dict[str, tuple[int, int]]) -> dict[str, list[i
     return out
 
 
-def compile_package(exported, path: Path, autotune: bool = False, blocking: tuple[int, int] | None = None) -> None:
+def compile_package(exported, path: Path, autotune: bool = False, blocking: tuple[int, int] | None = None,
+                    freeze: bool = True) -> None:
     """AOTInductor, the weights frozen into the program (on a CPU: prepacked for oneDNN; q/k/v and gate/up fused).
     autotune: inductor also times its own C++ matrix-product kernels on this machine and keeps what is fastest.
     blocking: (rows, columns) of the register blocks those kernels use for float32 on AVX-512, when inductor has
-    them (see register_blocking)."""
-    config = {"freezing": True, "cpp.enable_concat_linear": True}
+    them (see register_blocking). freeze=False keeps the weights as the program's constants without folding anything
+    into them (narrow weights: folding would widen them once, into float32 copies)."""
+    config = {"freezing": freeze, "cpp.enable_concat_linear": freeze}
     if autotune:  # quietly: inductor writes every product's timings to stderr otherwise
         config.update({"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
                        "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False})
@@ -424,6 +479,8 @@ def build_for(target, out: Path, log=print, static: tuple[int, ...] | None = Non
     exported, ranges = {}, {}
     if static is None:
         static = static_sizes(weight_bytes(target.model))
+    narrow = narrow_dtype(target.model)
+    narrowed = {}  # program -> the type its linears' weights are kept in (NarrowLinear)
     for name, lo, hi, example_n, tuned, blocking in program_table(static):
         hi = min(hi or capacity - 1, capacity - 1)
         if lo > hi:
@@ -437,17 +494,22 @@ def build_for(target, out: Path, log=print, static: tuple[int, ...] | None = Non
             n, rows = Dim("n", min=lo, max=hi), Dim("rows", min=1, max=hi)
             shapes = (({0: n}, {0: n}, {0: n, 1: n}, {0: rows}, {0: Dim.DYNAMIC}, *(None for _ in keys + values)),)
         example = _example(target, example_n, min(max(37, capacity // 2), capacity - example_n - 1))
-        exported[name] = (export(program, (*example, *keys, *values), shapes), autotune and tuned, blocking)
+        if narrow is not None and lo == hi == 1:  # one row: half the bytes (see NARROW)
+            with narrow_linears(target.model, narrow):
+                exported[name] = (export(program, (*example, *keys, *values), shapes), False, None)
+            narrowed[name] = str(narrow).removeprefix("torch.")
+        else:
+            exported[name] = (export(program, (*example, *keys, *values), shapes), autotune and tuned, blocking)
         ranges[name] = input_ranges(exported[name][0], {"n": (0, 0), "past": (4, 0)})
     log(f"compiling (AOTInductor, weights frozen) ... {time.perf_counter() - t0:.0f} s")
     try:
         with building(out) as tmp:
             for name, (program, tuned, blocking) in exported.items():
-                compile_package(program, tmp / name, tuned, blocking)
+                compile_package(program, tmp / name, tuned, blocking, freeze=name not in narrowed)
             step = CompiledStep(tmp, capacity, ranges)
             check(step, target)
             meta = {"program": PROGRAM_VERSION, "capacity": capacity, "ranges": ranges, "torch": torch.__version__,
-                    "threads": torch.get_num_threads(), "verify_s": measure(step, target),
+                    "threads": torch.get_num_threads(), "narrow": narrowed, "verify_s": measure(step, target),
                     "build_s": round(time.perf_counter() - t0, 1)}
             atomic.write_text(tmp / META, json.dumps(meta, indent=1))
     finally:

@@ -29,6 +29,9 @@ STATIC_SIZES = {"llama": (1, 4), "mistral": (4,), "qwen2": ()}
 # Autotuning (inductor compiling and timing its own C++ products against oneDNN's) adds ~30 s to each fixed-size
 # program's build and changes which kernel does a product, not what the program computes: one program of each kind
 # is built as a user's is (mistral's step for 4 tokens, Medusa's heads), the others without it.
+# llama's weights are rounded to float16 values: its 1-token program keeps them narrow (compiled.NARROW); the others'
+# are float32 values, their programs as before.
+NARROWED = ("llama",)
 AUTOTUNE = {"llama": False, "mistral": True, "qwen2": False, "clover": False, "medusa": True}
 
 
@@ -39,6 +42,10 @@ def programs(tmp_path_factory):
     out = {}
     for i, family in enumerate(FAMILIES):
         model = make_model(family, seed=i)
+        if family in NARROWED:  # as a float16 checkpoint loads in float32 (the bundled model's case)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.copy_(p.half().float())
         target = Target(model)
         # every program costs ~20 s to build here (~50 s autotuned): llama gets fixed sizes for 1 and 4 tokens,
         # mistral one (a 1-token step then runs padded to 4 rows), every family the program for any size (qwen2's
@@ -48,6 +55,8 @@ def programs(tmp_path_factory):
         assert [name for name, *_ in compiled.program_table(STATIC_SIZES[family])] == sorted(meta["ranges"])
         assert meta["capacity"] == target.cache.capacity == 512
         assert set(meta["verify_s"]) >= {"1", "16", "32"} and all(v > 0 for v in meta["verify_s"].values())
+        # a 1-token program keeps the weights narrow where they are exactly float16 (and there is one)
+        assert meta["narrow"] == ({"step-1.pt2": "float16"} if family in NARROWED else {})
         out[family] = (model, root / family, meta["capacity"])
     return out
 
@@ -484,6 +493,39 @@ def test_static_sizes_route_small_steps_to_their_own_programs(monkeypatch):
                       (6, 93): (6, more),  # 8 rows would not fit after 93
                       (7, 93): None,  # past 93 + 7 tokens leave no room in 100
                       (2, 96): None, (1, 99): None}
+
+
+def test_narrow_weights_are_chosen_only_where_exact_and_compute_the_linear():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.ReLU(), torch.nn.Linear(24, 8, bias=False))
+    assert compiled.narrow_dtype(model) is None  # float32 values
+    with torch.no_grad():
+        for layer in (model[0], model[2]):
+            layer.weight.copy_(layer.weight.half().float())
+    assert compiled.narrow_dtype(model) == torch.float16
+    with torch.no_grad():  # bfloat16 values, and one float16 cannot hold (above its largest)
+        for layer in (model[0], model[2]):
+            layer.weight.copy_(layer.weight.bfloat16().float())
+        assert compiled.narrow_dtype(model) == torch.float16  # small bfloat16 values: float16 holds them too
+        model[2].weight[0, 0] = 2.0 ** 20
+    assert compiled.narrow_dtype(model) == torch.bfloat16
+    with torch.no_grad():
+        model[0].weight[0, 0] = 1.0 + 2.0 ** -20  # neither holds it
+    assert compiled.narrow_dtype(model) is None
+    assert compiled.narrow_dtype(torch.nn.Sequential(torch.nn.ReLU())) is None
+    with torch.no_grad():
+        model[0].weight[0, 0] = 1.0
+    x = torch.randn(3, 16)
+    want = model(x)
+    originals = [model[0], model[2]]
+    with compiled.narrow_linears(model, torch.bfloat16) as swapped:
+        assert swapped == 2 and all(isinstance(model[i], compiled.NarrowLinear) for i in (0, 2))
+        assert model[0].weight.dtype == torch.bfloat16 and model[0].bias is originals[0].bias
+        assert torch.allclose(model(x), want, rtol=1e-5, atol=1e-5)
+    assert [model[0], model[2]] == originals  # put back, the very modules
+    with pytest.raises(RuntimeError), compiled.narrow_linears(model, torch.bfloat16):
+        raise RuntimeError("a failed export")
+    assert [model[0], model[2]] == originals
 
 
 def test_register_blocking_narrows_inductors_table_only_while_it_runs():
