@@ -7,10 +7,10 @@ committed tokens export found it can, a tree mask, and the rows whose logits are
 transformers forward with our attention function and cache (`Target.run`), traced by torch.export and compiled by
 AOTInductor with the weights frozen into them (on a CPU: prepacked for oneDNN, the q/k/v and gate/up projections
 each concatenated into one product; the fixed sizes with inductor's own autotuned kernels). A model whose float32
-weights a float16 or bfloat16 checkpoint holds exactly gets its 1-token program with those weights kept narrow and
-widened as they are read (NARROW). They read and write the live cache's own buffers, so eager and compiled steps
-can follow each other in one conversation. Per step there is no Python between the operators, no guard to evaluate
-and one call into the compiled library.
+weights a float16 or bfloat16 checkpoint holds exactly gets its programs for 1, 2 and 4 tokens with those weights
+kept narrow and widened as they are read (NARROW_ROWS). They read and write the live cache's own buffers, so eager
+and compiled steps can follow each other in one conversation. Per step there is no Python between the operators,
+no guard to evaluate and one call into the compiled library.
 
     inputs   tokens [n] long, positions [n] long, tree [n, n] bool (which new tokens each one sees),
              rows [r] long (the tokens whose logits are wanted), past [past, 0] (only its length counts: the
@@ -52,7 +52,7 @@ from . import atomic
 from .errors import CloverError
 from .options import MODES, compile_mode  # noqa: F401 - importable from here too
 
-PROGRAM_VERSION = 9  # bump when the program's inputs, outputs or semantics change: old packages are not reused
+PROGRAM_VERSION = 10  # bump when the program's inputs, outputs or semantics change: old packages are not reused
 MAX_CAPACITY = 8192  # KV buffers of the compiled program (tokens); longer contexts run eager past this point
 MAX_WEIGHT_BYTES = 4 << 30  # the package holds a frozen copy of the weights: larger models stay eager
 # Steps of up to 16 new tokens (plain decoding, most drafted trees) run a program built for exactly that many rows:
@@ -64,13 +64,14 @@ STATIC = (1, 2, 4, 8, 16)
 # bytes gets fixed-size programs for 1 and 4 tokens only (three copies, as many as before there were fixed sizes).
 COPIES_BYTES = 2 << 30
 FEW_STATIC = (1, 4)
-# A 1-token step reads every weight once for one row of arithmetic, so its time is the weights' bytes. A checkpoint
-# stored in float16 or bfloat16 and run in float32 (the bundled model; most Hub models on a CPU) holds only values
-# that narrow type represents exactly: the 1-token program keeps the linears' weights in it and widens each as it is
-# read, the same float32 products from half the bytes (NarrowLinear). The bundled model's 1-token program took
-# 2.0 ms a call against 2.8 ms on the AVX2 machine (docs/BENCHMARKS.md). For 2 rows and more the products as
-# reductions lose to inductor's and oneDNN's kernels on float32 weights (4 rows: 6.1 ms against 4.9): those programs
-# keep float32 weights, frozen and prepacked as before.
+# A step of a few tokens reads every weight once for a few rows of arithmetic, so its time is the weights' bytes. A
+# checkpoint stored in float16 or bfloat16 and run in float32 (the bundled model; most Hub models on a CPU) holds only
+# values that narrow type represents exactly: the programs for exactly 1, 2 and 4 tokens keep the linears' weights in
+# it and widen each as it is read, the same float32 products from half the bytes (NarrowLinear). On the AVX2 machine
+# the bundled model's programs took 2.0 / 2.4 / 3.9 ms a call for 1 / 2 / 4 tokens against 2.8 / 3.6 / 4.5 with
+# float32 weights; for 8 tokens 7.2 against 6.2 (docs/BENCHMARKS.md): larger programs keep float32 weights, frozen
+# and prepacked as before.
+NARROW_ROWS = 4
 NARROW = (torch.float16, torch.bfloat16)
 # Larger steps run one program for any number of rows, as the smallest of SIZES >= n (beyond them: the next
 # multiple of 64). oneDNN builds its kernels for every new row count the first time it meets it (about 4 ms a size
@@ -155,9 +156,9 @@ def narrow_dtype(model) -> torch.dtype | None:
 
 
 class NarrowLinear(torch.nn.Module):
-    """An nn.Linear whose weight is kept in a narrower type that holds it exactly, computed as a multiply-and-sum
-    over the input's last dimension in the input's type: inductor fuses the widening into the reduction's loads, so
-    a one-row product reads half the bytes of the float32 weight."""
+    """An nn.Linear whose weight is kept in a narrower type that holds it exactly, computed in the input's type as
+    one multiply-and-sum per row of the input (its rows, dimension -2, a static size): inductor fuses the widening
+    into the loads and the rows' sums into one loop, so the product reads each weight once, at half the bytes."""
 
     def __init__(self, linear: torch.nn.Linear, dtype: torch.dtype):
         super().__init__()
@@ -165,7 +166,8 @@ class NarrowLinear(torch.nn.Module):
         self.bias = linear.bias
 
     def forward(self, x):
-        out = (x.unsqueeze(-2) * self.weight.to(x.dtype)).sum(-1)
+        weight = self.weight.to(x.dtype)
+        out = torch.stack([(x.select(-2, r).unsqueeze(-2) * weight).sum(-1) for r in range(x.shape[-2])], -2)
         return out if self.bias is None else out + self.bias
 
 
@@ -494,7 +496,7 @@ def build_for(target, out: Path, log=print, static: tuple[int, ...] | None = Non
             n, rows = Dim("n", min=lo, max=hi), Dim("rows", min=1, max=hi)
             shapes = (({0: n}, {0: n}, {0: n, 1: n}, {0: rows}, {0: Dim.DYNAMIC}, *(None for _ in keys + values)),)
         example = _example(target, example_n, min(max(37, capacity // 2), capacity - example_n - 1))
-        if narrow is not None and lo == hi == 1:  # one row: half the bytes (see NARROW)
+        if narrow is not None and lo == hi <= NARROW_ROWS:  # a few rows: half the bytes (see NARROW)
             with narrow_linears(target.model, narrow):
                 exported[name] = (export(program, (*example, *keys, *values), shapes), False, None)
             narrowed[name] = str(narrow).removeprefix("torch.")

@@ -29,8 +29,8 @@ STATIC_SIZES = {"llama": (1, 4), "mistral": (4,), "qwen2": ()}
 # Autotuning (inductor compiling and timing its own C++ products against oneDNN's) adds ~30 s to each fixed-size
 # program's build and changes which kernel does a product, not what the program computes: one program of each kind
 # is built as a user's is (mistral's step for 4 tokens, Medusa's heads), the others without it.
-# llama's weights are rounded to float16 values: its 1-token program keeps them narrow (compiled.NARROW); the others'
-# are float32 values, their programs as before.
+# llama's weights are rounded to float16 values: its programs for 1 and 4 tokens keep them narrow (compiled.NARROW);
+# the others' are float32 values, their programs as before.
 NARROWED = ("llama",)
 AUTOTUNE = {"llama": False, "mistral": True, "qwen2": False, "clover": False, "medusa": True}
 
@@ -55,8 +55,9 @@ def programs(tmp_path_factory):
         assert [name for name, *_ in compiled.program_table(STATIC_SIZES[family])] == sorted(meta["ranges"])
         assert meta["capacity"] == target.cache.capacity == 512
         assert set(meta["verify_s"]) >= {"1", "16", "32"} and all(v > 0 for v in meta["verify_s"].values())
-        # a 1-token program keeps the weights narrow where they are exactly float16 (and there is one)
-        assert meta["narrow"] == ({"step-1.pt2": "float16"} if family in NARROWED else {})
+        # the programs for 1, 2 or 4 tokens keep the weights narrow where they are exactly float16
+        narrow = {f"step-{n}.pt2": "float16" for n in STATIC_SIZES[family] if n <= compiled.NARROW_ROWS}
+        assert meta["narrow"] == (narrow if family in NARROWED else {})
         out[family] = (model, root / family, meta["capacity"])
     return out
 
