@@ -563,25 +563,28 @@ def _compare(step, target, keys, values, g, tolerance):
 
 @torch.inference_mode()
 def measure(step: "CompiledStep", target, repeats: int = 7) -> dict[str, float]:
-    """Seconds per compiled forward by number of new tokens (the best of `repeats`)."""
+    """Seconds per compiled forward by number of new tokens (the best of `repeats`). The sizes take turns, one
+    forward each per round: a build often shares the machine (with the chat it runs beside), and a busy spell then
+    slows every size alike instead of a few of them, which would skew the trees the engine sizes from this table
+    (sizes it does not run keep these costs). The first round only warms up."""
     from .target import TreeKVCache
 
     keys, values = target.cache.buffers()
     cache = TreeKVCache.over(keys, values, 0)
-    out = {}
+    examples = {}
     for n in SIZES:
         past = min(200, step.capacity - n - 1)
-        if step._route(n, past) is None:
-            continue
-        tokens, positions, tree, _, _ = _example(target, n, past, seed=n)
-        cache.length = past
-        best = float("inf")
-        for _ in range(repeats):
+        if step._route(n, past) is not None:
+            examples[n] = (past, _example(target, n, past, seed=n)[:3])
+    best = {n: float("inf") for n in examples}
+    for round_ in range(repeats + 1):
+        for n, (past, (tokens, positions, tree)) in examples.items():
+            cache.length = past
             t = time.perf_counter()
             step(cache, tokens, positions, tree, None)
-            best = min(best, time.perf_counter() - t)
-        out[str(n)] = best
-    return out
+            if round_:
+                best[n] = min(best[n], time.perf_counter() - t)
+    return {str(n): seconds for n, seconds in best.items()}
 
 
 # ---------------------------------------------------------------------------------------------------------------

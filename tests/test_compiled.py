@@ -529,6 +529,27 @@ def test_narrow_weights_are_chosen_only_where_exact_and_compute_the_linear():
     assert [model[0], model[2]] == originals
 
 
+def test_build_timings_take_turns_between_sizes():
+    """measure times every size once per round (a busy spell on the machine then slows all alike), warm-up first."""
+    target = Target(make_model("llama", seed=0))
+    target.forward(torch.tensor([5]))  # the cache's buffers
+
+    class Step:
+        capacity, calls = 512, []
+
+        def _route(self, n, past):
+            return (n, None) if n <= 8 else None
+
+        def __call__(self, cache, tokens, positions, tree, rows):
+            assert cache.length + tokens.numel() < self.capacity and tree.shape == (tokens.numel(),) * 2
+            self.calls.append(tokens.numel())
+
+    step = Step()
+    out = compiled.measure(step, target, repeats=3)
+    assert step.calls == [1, 2, 4, 8] * 4
+    assert sorted(out, key=int) == ["1", "2", "4", "8"] and all(0 < v < 1 for v in out.values())
+
+
 def test_register_blocking_narrows_inductors_table_only_while_it_runs():
     import torch._inductor.compile_fx  # noqa: F401
     from torch._inductor.codegen import cpp_micro_gemm
