@@ -7,10 +7,10 @@ committed tokens export found it can, a tree mask, and the rows whose logits are
 transformers forward with our attention function and cache (`Target.run`), traced by torch.export and compiled by
 AOTInductor with the weights frozen into them (on a CPU: prepacked for oneDNN, the q/k/v and gate/up projections
 each concatenated into one product; the fixed sizes with inductor's own autotuned kernels). A model whose float32
-weights a float16 or bfloat16 checkpoint holds exactly gets its programs for 1, 2 and 4 tokens with those weights
-kept narrow and widened as they are read (NARROW_ROWS). They read and write the live cache's own buffers, so eager
-and compiled steps can follow each other in one conversation. Per step there is no Python between the operators,
-no guard to evaluate and one call into the compiled library.
+weights a float16 or bfloat16 checkpoint holds exactly, too large to stay in the CPU's cache, gets its programs for
+1, 2 and 4 tokens with those weights kept narrow and widened as they are read (NARROW_ROWS). They read and write
+the live cache's own buffers, so eager and compiled steps can follow each other in one conversation. Per step there
+is no Python between the operators, no guard to evaluate and one call into the compiled library.
 
     inputs   tokens [n] long, positions [n] long, tree [n, n] bool (which new tokens each one sees),
              rows [r] long (the tokens whose logits are wanted), past [past, 0] (only its length counts: the
@@ -52,7 +52,7 @@ from . import atomic
 from .errors import CloverError
 from .options import MODES, compile_mode  # noqa: F401 - importable from here too
 
-PROGRAM_VERSION = 10  # bump when the program's inputs, outputs or semantics change: old packages are not reused
+PROGRAM_VERSION = 11  # bump when the program's inputs, outputs or semantics change: old packages are not reused
 MAX_CAPACITY = 8192  # KV buffers of the compiled program (tokens); longer contexts run eager past this point
 MAX_WEIGHT_BYTES = 4 << 30  # the package holds a frozen copy of the weights: larger models stay eager
 # Steps of up to 16 new tokens (plain decoding, most drafted trees) run a program built for exactly that many rows:
@@ -71,7 +71,28 @@ FEW_STATIC = (1, 4)
 # the bundled model's programs took 2.0 / 2.4 / 3.9 ms a call for 1 / 2 / 4 tokens against 2.8 / 3.6 / 4.5 with
 # float32 weights; for 8 tokens 7.2 against 6.2 (docs/BENCHMARKS.md): larger programs keep float32 weights, frozen
 # and prepacked as before.
+# For a small model whose weights stay in the CPU's caches the bytes do not count and the reductions lose: the
+# bundled draft model (6 MB of float32 weights) took 0.37 / 0.32 / 0.46 ms for 1 / 2 / 4 tokens narrow against
+# 0.25 / 0.26 / 0.37 ms. So weights narrow only where the float32 ones exceed NARROW_MIN_BYTES, half the last-level
+# cache: every program holds its own copy of the weights, and the steps take turns with the drafters' programs.
 NARROW_ROWS = 4
+
+
+def last_level_cache_bytes(default: int = 32 << 20) -> int:
+    """The size of CPU 0's largest cache level (Linux sysfs), else `default`."""
+    best = (0, default)
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            level = int((index / "level").read_text())
+            text = (index / "size").read_text().strip().upper()
+            size = int(text.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(text[-1:], 0)
+        except (OSError, ValueError):
+            continue
+        best = max(best, (level, size))
+    return best[1]
+
+
+NARROW_MIN_BYTES = last_level_cache_bytes() // 2
 NARROW = (torch.float16, torch.bfloat16)
 # Larger steps run one program for any number of rows, as the smallest of SIZES >= n (beyond them: the next
 # multiple of 64). oneDNN builds its kernels for every new row count the first time it meets it (about 4 ms a size
@@ -145,10 +166,12 @@ def unsupported(model, device: torch.device, dtype: torch.dtype, load_in_8bit: b
 
 def narrow_dtype(model) -> torch.dtype | None:
     """The first of NARROW that holds every float32 nn.Linear weight of `model` exactly, or None (some weight needs
-    float32, or there are no linears)."""
+    float32, there are no linears, or they are NARROW_MIN_BYTES or fewer)."""
     weights = [m.weight.detach() for m in model.modules() if isinstance(m, torch.nn.Linear)]
     if not weights or any(w.dtype != torch.float32 for w in weights):
         return None
+    if sum(w.numel() * w.element_size() for w in {id(w): w for w in weights}.values()) <= NARROW_MIN_BYTES:
+        return None  # they stay cached: the bytes do not count
     for dtype in NARROW:
         if all(torch.equal(w.to(dtype).float(), w) for w in weights):
             return dtype

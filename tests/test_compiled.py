@@ -39,6 +39,16 @@ AUTOTUNE = {"llama": False, "mistral": True, "qwen2": False, "clover": False, "m
 def programs(tmp_path_factory):
     """family -> (model, package directory, capacity), each program built from its own random model."""
     root = tmp_path_factory.mktemp("programs")
+    # the test models' weights are far smaller than a CPU cache: narrow wherever they are exact, as a model too large
+    # to stay cached would be
+    least, compiled.NARROW_MIN_BYTES = compiled.NARROW_MIN_BYTES, 0
+    try:
+        return _build_programs(root)
+    finally:
+        compiled.NARROW_MIN_BYTES = least
+
+
+def _build_programs(root):
     out = {}
     for i, family in enumerate(FAMILIES):
         model = make_model(family, seed=i)
@@ -496,14 +506,21 @@ def test_static_sizes_route_small_steps_to_their_own_programs(monkeypatch):
                       (2, 96): None, (1, 99): None}
 
 
-def test_narrow_weights_are_chosen_only_where_exact_and_compute_the_linear():
+def test_narrow_weights_are_chosen_only_where_exact_and_compute_the_linear(monkeypatch):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.ReLU(), torch.nn.Linear(24, 8, bias=False))
+    monkeypatch.setattr(compiled, "NARROW_MIN_BYTES", 0)
     assert compiled.narrow_dtype(model) is None  # float32 values
     with torch.no_grad():
         for layer in (model[0], model[2]):
             layer.weight.copy_(layer.weight.half().float())
     assert compiled.narrow_dtype(model) == torch.float16
+    size = 4 * (16 * 24 + 24 * 8)
+    monkeypatch.setattr(compiled, "NARROW_MIN_BYTES", size)  # weights that small stay cached: not narrowed
+    assert compiled.narrow_dtype(model) is None
+    monkeypatch.setattr(compiled, "NARROW_MIN_BYTES", size - 1)
+    assert compiled.narrow_dtype(model) == torch.float16
+    assert compiled.NARROW_MIN_BYTES > 0 and compiled.last_level_cache_bytes() >= 1 << 20
     with torch.no_grad():  # bfloat16 values, and one float16 cannot hold (above its largest)
         for layer in (model[0], model[2]):
             layer.weight.copy_(layer.weight.bfloat16().float())
