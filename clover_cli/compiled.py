@@ -167,10 +167,12 @@ def unsupported(model, device: torch.device, dtype: torch.dtype, load_in_8bit: b
 def narrow_dtype(model) -> torch.dtype | None:
     """The first of NARROW that holds every float32 nn.Linear weight of `model` exactly, or None (some weight needs
     float32, there are no linears, or they are NARROW_MIN_BYTES or fewer)."""
-    weights = [m.weight.detach() for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    # each weight once (linears may share one)
+    weights = list({id(m.weight): m.weight.detach() for m in model.modules()
+                    if isinstance(m, torch.nn.Linear)}.values())
     if not weights or any(w.dtype != torch.float32 for w in weights):
         return None
-    if sum(w.numel() * w.element_size() for w in {id(w): w for w in weights}.values()) <= NARROW_MIN_BYTES:
+    if sum(w.numel() * w.element_size() for w in weights) <= NARROW_MIN_BYTES:
         return None  # they stay cached: the bytes do not count
     for dtype in NARROW:
         if all(torch.equal(w.to(dtype).float(), w) for w in weights):
