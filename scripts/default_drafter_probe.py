@@ -6,7 +6,7 @@ fixed policies, on the bundled model with the compiled step:
 Rows: ngram alone; the default as shipped (ChoiceStats learning per bin whether a step runs the heads); the same
 merged drafter always running the heads; never running them. Interleaved prompt by prompt, 128 new tokens, greedy,
 after one warm-up run each. Prints decode seconds and target steps per row, then the learned decisions per bin and
-the decayed tokens/s of each way in each bin (bins: what lookup alone expects, drafters.ChoiceStats.BINS).
+the estimated tokens/s of each way in each bin (bins: what lookup alone expects, drafters.ChoiceStats.BINS).
 """
 
 from __future__ import annotations
@@ -76,8 +76,10 @@ def main():
         print(f"{name:18s} decode {secs:.2f} s  steps {steps}")
     learned = policies["learned (default)"]
     print("decisions per bin:", dict(sorted(learned.decisions.items())))
-    for (b, way), (tokens, secs) in sorted(learned.sums.items()):
-        print(f"bin {b} heads={way!s:5s} {tokens / max(secs, 1e-9):7.0f} tok/s")
+    for b in sorted(learned.decisions):
+        for way in (False, True):
+            rate = learned.rate(b, way)
+            print(f"bin {b} heads={way!s:5s} " + (f"{rate:7.0f} tok/s (estimated)" if rate else "not measured"))
 
 
 if __name__ == "__main__":

@@ -334,27 +334,29 @@ def test_clover_catch_up_window_runs_the_last_positions_at_their_own_positions()
     assert torch.allclose(d.state, want, atol=1e-5)
 
 
+def _chain_drafter(n, score=0.3):
+    """A drafter proposing the chain 5, 6, ..., 4 + n under the root, each node scored `score`."""
+    from clover_cli.tree import DraftTree
+
+    class Chain(NoDrafter):
+        def propose(self, context, budget):
+            return DraftTree([context[-1]] + list(range(5, 5 + n)), [-1] + list(range(n)), [1.0] + [score] * n)
+
+    return Chain()
+
+
 def test_merged_drafter_learns_when_its_first_drafter_pays(monkeypatch):
     """With ChoiceStats the merged drafter runs its first drafter where steps with it gave more tokens per second,
     timed from one proposal to the next, and notices when that changes."""
     import time as time_module
 
     from clover_cli.drafters import ChoiceStats
-    from clover_cli.tree import DraftTree
-
-    class Fixed(NoDrafter):
-        def __init__(self, n):
-            self.n = n
-
-        def propose(self, context, budget):
-            tree = DraftTree([context[-1]] + list(range(5, 5 + self.n)), [-1] + list(range(self.n)))
-            tree.scores = [1.0] + [0.3] * self.n  # the second alone expects 0.3-0.6 tokens: the prior runs the first
-            return tree
 
     clock = {"t": 0.0}
     monkeypatch.setattr(time_module, "perf_counter", lambda: clock["t"])
     choices = ChoiceStats()
-    merged = MergedDrafter(Fixed(2), Fixed(1), enough=3.0, choices=choices)
+    # the second alone expects 0.3 tokens: the prior runs the first; the merged tree is the chain 5, ..., 9
+    merged = MergedDrafter(_chain_drafter(5), _chain_drafter(1), enough=3.0, choices=choices)
 
     def run(steps, with_first, without_first):
         ran = []
@@ -362,12 +364,59 @@ def test_merged_drafter_learns_when_its_first_drafter_pays(monkeypatch):
             tree = merged.propose([1, 2], 16)
             first = len(tree) > 2
             ran.append(first)
-            tokens, seconds = with_first if first else without_first
+            accepted, seconds = with_first if first else without_first
             clock["t"] += seconds
-            merged.observe(None, torch.zeros(tokens))
+            merged.observe(None, torch.tensor(accepted + [0]))  # the accepted drafted tokens, then the target's
         return ran
 
-    ran = run(40, (3, 3.0), (2, 1.0))  # the first drafter costs more than it brings: 1 vs 2 tokens/s
+    ran = run(40, ([5, 6], 3.0), ([5], 1.0))  # the first drafter costs more than it brings: 1 vs 2 tokens/s
     assert ran[:2] == [True, False] and sum(ran[10:]) <= 30 // ChoiceStats.EXPLORE_FAR + 1  # 2x slower: rarely
-    ran = run(80, (6, 1.0), (2, 1.0))  # now it pays (6 vs 2 tokens/s): after the decayed sums turn, it runs
+    ran = run(250, ([5, 6, 7, 8, 9], 1.0), ([5], 1.0))  # now it pays (6 vs 2 tokens/s): soon it runs
     assert sum(ran[-30:]) >= 30 - 30 // ChoiceStats.EXPLORE - 1
+
+
+def test_merged_drafter_credits_its_first_drafter_only_with_what_it_adds(monkeypatch):
+    """How many tokens a step gives depends mostly on the text. Here the text repeats (lookup alone accepts 8) on
+    exactly the steps the choice explores, and the first drafter adds nothing while costing 1.5x a step: comparing
+    the rates of the steps made each way would credit the first drafter with lookup's luck; the paired estimate
+    (what the second alone would have had on the very steps that ran both) must keep it off."""
+    import time as time_module
+
+    from clover_cli.drafters import ChoiceStats
+
+    clock = {"t": 0.0}
+    monkeypatch.setattr(time_module, "perf_counter", lambda: clock["t"])
+    choices = ChoiceStats()
+    merged = MergedDrafter(_chain_drafter(9), _chain_drafter(8, 0.01), enough=3.0, choices=choices)
+    ran = []
+    for _ in range(400):
+        tree = merged.propose([1, 2], 16)
+        first = len(tree) > 9
+        ran.append(first)
+        accepted = list(range(5, 13)) if choices.decisions[0] % ChoiceStats.EXPLORE == 0 else []  # lucky steps
+        clock["t"] += 1.5 if first else 1.0
+        merged.observe(None, torch.tensor(accepted + [0]))
+    assert sum(ran[50:]) <= len(ran[50:]) // ChoiceStats.EXPLORE_FAR + 1, sum(ran[50:])
+    assert choices.rate(0, True) < choices.rate(0, False)
+
+
+def test_accepted_in_walks_the_tree_from_its_root():
+    from clover_cli.drafters import _accepted_in
+    from clover_cli.tree import DraftTree
+
+    tree = DraftTree([1, 5, 6, 7, 8], [-1, 0, 1, 0, 3], [1.0, 0.5, 0.4, 0.3, 0.2])  # 1 -> 5 -> 6 and 1 -> 7 -> 8
+    assert [_accepted_in(tree, a) for a in ([], [5], [5, 6], [5, 6, 9], [7, 8], [8], [5, 8])] == [0, 1, 2, 2, 2, 0, 1]
+
+
+def test_choice_stats_is_not_turned_by_one_pause():
+    """A step that took 100 times its usual time (the process paused) must not turn a bin to the other way."""
+    from clover_cli.drafters import ChoiceStats
+
+    choices = ChoiceStats()
+    for _ in range(20):
+        choices.add((0, False), 2, 1.0)  # lookup alone: 2 tokens a second
+        choices.add((0, True), 3, 2.0, alone=2)  # the first drafter adds 1 token and doubles the step: 1.5 a second
+    assert choices.rate(0, False) > choices.rate(0, True)
+    choices.add((0, False), 2, 100.0)
+    assert choices.rate(0, False) > choices.rate(0, True)
+    assert [choices.choose(0, True) for _ in range(4)] == [False] * 4

@@ -47,37 +47,73 @@ class NoDrafter:
 
 
 class ChoiceStats:
-    """Tokens per second of the steps a MergedDrafter made with and without its first drafter, by how many tokens
-    the second one alone expected (bins of that sum of scores): decayed sums of tokens and seconds per (bin, choice).
-    Kept apart from the drafter so that it outlives one (clover bench makes a fresh drafter every run)."""
+    """Whether a MergedDrafter's step pays for running its first drafter, by how many tokens the second one alone
+    expected (bins of that sum of scores).
+
+    Comparing the tokens per second of the steps made each way is noisy: how many tokens a step gives depends far
+    more on the text than on the choice (a lookup chain of 8 accepted against none), so a few lucky steps can hold a
+    bin on the costlier way for good. The estimate is paired instead. A step that ran both drafters also says what
+    the second alone would have given (the accepted path's prefix inside the second's own tree, plus the target's
+    next token), so the first drafter's gain is measured on the very same steps, and the tokens the second alone
+    gives are averaged over every step of the bin whichever way it went. Per bin, decayed means of those tokens and
+    of the gain, and the median seconds of the last SECONDS_WINDOW steps each way (from one proposal to the next: a
+    median, because a rare pause of the process, hundreds of times a step, would otherwise hold a bin on the other
+    way for hundreds of decisions). Kept apart from the drafter so that it outlives one (clover bench makes a fresh
+    drafter every run)."""
 
     BINS = (0.5, 1.0, 2.0, 4.0)
     DECAY = 0.9
+    SECONDS_WINDOW = 9
     # Every EXPLORE-th decision in a bin goes the other way, so that a change (the text starting to repeat, the
     # compiled step coming in) is noticed; every EXPLORE_FAR-th when that way was more than FAR times slower.
     EXPLORE, EXPLORE_FAR, FAR = 8, 32, 1.3
 
     def __init__(self):
-        self.sums: dict[tuple[int, bool], list[float]] = {}
+        self.sums: dict = {}  # key -> decayed [sum, count]: ("alone", bin), ("gain", bin)
+        self.seconds: dict[tuple[int, bool], list[float]] = {}  # (bin, way) -> the last SECONDS_WINDOW steps
         self.decisions: dict[int, int] = {}
 
     def bin(self, expected: float) -> int:
         return sum(expected >= edge for edge in self.BINS)
 
-    def add(self, where: tuple[int, bool], tokens: int, seconds: float) -> None:
-        s = self.sums.setdefault(where, [0.0, 0.0])
-        s[0] = s[0] * self.DECAY + tokens
-        s[1] = s[1] * self.DECAY + seconds
+    def _add(self, key, value: float) -> None:
+        s = self.sums.setdefault(key, [0.0, 0.0])
+        s[0] = s[0] * self.DECAY + value
+        s[1] = s[1] * self.DECAY + 1.0
+
+    def _mean(self, key) -> float | None:
+        s = self.sums.get(key)
+        return s[0] / s[1] if s else None
+
+    def add(self, where: tuple[int, bool], tokens: int, seconds: float, alone: float | None = None) -> None:
+        """A step (or the steps up to the next proposal) made `tokens` in `seconds`, running the first drafter or
+        not (`where`: bin, way); `alone`: what the second drafter alone would have given (a step without the first:
+        `tokens`)."""
+        b, ran = where
+        alone = tokens if alone is None or not ran else alone
+        self._add(("alone", b), alone)
+        if ran:
+            self._add(("gain", b), tokens - alone)
+        recent = self.seconds.setdefault((b, ran), [])
+        recent.append(seconds)
+        del recent[:-self.SECONDS_WINDOW]
+
+    def rate(self, b: int, way: bool) -> float | None:
+        """Estimated tokens per second of a step in bin b that runs the first drafter (way) or not."""
+        alone, recent = self._mean(("alone", b)), self.seconds.get((b, way))
+        gain = self._mean(("gain", b)) if way else 0.0
+        if alone is None or not recent or gain is None:
+            return None
+        return (alone + gain) / max(sorted(recent)[len(recent) // 2], 1e-9)
 
     def choose(self, b: int, prior: bool) -> bool:
-        """Run the first drafter? The way with the better measured rate; each way is tried first (the prior
+        """Run the first drafter? The way with the better estimated rate; each way is tried first (the prior
         first), and now and then the way the rates do not favour."""
         n = self.decisions[b] = self.decisions.get(b, 0) + 1
-        seen = {way: self.sums.get((b, way)) for way in (prior, not prior)}
-        for way, s in seen.items():
-            if s is None:
+        rate = {way: self.rate(b, way) for way in (prior, not prior)}
+        for way, r in rate.items():
+            if r is None:
                 return way
-        rate = {way: s[0] / max(s[1], 1e-9) for way, s in seen.items()}
         best = max(rate, key=lambda way: (rate[way], way == prior))
         every = self.EXPLORE_FAR if rate[best] > self.FAR * rate[not best] else self.EXPLORE
         return (not best) if n % every == 0 else best
@@ -100,7 +136,9 @@ class MergedDrafter:
         self.choices = choices
         self.name = f"{first.name}+{second.name}"
         self.max_depth = max(getattr(first, "max_depth", 1), getattr(second, "max_depth", 1))
-        self._open: list | None = None  # [bin, ran the first, proposal time, tokens since] of the last proposal
+        # of the last proposal: [bin, ran the first, its time, tokens since, what the second alone would have given
+        # (None until its step is verified), the second's tree (when the first ran)]
+        self._open: list | None = None
 
     @property
     def min_score(self) -> float:
@@ -131,7 +169,15 @@ class MergedDrafter:
         self.first.observe(hidden, next_tokens)
         self.second.observe(hidden, next_tokens)
         if self._open is not None:
-            self._open[3] += next_tokens.numel()
+            o = self._open
+            if o[5] is not None and o[3] == 0:
+                # the verified step of a proposal that ran both: the second alone would have had the accepted path's
+                # prefix inside its own tree, then the target's next token (exact when greedy, an estimate when
+                # sampling)
+                o[4] = 1 + _accepted_in(o[5], next_tokens[:-1].tolist())
+            elif o[4] is not None:
+                o[4] += next_tokens.numel()  # plain steps after it (the engine's) count the same either way
+            o[3] += next_tokens.numel()
 
     def propose(self, context, budget) -> DraftTree:
         from time import perf_counter
@@ -140,16 +186,28 @@ class MergedDrafter:
 
         now = perf_counter()
         if self._open is not None and self._open[3] and self.choices is not None:
-            b, ran, since, tokens = self._open
-            self.choices.add((b, ran), tokens, now - since)
+            b, ran, since, tokens, alone, _ = self._open
+            self.choices.add((b, ran), tokens, now - since, alone)
         second = self.second.propose(context, budget)
         expected = sum(second.scores[1:])
         prior = self.enough is None or expected < self.enough
         b = self.choices.bin(expected) if self.choices is not None else 0
         run_first = self.choices.choose(b, prior) if self.choices is not None else prior
-        self._open = [b, run_first, now, 0]
+        self._open = [b, run_first, now, 0, None, second if run_first else None]
         if not run_first:
             return second
         # the second tree goes first: its best chain then takes nodes 1, 2, ... and an accepted run of it needs no
         # move in the target's cache
         return merge_trees(second, self.first.propose(context, budget)).prune(budget)
+
+
+def _accepted_in(tree: DraftTree, accepted: list[int]) -> int:
+    """How many of the accepted drafted tokens, in order from the root, are a path of `tree`."""
+    kids = tree.children()
+    node, n = 0, 0
+    for tok in accepted:
+        node = next((k for k in kids[node] if tree.tokens[k] == tok), None)
+        if node is None:
+            break
+        n += 1
+    return n
