@@ -193,7 +193,7 @@ class MergedDrafter:
         prior = self.enough is None or expected < self.enough
         b = self.choices.bin(expected) if self.choices is not None else 0
         run_first = self.choices.choose(b, prior) if self.choices is not None else prior
-        self._open = [b, run_first, now, 0, None, second if run_first else None]
+        self._open = [b, run_first, now, 0, None, second if run_first and self.choices is not None else None]
         if not run_first:
             return second
         # the second tree goes first: its best chain then takes nodes 1, 2, ... and an accepted run of it needs no
