@@ -46,6 +46,11 @@ def _git(repo: Path, *args: str) -> str:
 
 
 def _commit(repo: Path, message: str) -> str:
+    # Forget the index first: git trusts a file whose size, inode and mtime/ctime seconds match its index entry,
+    # and a replaced file (same size, its inode reused, written in the same second) would keep the old content:
+    # the "v2" commit then carried v1's config.json (a flaky failure of the tests below)
+    if _git(repo, "ls-files"):
+        _git(repo, "rm", "-q", "-r", "--cached", ".")
     _git(repo, "add", "-A")
     _git(repo, "commit", "-q", "-m", message)
     return _git(repo, "rev-parse", "HEAD")
@@ -116,6 +121,7 @@ def hub(tmp_path_factory):
     _replace_files(repo, refs["v2"])
     torch.save({"bait": torch.zeros(4)}, repo / "pytorch_model.bin")
     commits["v2"] = _commit(repo, "v2")
+    assert _git(repo, "show", "v1:config.json") != _git(repo, "show", "main:config.json")
 
     heads = models / "org" / "heads"
     _make_heads(refs["v1"], heads)
