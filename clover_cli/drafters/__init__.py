@@ -12,6 +12,7 @@ The engine keeps the drafter in step with the target's committed tokens:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -119,6 +120,18 @@ class ChoiceStats:
         return (not best) if n % every == 0 else best
 
 
+@dataclass
+class _Proposal:
+    """A MergedDrafter's last proposal, until the next one: what ChoiceStats learns from."""
+
+    bin: int
+    ran_first: bool
+    since: float  # when it was made (perf_counter)
+    second_tree: DraftTree | None  # the second drafter's own tree, kept when the first ran
+    tokens: int = 0  # committed since
+    alone: int | None = None  # what the second alone would have given (known once the step is verified)
+
+
 class MergedDrafter:
     """Two drafters proposing into one tree: Clover-2 heads with n-gram lookup (the default when heads exist).
 
@@ -136,9 +149,7 @@ class MergedDrafter:
         self.choices = choices
         self.name = f"{first.name}+{second.name}"
         self.max_depth = max(getattr(first, "max_depth", 1), getattr(second, "max_depth", 1))
-        # of the last proposal: [bin, ran the first, its time, tokens since, what the second alone would have given
-        # (None until its step is verified), the second's tree (when the first ran)]
-        self._open: list | None = None
+        self._open: _Proposal | None = None
 
     @property
     def min_score(self) -> float:
@@ -169,15 +180,15 @@ class MergedDrafter:
         self.first.observe(hidden, next_tokens)
         self.second.observe(hidden, next_tokens)
         if self._open is not None:
-            o = self._open
-            if o[5] is not None and o[3] == 0:
+            p = self._open
+            if p.second_tree is not None and p.tokens == 0:
                 # the verified step of a proposal that ran both: the second alone would have had the accepted path's
                 # prefix inside its own tree, then the target's next token (exact when greedy, an estimate when
                 # sampling)
-                o[4] = 1 + _accepted_in(o[5], next_tokens[:-1].tolist())
-            elif o[4] is not None:
-                o[4] += next_tokens.numel()  # plain steps after it (the engine's) count the same either way
-            o[3] += next_tokens.numel()
+                p.alone = 1 + _accepted_in(p.second_tree, next_tokens[:-1].tolist())
+            elif p.alone is not None:
+                p.alone += next_tokens.numel()  # plain steps after it (the engine's) count the same either way
+            p.tokens += next_tokens.numel()
 
     def propose(self, context, budget) -> DraftTree:
         from time import perf_counter
@@ -185,15 +196,15 @@ class MergedDrafter:
         from ..tree import merge_trees
 
         now = perf_counter()
-        if self._open is not None and self._open[3] and self.choices is not None:
-            b, ran, since, tokens, alone, _ = self._open
-            self.choices.add((b, ran), tokens, now - since, alone)
+        p = self._open
+        if p is not None and p.tokens and self.choices is not None:
+            self.choices.add((p.bin, p.ran_first), p.tokens, now - p.since, p.alone)
         second = self.second.propose(context, budget)
         expected = sum(second.scores[1:])
         prior = self.enough is None or expected < self.enough
         b = self.choices.bin(expected) if self.choices is not None else 0
         run_first = self.choices.choose(b, prior) if self.choices is not None else prior
-        self._open = [b, run_first, now, 0, None, second if run_first and self.choices is not None else None]
+        self._open = _Proposal(b, run_first, now, second if run_first and self.choices is not None else None)
         if not run_first:
             return second
         # the second tree goes first: its best chain then takes nodes 1, 2, ... and an accepted run of it needs no
