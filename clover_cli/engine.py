@@ -227,14 +227,19 @@ class CostModel:
             out.append(self._verify_at(n, sizes, j))
         return out
 
-    def best_budget(self, scores: list[float]) -> int:
-        """The number of drafted nodes (best scores first) that maximises expected tokens per second."""
+    def best_budget(self, scores: list[float], draft_s: float | None = None) -> int:
+        """The number of drafted nodes (best scores first) that maximises expected tokens per second of a step whose
+        drafting took `draft_s` (default: the recent average). A drafter whose steps differ in cost (the default one
+        runs its heads on some steps only: ~5 ms against ~0.1 ms for lookup alone on the bundled model, CPU) gets
+        each step sized by its own: an average raised by a few heads steps made lookup's steps verify bigger trees
+        than pay (docs/BENCHMARKS.md)."""
+        draft_s = self.draft_s if draft_s is None else draft_s
         ranked = sorted(scores, reverse=True)
         cost = self.verify_upto(len(ranked) + 1)
-        best_n, best_rate, gain = 0, 1.0 / (self.draft_s + cost[1]), 1.0
+        best_n, best_rate, gain = 0, 1.0 / (draft_s + cost[1]), 1.0
         for n, sc in enumerate(ranked, 1):
             gain += self.calibration * sc
-            rate = gain / (self.draft_s + cost[n + 1])
+            rate = gain / (draft_s + cost[n + 1])
             if rate > best_rate:
                 best_n, best_rate = n, rate
         return best_n
@@ -522,7 +527,7 @@ class Engine:
             if self.cost is not None and len(tree) > 1 and not tree.proposals:
                 # a retry verifies a few nodes even when the estimate says no: only verified drafts teach the
                 # calibration, which could otherwise stay too low for good
-                n = self.cost.best_budget(tree.scores[1:])
+                n = self.cost.best_budget(tree.scores[1:], t1 - t0)
                 tree = tree.prune(n if n or not probe else PROBE_NODES)
                 idle = 0 if n else idle + 1
             tree = tree.prune(room)

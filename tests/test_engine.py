@@ -558,3 +558,14 @@ def test_stop_strings_are_checked_only_when_a_token_can_complete_one():
     assert StopCheck(100, stop_strings=["USER:"], decode=decode).push(6) is None
     again = StopCheck(100, stop_strings=["USER:"], decode=decode)
     assert [again.push(t) for t in (2, 3, 4, 7)] == [None] * 4 and len([c for c in calls if c > 1]) == 2
+
+
+def test_each_step_is_sized_by_its_own_drafting_time():
+    """Drafting time is part of a step's cost: a step whose drafter ran for long (the default drafter's heads) pays
+    for more verified nodes than one that only looked up (~50x cheaper); the recent average is only the default."""
+    cost = CostModel(verify_s={1: 1.0, 2: 1.3, 4: 1.8, 8: 3.2, 16: 6.0, 32: 12.0}, padded=True)
+    scores = [0.6, 0.5, 0.45, 0.4, 0.35, 0.3, 0.25, 0.2, 0.15, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1]
+    cheap, dear = cost.best_budget(scores, 0.1), cost.best_budget(scores, 5.0)
+    assert cheap == 3 and dear == 7
+    cost.draft_s = 5.0
+    assert cost.best_budget(scores) == dear and cost.best_budget(scores, 0.1) == cheap
