@@ -348,8 +348,11 @@ class BenchSession:
                 from .session import auto_drafter
 
                 # exactly what --draft auto runs; what it learns about when the heads pay carries over between runs,
-                # as in a chat session
-                drafter = auto_drafter(drafter, self.choices.setdefault(method, ChoiceStats()), s.ngram_prior)
+                # as in a chat session, and starts from what earlier processes stored, as a session's does
+                if method not in self.choices:
+                    self.choices[method] = ChoiceStats()
+                    s.engine.costs.load_choices(self.choices[method], self.clover_path)
+                drafter = auto_drafter(drafter, self.choices[method], s.ngram_prior)
         if method in ("medusa", "clover", "clover+ngram"):  # the heads' compiled programs, when the step is
             heads_drafter = getattr(drafter, "first", drafter)
             s.compiler.ready_heads(heads_drafter, self.medusa_path if method == "medusa" else self.clover_path)
@@ -406,6 +409,8 @@ class BenchSession:
             stats.add(ev)
             new += ev.tokens
         t1 = time.perf_counter()
+        if method in self.choices:
+            s.engine.costs.save_choices(self.choices[method], s.engine.costs.choices_path(self.clover_path))
         return new, stats.decode_s, t1 - t0, stats
 
 

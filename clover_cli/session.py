@@ -65,6 +65,7 @@ class Session:
                                      self.device, self.load_in_8bit, opts.trust_remote_code, opts.allow_pickle,
                                      warn=self._warn)
         self.drafter = self._drafter(opts)
+        self._choices_from = None  # (which ChoiceStats, from which file) the default drafter's choice was restored
         self.engine = Engine(self.target, self.drafter, budget=budget, auto_budget=auto,
                              costs=StepCosts(self.resolved.path, self.device, self.dtype, self.compiler))
         self.compiler.listeners.append(self.engine.use_verify_costs)
@@ -214,6 +215,7 @@ class Session:
         room = self.check_fits(prompt, max_new_tokens)
         stop = StopCheck(room, self.eos_ids, self.stop_strings if stop_strings is None else stop_strings,
                          self.decode)
+        stored = self._stored_choices()
         try:
             for ev in self.engine.generate(prompt, stop, sampling):
                 yield ev
@@ -221,6 +223,22 @@ class Session:
         except torch.cuda.OutOfMemoryError:
             raise CloverError("out of GPU memory while generating; try a smaller --tree-budget, --load-in-8bit "
                               "or a shorter conversation")
+        finally:
+            if stored is not None:
+                self.engine.costs.save_choices(*stored)
+
+    def _stored_choices(self):
+        """(the default drafter's learned choice, its file), restored from the store when the drafter is new or the
+        step changed kind (the compiled one came in), so that a new process does not pay to learn it again: a
+        one-shot reply is too short to (docs/BENCHMARKS.md); None for other drafters."""
+        choices = getattr(self.drafter, "choices", None)
+        if choices is None or self.heads_path is None or self.engine.costs is None:
+            return None
+        path = self.engine.costs.choices_path(self.heads_path)
+        if self._choices_from != (id(choices), path):
+            self.engine.costs.load_choices(choices, self.heads_path)
+            self._choices_from = (id(choices), path)
+        return choices, path
 
 
 LOOKUP_ENOUGH = 3.0  # measured on the bundled model, CPU: 1.98x vs 1.83x plain without the skip (docs/BENCHMARKS.md)

@@ -753,3 +753,48 @@ def test_a_fresh_drafter_catches_up_on_the_prompt_compiled(programs, heads_progr
     drafter.observe(hidden, torch.tensor(prompt[1:] + [5]))
     assert len(drafter.propose(prompt + [5], 16)) > 1
     assert not eager_runs and drafter.cache.length == len(prompt)
+
+
+def test_the_default_drafters_choice_is_kept_between_processes(llama_dir, tmp_path, monkeypatch):
+    """What --draft auto learns about when a step pays for the heads is stored beside the step costs after each
+    reply and restored by the next session of the same model, heads and step; a damaged file only starts the
+    learning over."""
+    import json
+
+    from clover_cli.drafters.common import HeadsConfig
+    from clover_cli.drafters.registry import build_heads, save_heads
+    from clover_cli.engine import Sampling
+    from clover_cli.session import Options, Session
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("CLOVER_COMPILE_CACHE", str(tmp_path / "cache"))
+    model = AutoModelForCausalLM.from_pretrained(llama_dir)
+    torch.manual_seed(0)
+    heads = build_heads(HeadsConfig.for_target(model.config, architecture="clover2", num_heads=3, num_layers=1), model)
+    heads.init_from_target(model)
+    save_heads(heads, tmp_path / "heads", "test heads")
+
+    def session():
+        return Session(Options(model=str(llama_dir), heads=str(tmp_path / "heads"), compile="off"), quiet=True)
+
+    first = session()
+    prompt = first.encode_raw("the cat sat on the mat. the cat sat on the mat. the dog")
+    out_first = [t for ev in first.generate(prompt, 24, Sampling()) for t in ev.tokens]
+    learned = first.drafter.choices.state()
+    assert sum(learned["decisions"].values()) >= 2
+    stored = first.engine.costs.choices_path(first.heads_path)
+    assert json.loads(stored.read_text()) == learned
+    second = session()
+    assert second.drafter.choices.state()["decisions"] == {}
+    second._stored_choices()
+    assert second.drafter.choices.state() == learned
+    assert [t for ev in second.generate(prompt, 24, Sampling()) for t in ev.tokens] == out_first
+    assert sum(second.drafter.choices.state()["decisions"].values()) > sum(learned["decisions"].values())
+    assert json.loads(stored.read_text()) == second.drafter.choices.state()
+    # other heads (files changed) are another file; a damaged file is ignored and written anew
+    assert second.engine.costs.choices_path(llama_dir) != stored
+    stored.write_text('{"sums": {"alone/0": [1.0, ')
+    third = session()
+    assert [t for ev in third.generate(prompt, 24, Sampling()) for t in ev.tokens] == out_first
+    assert json.loads(stored.read_text()) == third.drafter.choices.state()
+    assert sum(third.drafter.choices.state()["decisions"].values()) < sum(learned["decisions"].values()) * 2

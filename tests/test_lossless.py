@@ -420,3 +420,53 @@ def test_choice_stats_is_not_turned_by_one_pause():
     choices.add((0, False), 2, 100.0)
     assert choices.rate(0, False) > choices.rate(0, True)
     assert [choices.choose(0, True) for _ in range(4)] == [False] * 4
+
+
+def test_choice_stats_state_round_trips_and_refuses_what_is_not_one(monkeypatch):
+    """What the default drafter learned is kept on disk between processes (a one-shot reply is too short to learn
+    it): a ChoiceStats restored from another's state estimates the same rates and makes the same decisions."""
+    import json
+    import time as time_module
+
+    from clover_cli.drafters import ChoiceStats
+
+    clock = {"t": 0.0}
+    monkeypatch.setattr(time_module, "perf_counter", lambda: clock["t"])
+    learned = ChoiceStats()
+    merged = MergedDrafter(_chain_drafter(5), _chain_drafter(1), enough=3.0, choices=learned)
+    for step in range(60):
+        first = len(merged.propose([1, 2], 16)) > 2
+        clock["t"] += (2.0 + step % 3) if first else 1.0
+        merged.observe(None, torch.tensor(([5, 6, 7] if first else [5]) + [0]))
+    restored = ChoiceStats()
+    restored.restore(json.loads(json.dumps(learned.state())))  # through JSON, as the store keeps it
+    assert restored.state() == learned.state()
+    for way in (False, True):
+        assert restored.rate(0, way) == pytest.approx(learned.rate(0, way))
+    assert [restored.choose(0, True) for _ in range(40)] == [learned.choose(0, True) for _ in range(40)]
+    fresh = ChoiceStats()
+    assert fresh.choose(0, True) is True  # nothing learned: the prior first
+    for bad in ({}, {"sums": {"alone/0": [1.0, 0.0]}, "seconds": {}, "decisions": {}},
+                {"sums": {}, "seconds": {"0/1": []}, "decisions": {}}, {"sums": [], "seconds": {}, "decisions": {}},
+                {"sums": {"other/0": [1, 1]}, "seconds": {}, "decisions": {}},
+                {"sums": {}, "seconds": {"0/1": [float("nan")]}, "decisions": {}},
+                {"sums": {"gain/0": [float("inf"), 1.0]}, "seconds": {}, "decisions": {}}):
+        before = restored.state()
+        with pytest.raises(ValueError):
+            restored.restore(bad)
+        assert restored.state() == before
+
+
+@pytest.mark.parametrize("slower, every", [(1.15, 8), (1.45, 32), (2.0, 128)])
+def test_choice_stats_tries_the_other_way_less_the_slower_it_is(slower, every):
+    """The way the estimates do not favour is still tried now and then (a change must be noticed), the less often
+    the slower it is: each try costs about `slower` - 1 steps."""
+    from clover_cli.drafters import ChoiceStats
+
+    assert every in (ChoiceStats.EXPLORE, ChoiceStats.EXPLORE_FAR, ChoiceStats.EXPLORE_FARTHER)
+    choices = ChoiceStats()
+    for _ in range(9):
+        choices.add((0, False), 2, 1.0)
+        choices.add((0, True), 2, slower, alone=2)  # the heads add nothing and make the step `slower` times dearer
+    ran = [choices.choose(0, True) for _ in range(1024)]
+    assert sum(ran) == 1024 // every

@@ -12,6 +12,7 @@ The engine keeps the drafter in step with the target's committed tokens:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -66,8 +67,10 @@ class ChoiceStats:
     DECAY = 0.9
     SECONDS_WINDOW = 9
     # Every EXPLORE-th decision in a bin goes the other way, so that a change (the text starting to repeat, the
-    # compiled step coming in) is noticed; every EXPLORE_FAR-th when that way was more than FAR times slower.
-    EXPLORE, EXPLORE_FAR, FAR = 8, 32, 1.3
+    # compiled step coming in) is noticed; every EXPLORE_FAR-th when that way was more than FAR times slower, every
+    # EXPLORE_FARTHER-th when more than FARTHER times (on a CPU where the heads pay in no bin, each such try costs
+    # a whole step and more: a one-shot reply of ~30 steps paid ~6% for them at every 32nd; docs/BENCHMARKS.md).
+    EXPLORE, EXPLORE_FAR, FAR, EXPLORE_FARTHER, FARTHER = 8, 32, 1.3, 128, 1.6
 
     def __init__(self):
         self.sums: dict = {}  # key -> decayed [sum, count]: ("alone", bin), ("gain", bin)
@@ -107,6 +110,34 @@ class ChoiceStats:
             return None
         return (alone + gain) / max(sorted(recent)[len(recent) // 2], 1e-9)
 
+    def state(self) -> dict:
+        """What has been learned, as JSON-able data (kept on disk between processes: see session.ChoiceStore)."""
+        return {"sums": {f"{kind}/{b}": v for (kind, b), v in self.sums.items()},
+                "seconds": {f"{b}/{int(way)}": v for (b, way), v in self.seconds.items()},
+                "decisions": {str(b): n for b, n in self.decisions.items()}}
+
+    def restore(self, state: dict) -> None:
+        """Start from `state` (from state()); raises ValueError (nothing changed) when it is not one."""
+        try:
+            sums = {}
+            for key, (total, count) in state["sums"].items():
+                kind, b = key.split("/")
+                total, count = float(total), float(count)
+                if kind not in ("alone", "gain") or not (count > 0 and math.isfinite(total) and math.isfinite(count)):
+                    raise ValueError(key)
+                sums[(kind, int(b))] = [total, count]
+            seconds = {}
+            for key, values in state["seconds"].items():
+                b, way = key.split("/")
+                values = [float(v) for v in values][-self.SECONDS_WINDOW:]
+                if not values or not all(0 <= v < math.inf for v in values):
+                    raise ValueError(key)
+                seconds[(int(b), way == "1")] = values
+            decisions = {int(b): int(n) for b, n in state["decisions"].items()}
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            raise ValueError(f"not a ChoiceStats state: {e}") from None
+        self.sums, self.seconds, self.decisions = sums, seconds, decisions
+
     def choose(self, b: int, prior: bool) -> bool:
         """Run the first drafter? The way with the better estimated rate; each way is tried first (the prior
         first), and now and then the way the rates do not favour."""
@@ -116,7 +147,9 @@ class ChoiceStats:
             if r is None:
                 return way
         best = max(rate, key=lambda way: (rate[way], way == prior))
-        every = self.EXPLORE_FAR if rate[best] > self.FAR * rate[not best] else self.EXPLORE
+        ratio = rate[best] / max(rate[not best], 1e-9)
+        every = (self.EXPLORE_FARTHER if ratio > self.FARTHER else self.EXPLORE_FAR if ratio > self.FAR else
+                 self.EXPLORE)
         return (not best) if n % every == 0 else best
 
 
