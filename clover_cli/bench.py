@@ -270,7 +270,7 @@ class BenchSession:
 
         self.budget, self.auto = parse_budget(cfg.tree_budget)
         self.engines = {}
-        self.choices = {}  # method -> ChoiceStats of its merged drafters
+        self.choices = {}  # method -> (ChoiceStats of its merged drafters, the file it is kept in)
         self.quiet = cfg.json_out
         self.llama_runners, self.llama_ctx, self.llama_gguf, self.llama_draft_gguf = {}, s.max_context, None, None
         self.llama_threads = torch.get_num_threads()
@@ -350,9 +350,9 @@ class BenchSession:
                 # exactly what --draft auto runs; what it learns about when the heads pay carries over between runs,
                 # as in a chat session, and starts from what earlier processes stored, as a session's does
                 if method not in self.choices:
-                    self.choices[method] = ChoiceStats()
-                    s.engine.costs.load_choices(self.choices[method], self.clover_path)
-                drafter = auto_drafter(drafter, self.choices[method], s.ngram_prior)
+                    self.choices[method] = ChoiceStats(), s.engine.costs.choices_path(self.clover_path)
+                    s.engine.costs.load_choices(*self.choices[method])
+                drafter = auto_drafter(drafter, self.choices[method][0], s.ngram_prior)
         if method in ("medusa", "clover", "clover+ngram"):  # the heads' compiled programs, when the step is
             heads_drafter = getattr(drafter, "first", drafter)
             s.compiler.ready_heads(heads_drafter, self.medusa_path if method == "medusa" else self.clover_path)
@@ -410,7 +410,7 @@ class BenchSession:
             new += ev.tokens
         t1 = time.perf_counter()
         if method in self.choices:
-            s.engine.costs.save_choices(self.choices[method], s.engine.costs.choices_path(self.clover_path))
+            s.engine.costs.save_choices(*self.choices[method])
         return new, stats.decode_s, t1 - t0, stats
 
 

@@ -1299,19 +1299,20 @@ class StepCosts:
         is kept: beside this table, per heads directory and its files, as it depends on both step costs and heads."""
         heads = hashlib.sha256(repr((str(Path(heads_path).resolve()), _fingerprint_files(Path(heads_path))))
                                .encode()).hexdigest()[:10]
-        return self._path().with_name(f"{self._path().stem}-choice-{heads}.json")
+        table = self._path()
+        return table.with_name(f"{table.stem}-choice-{heads}.json")
 
-    def load_choices(self, choices, heads_path: Path) -> Path:
-        """Restore `choices` from the store when it holds a state for these heads (a missing or damaged file leaves
-        them as they are: only the learning starts over); returns the file's path."""
-        path = self.choices_path(heads_path)
+    @staticmethod
+    def load_choices(choices, path: Path) -> None:
+        """Restore `choices` from `path` (choices_path) when it holds a state (a missing or damaged file leaves them
+        as they are: only the learning starts over)."""
         try:
             choices.restore(json.loads(path.read_text()))
         except (OSError, ValueError):
             pass
-        return path
 
-    def save_choices(self, choices, path: Path) -> None:
+    @staticmethod
+    def save_choices(choices, path: Path) -> None:
         try:
             atomic.write_text(path, json.dumps(choices.state()))
         except OSError:

@@ -65,7 +65,7 @@ class Session:
                                      self.device, self.load_in_8bit, opts.trust_remote_code, opts.allow_pickle,
                                      warn=self._warn)
         self.drafter = self._drafter(opts)
-        self._choices_from = None  # (which ChoiceStats, from which file) the default drafter's choice was restored
+        self._choices_from = None  # (the ChoiceStats, the file) the default drafter's choice was last restored from
         self.engine = Engine(self.target, self.drafter, budget=budget, auto_budget=auto,
                              costs=StepCosts(self.resolved.path, self.device, self.dtype, self.compiler))
         self.compiler.listeners.append(self.engine.use_verify_costs)
@@ -235,9 +235,9 @@ class Session:
         if choices is None or self.heads_path is None or self.engine.costs is None:
             return None
         path = self.engine.costs.choices_path(self.heads_path)
-        if self._choices_from != (id(choices), path):
-            self.engine.costs.load_choices(choices, self.heads_path)
-            self._choices_from = (id(choices), path)
+        if self._choices_from is None or self._choices_from[0] is not choices or self._choices_from[1] != path:
+            self.engine.costs.load_choices(choices, path)
+            self._choices_from = (choices, path)
         return choices, path
 
 
