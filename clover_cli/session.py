@@ -235,7 +235,7 @@ class Session:
         if choices is None or self.heads_path is None or self.engine.costs is None:
             return None
         path = self.engine.costs.choices_path(self.heads_path)
-        if self._choices_from is None or self._choices_from[0] is not choices or self._choices_from[1] != path:
+        if self._choices_from != (choices, path):  # ChoiceStats compares by identity
             self.engine.costs.load_choices(choices, path)
             self._choices_from = (choices, path)
         return choices, path
