@@ -34,6 +34,7 @@ session, each (rows, span) on its first use, and the heads' per-step modules lik
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -1192,6 +1193,7 @@ class StepCompiler:
                 and self.state == "active":
             self.warn(f"no compiled heads ({builder.error()}); they run eager")
         self.just_activated = self.just_activated or became
+        gc.freeze()  # what the build brought in lives as long as the session, as the model does (Session.__init__)
         return became
 
     def _activate(self) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,6 +74,11 @@ class Session:
         self.eos_ids = self._eos_ids()
         # the tokenizer's own template has no known stop strings; an alias names the template it follows
         self.stop_strings = STOP_STRINGS.get(self.template_name) or STOP_STRINGS.get(spec.template if spec else "", [])
+        # Everything alive now (the model, tokenizer and drafter, a cached compiled step: ~390k objects with the
+        # bundled model) lives as long as the session: exempt it from Python's cyclic garbage collector, whose full
+        # pass over it took ~230 ms (CPU) and came now and then in the middle of a reply (docs/BENCHMARKS.md,
+        # 2026-11-27). Reference counting still frees these objects; the collector keeps watching everything newer.
+        gc.freeze()
 
     def _warn(self, text: str):
         if not self.quiet:
