@@ -456,10 +456,11 @@ def run_bench(cfg: BenchConfig):
             progress.advance(f"warm-up {m}")
         for r in range(cfg.repeats):
             for i, ids in enumerate(encoded):
-                # each method runs first for as many prompts as the others: the first run after a prompt switch
-                # measured a few percent slower in interleaved runs (docs/BENCHMARKS.md, 2026-11-25 afternoon)
-                shift = (r * len(encoded) + i) % len(methods)
-                for m in methods[shift:] + methods[:shift]:
+                # each method runs in each place of the order, and right after each other method, as often as the
+                # others: the first run after a prompt switch measured a few percent slower, and so did a run right
+                # after one that drafted with the heads at every step (docs/BENCHMARKS.md, 2026-11-25 afternoon
+                # and 2026-11-27); a rotation kept every method's predecessor the same
+                for m in (methods[j] for j in balanced_order(len(methods), r * len(encoded) + i)):
                     new, decode_s, total_s, stats = bs.run(m, ids, cfg, seed=1000 * r + i)
                     category = by_category[m].setdefault(prompts[i]["category"], Row(m))
                     for row in (rows[m], category):
@@ -481,6 +482,21 @@ def run_bench(cfg: BenchConfig):
     if cfg.plot is not None:
         plot(report, cfg.plot)
     return report
+
+
+def balanced_order(n: int, k: int) -> list[int]:
+    """The k-th order of n methods in a Williams design: over any n consecutive k (2n when n is odd), each method
+    runs in each place equally often, and right after each other method equally often."""
+    first, low, high = [0], 1, n - 1
+    while len(first) < n:  # 0, 1, n-1, 2, n-2, ...
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    k %= n if n % 2 == 0 else 2 * n
+    row = [(x + k) % n for x in first]
+    return row if k < n else row[::-1]
 
 
 def make_report(cfg, bs, methods, rows, prompts) -> dict:

@@ -139,3 +139,22 @@ def test_bench_malformed_prompts(llama_dir, run_cli, tmp_path):
     p.write_text('{"prompt": "ok"}\n{"text": "no prompt field"}\n')
     code, out, err = run_cli("bench", str(llama_dir), "--prompts", str(p))
     assert code == 2 and ":2:" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("n", range(1, 8))
+def test_balanced_order_gives_every_method_every_place_and_every_predecessor_alike(n):
+    """The bench interleaves methods prompt by prompt: a run measured a few percent slower first after a prompt
+    switch, and right after a run that drafted with the heads at every step; each method must meet each alike."""
+    from collections import Counter
+
+    from clover_cli.bench import balanced_order
+
+    period = n if n % 2 == 0 else 2 * n
+    orders = [balanced_order(n, k) for k in range(period)]
+    assert all(sorted(o) == list(range(n)) for o in orders)
+    assert orders == [balanced_order(n, k + 3 * period) for k in range(period)]
+    places = Counter((place, m) for o in orders for place, m in enumerate(o))
+    assert len(places) == n * n and len(set(places.values())) == 1
+    if n > 1:
+        after = Counter((a, b) for o in orders for a, b in zip(o, o[1:]))
+        assert len(after) == n * (n - 1) and len(set(after.values())) == 1
