@@ -3,10 +3,14 @@ fixed policies, on the bundled model with the compiled step:
 
     python scripts/default_drafter_probe.py [--limit 27]
 
-Rows: ngram alone; the default as shipped (ChoiceStats learning per bin whether a step runs the heads); the same
-merged drafter always running the heads; never running them. Interleaved prompt by prompt, 128 new tokens, greedy,
-after one warm-up run each. Prints decode seconds and target steps per row, then the learned decisions per bin and
-the estimated tokens/s of each way in each bin (bins: what lookup alone expects, drafters.ChoiceStats.BINS).
+Rows: ngram alone; the default as shipped (ChoiceStats learning per bin whether a step runs the heads), once from
+nothing and once from the choice stored by earlier processes (as `clover generate`, `clover chat` and `clover bench`
+start; read, not written back); the same merged drafter always running the heads; never running them. Interleaved
+prompt by prompt in `clover bench`'s balanced order (a rotation would keep each row's predecessor, and a run right
+after one with the heads on every step measured ~5% slower), `--rounds` times over the prompts, 128 new tokens,
+greedy, after one warm-up run each. Prints decode tokens/s, target steps and steps that ran the heads per row, then
+the learned decisions per bin and the estimated tokens/s of each way in each bin (bins: what lookup alone expects,
+drafters.ChoiceStats.BINS).
 """
 
 from __future__ import annotations
@@ -17,8 +21,8 @@ import torch
 
 
 def main():
-    from clover_cli.bench import load_prompts
-    from clover_cli.drafters import ChoiceStats
+    from clover_cli.bench import balanced_order, load_prompts
+    from clover_cli.drafters import ChoiceStats, MergedDrafter
     from clover_cli.drafters.clover2 import CloverDrafter
     from clover_cli.drafters.ngram import NgramDrafter
     from clover_cli.drafters.registry import load
@@ -29,6 +33,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--limit", type=int, default=27)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     s = Session(Options(model=None, draft="none", compile="on"), quiet=True)
@@ -44,8 +49,11 @@ def main():
         def choose(self, b, prior):
             return self.way
 
-    policies = {"ngram": None, "learned (default)": ChoiceStats(), "always heads": Fixed(True),
-                "never heads": Fixed(False)}
+    stored = ChoiceStats()
+    s.engine.costs.load_choices(stored, s.engine.costs.choices_path(str(BUNDLED / "heads")))
+    print("stored choice:", sum(stored.decisions.values()), "decisions")
+    policies = {"ngram": None, "learned (default)": ChoiceStats(), "learned, stored": stored,
+                "always heads": Fixed(True), "never heads": Fixed(False)}
 
     def make(name):
         if policies[name] is None:
@@ -56,24 +64,38 @@ def main():
 
     engines = {name: Engine(s.target, make(name), budget=s.engine.budget, auto_budget=s.engine.auto_budget,
                             costs=s.engine.costs) for name in policies}
-    totals = {name: [0.0, 0] for name in policies}
+    totals = {name: [0.0, 0, 0, 0] for name in policies}  # decode seconds, tokens, steps, steps with the heads
+    heads_steps = {"n": 0}
+    propose = MergedDrafter.propose
+
+    def counted(self, context, budget):  # counts the steps that ran the heads
+        tree = propose(self, context, budget)
+        heads_steps["n"] += self._open.ran_first
+        return tree
+
+    MergedDrafter.propose = counted
+    names = list(policies)
     with torch.inference_mode():
         for name, eng in engines.items():  # warm-up
             eng.drafter = make(name)
             eng.reset()
             for _ in eng.generate(encoded[0][:64], StopCheck(8, s.eos_ids)):
                 pass
-        for ids in encoded:
-            for name, eng in engines.items():
+        for i, ids in enumerate(encoded * args.rounds):
+            for name in (names[j] for j in balanced_order(len(names), i)):
+                eng = engines[name]
                 eng.drafter = make(name)
                 eng.reset()
                 stats = RunStats()
+                heads_steps["n"] = 0
                 for ev in eng.generate(ids, StopCheck(128, s.eos_ids)):
                     stats.add(ev)
-                totals[name][0] += stats.decode_s
-                totals[name][1] += stats.steps
-    for name, (secs, steps) in totals.items():
-        print(f"{name:18s} decode {secs:.2f} s  steps {steps}")
+                for j, v in enumerate((stats.decode_s, stats.new_tokens - 1, stats.steps, heads_steps["n"])):
+                    totals[name][j] += v
+    base = totals["ngram"][1] / totals["ngram"][0]
+    for name, (secs, tokens, steps, with_heads) in totals.items():
+        print(f"{name:18s} {tokens / secs:7.1f} tok/s ({tokens / secs / base:.3f}x ngram)  decode {secs:.2f} s  "
+              f"steps {steps}  tau {tokens / steps:.3f}  steps with the heads {with_heads}")
     learned = policies["learned (default)"]
     print("decisions per bin:", dict(sorted(learned.decisions.items())))
     for b in sorted(learned.decisions):
