@@ -437,6 +437,9 @@ def train(
     heads: int = typer.Option(5, "--heads", help="Number of draft heads (K); for eagle, the depth of its tree."),
     layers: int = typer.Option(2, "--layers", help="Clover-2 augmenting block depth (N)."),
     lr: float = typer.Option(1e-3, "--lr", help="Peak learning rate (AdamW)."),
+    lr_schedule: str = typer.Option("cosine", "--lr-schedule", help="After a 5% linear warm-up: cosine (decays to "
+                                    "0.1x --lr at the last step) or constant (stays at --lr, near the Clover-2 "
+                                    "authors' schedule)."),
     batch_tokens: int = typer.Option(8192, "--batch-tokens", help="Tokens per optimiser step."),
     max_len: int = typer.Option(1024, "--max-len", help="Longest conversation, in tokens (longer ones are cut)."),
     eval_every: int = typer.Option(200, "--eval-every", help="Held-out evaluation every S steps."),
@@ -473,7 +476,8 @@ def train(
 
     run_training(TrainConfig(
         model=model, out=out, data=data, arch=arch, max_steps=max_steps, epochs=epochs, num_heads=heads,
-        num_layers=layers, lr=lr, batch_tokens=batch_tokens, max_len=max_len, eval_every=eval_every,
+        num_layers=layers, lr=lr, lr_schedule=lr_schedule, batch_tokens=batch_tokens, max_len=max_len,
+        eval_every=eval_every,
         max_conversations=max_conversations, regenerate=regenerate, regen_turns=regen_turns,
         regen_max_tokens=regen_max_tokens, draft_vocab=draft_vocab, cache_features=cache_features, resume=resume,
         overwrite=overwrite, push_to_hub=push_to_hub, seed=seed, device=device, dtype=dtype, revision=revision,

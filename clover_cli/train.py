@@ -13,7 +13,8 @@
               regresses h_{t+1} from [e(tok_{t+1}); h_t + noise] (uniform noise of width 0.2 on the input features,
               as the reference adds), with the same soft cross-entropy and EAGLE-1's weights: the regression
               counts 10x the cross-entropy (its v_w 1.0, p_w 0.1).
-    optimiser AdamW (0.9, 0.95), linear warmup then cosine decay, grad-norm clip 0.5, bf16 autocast on GPU.
+    optimiser AdamW (0.9, 0.95), linear warmup then cosine decay (or --lr-schedule constant), grad-norm clip 0.5,
+              bf16 autocast on GPU.
     scale     data-parallel through accelerate: under `accelerate launch clover train ...` every process holds the
               target and the heads (wrapped in DistributedDataParallel, which averages the gradients), and process
               r of n trains on batches r, r+n, r+2n, ... of each epoch's shuffled batch list, so an epoch takes 1/n
@@ -26,6 +27,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -85,8 +87,21 @@ class TrainConfig:
     loss_vocab: str = "full"
     decay: float = 0.7
     warmup_frac: float = 0.05
+    lr_schedule: str = "cosine"
     weight_decay: float = 0.0
     grad_clip: float = 0.5
+
+
+def lr_factor(schedule: str, warmup: int, total_steps: int, step: int) -> float:
+    """The learning rate at optimiser step `step`, as a share of --lr: a linear warm-up over `warmup` steps, then a
+    cosine decay to 0.1x at the last step, or (constant) the peak to the end, as the Clover-2 authors' schedule
+    stays near its peak for a whole run of this length (a linear decay after 8000 warm-up steps)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    frac = (step - warmup) / max(1, total_steps - warmup)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
 
 
 def validate(cfg: TrainConfig):
@@ -114,6 +129,8 @@ def validate(cfg: TrainConfig):
         raise CloverError(f"--regen-turns must be between 1 and 64, not {cfg.regen_turns}")
     if cfg.regenerate and not 1 <= cfg.regen_max_tokens < cfg.max_len:
         raise CloverError(f"--regen-max-tokens must be between 1 and --max-len - 1, not {cfg.regen_max_tokens}")
+    if cfg.lr_schedule not in ("cosine", "constant"):
+        raise CloverError(f"--lr-schedule must be cosine or constant, not {cfg.lr_schedule!r}")
     if cfg.loss_vocab not in ("full", "draft"):
         raise CloverError(f"--loss-vocab must be full or draft, not {cfg.loss_vocab!r}")
     if not (math.isfinite(cfg.reg_weight) and 0 <= cfg.reg_weight <= 1000):
@@ -817,13 +834,7 @@ def _train(cfg, accelerator, device, log, resuming, resolved, model, tokenizer, 
     opt = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     warmup = max(1, int(cfg.warmup_frac * total_steps))
 
-    def lr_lambda(step):
-        if step < warmup:
-            return (step + 1) / warmup
-        frac = (step - warmup) / max(1, total_steps - warmup)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(lr_factor, cfg.lr_schedule, warmup, total_steps))
     heads, opt = accelerator.prepare(heads, opt)  # several processes: heads is now a DDP wrapper
     step, history = 0, []
     if resuming:
@@ -904,6 +915,7 @@ def _train(cfg, accelerator, device, log, resuming, resolved, model, tokenizer, 
         unwrapped = accelerator.unwrap_model(heads)
         unwrapped.cfg.training = {"data": cfg.data, "steps": step, "regenerate": cfg.regenerate,
                                   "conversations": len(ids), "tokens_per_epoch": n_tokens, "lr": cfg.lr,
+                                  "lr_schedule": cfg.lr_schedule,
                                   "batch_tokens": cfg.batch_tokens, "max_len": cfg.max_len,
                                   "reg_weight": cfg.reg_weight, "loss_vocab": cfg.loss_vocab,
                                   "heldout_accuracy": final.get("heldout_accuracy"),

@@ -158,12 +158,25 @@ def test_bad_out_and_options(fresh_model, data_file, tmp_path, run_cli):
     assert (foreign / "notes.txt").read_text() == "keep me"
     for args, needle in [(["--arch", "eagle9"], "--arch"), (["--heads", "0"], "--heads"), (["--lr", "-1"], "--lr"),
                          (["--reg-weight", "nan"], "--reg-weight"), (["--resume"], "no checkpoint"),
-                         (["--loss-vocab", "some"], "--loss-vocab"),
+                         (["--loss-vocab", "some"], "--loss-vocab"), (["--lr-schedule", "flat"], "--lr-schedule"),
                          (["--max-len", "64", "--batch-tokens", "32"],
                                                            "--batch-tokens")]:
         code, _, err = run_cli("train", str(fresh_model), "--data", str(data_file), "--out", str(tmp_path / "x"),
                                *args)
         assert code == 2 and needle in err and err.count("\n") == 1, (args, err)
+
+
+def test_lr_schedules_warm_up_then_decay_or_hold():
+    """cosine: from the peak to 0.1x at the last step; constant: the peak to the end (the Clover-2 authors' schedule
+    stays near it for a run of this length); both after the same linear warm-up."""
+    from clover_cli.train import lr_factor
+
+    for schedule in ("cosine", "constant"):
+        assert [lr_factor(schedule, 4, 100, s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    cosine = [lr_factor("cosine", 4, 100, s) for s in range(4, 101)]
+    assert cosine[0] == pytest.approx(1.0) and cosine[-1] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(cosine, cosine[1:])) and cosine[48] == pytest.approx(0.55)
+    assert [lr_factor("constant", 4, 100, s) for s in range(4, 101)] == [1.0] * 97
 
 
 @pytest.mark.parametrize("error", [
