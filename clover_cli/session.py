@@ -76,7 +76,7 @@ class Session:
         self.stop_strings = STOP_STRINGS.get(self.template_name) or STOP_STRINGS.get(spec.template if spec else "", [])
         # Everything alive now (the model, tokenizer and drafter, a cached compiled step: ~390k objects with the
         # bundled model) lives as long as the session: exempt it from Python's cyclic garbage collector, whose full
-        # pass over it took ~230 ms (CPU) and came now and then in the middle of a reply (docs/BENCHMARKS.md,
+        # pass over it took 180-230 ms (CPU) and came now and then in the middle of a reply (docs/BENCHMARKS.md,
         # 2026-11-27). Reference counting still frees these objects; the collector keeps watching everything newer.
         gc.freeze()
 

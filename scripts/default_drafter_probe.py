@@ -90,8 +90,8 @@ def main():
                 heads_steps["n"] = 0
                 for ev in eng.generate(ids, StopCheck(128, s.eos_ids)):
                     stats.add(ev)
-                for j, v in enumerate((stats.decode_s, stats.new_tokens - 1, stats.steps, heads_steps["n"])):
-                    totals[name][j] += v
+                for col, v in enumerate((stats.decode_s, stats.new_tokens - 1, stats.steps, heads_steps["n"])):
+                    totals[name][col] += v
     base = totals["ngram"][1] / totals["ngram"][0]
     for name, (secs, tokens, steps, with_heads) in totals.items():
         print(f"{name:18s} {tokens / secs:7.1f} tok/s ({tokens / secs / base:.3f}x ngram)  decode {secs:.2f} s  "
