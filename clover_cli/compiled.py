@@ -34,7 +34,6 @@ session, each (rows, span) on its first use, and the heads' per-step modules lik
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
 import os
@@ -51,6 +50,7 @@ import torch
 
 from . import atomic
 from .errors import CloverError
+from .loading import keep_loaded
 from .options import MODES, compile_mode  # noqa: F401 - importable from here too
 
 PROGRAM_VERSION = 11  # bump when the program's inputs, outputs or semantics change: old packages are not reused
@@ -1193,7 +1193,7 @@ class StepCompiler:
                 and self.state == "active":
             self.warn(f"no compiled heads ({builder.error()}); they run eager")
         self.just_activated = self.just_activated or became
-        gc.freeze()  # what the build brought in lives as long as the session, as the model does (Session.__init__)
+        keep_loaded()  # what the build brought in lives as long as the session, as the model does
         return became
 
     def _activate(self) -> bool:

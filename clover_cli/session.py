@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import gc
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,7 @@ from .errors import CloverError
 from .drafters.ngram import load_prior
 from .drafters.registry import resolve_heads
 from .hub import looks_like_repo, resolve_model
-from .loading import load
+from .loading import keep_loaded, load
 from .target import Target, check_exact
 from .options import DRAFTS, HEADS_DRAFTS, Options, parse_budget  # noqa: F401 - importable from here too
 from .templates import STOP_STRINGS, chat_template, render
@@ -74,11 +73,7 @@ class Session:
         self.eos_ids = self._eos_ids()
         # the tokenizer's own template has no known stop strings; an alias names the template it follows
         self.stop_strings = STOP_STRINGS.get(self.template_name) or STOP_STRINGS.get(spec.template if spec else "", [])
-        # Everything alive now (the model, tokenizer and drafter, a cached compiled step: ~390k objects with the
-        # bundled model) lives as long as the session: exempt it from Python's cyclic garbage collector, whose full
-        # pass over it took 180-230 ms (CPU) and came now and then in the middle of a reply (docs/BENCHMARKS.md,
-        # 2026-11-27). Reference counting still frees these objects; the collector keeps watching everything newer.
-        gc.freeze()
+        keep_loaded()  # what was loaded lives as long as the session: out of the cyclic collector's passes
 
     def _warn(self, text: str):
         if not self.quiet:
