@@ -256,17 +256,14 @@ def _first_line(e: Exception, limit: int = 300) -> str:
     return line if len(line) <= limit else line[:limit - 1].rstrip(" ,") + "…"  # e.g. every parameter a map missed
 
 
-_unfreeze_at_exit = False
-
-
 def keep_loaded() -> None:
     """Exempt every object alive now (a loaded model, tokenizer, drafter, compiled programs) from Python's cyclic
     garbage collector, for the rest of the process: a full pass over the bundled model's ~390k objects took 180-230 ms
     (CPU) and came now and then in the middle of a reply (docs/BENCHMARKS.md, 2026-11-27). Reference counting still
     frees them. They are handed back to the collector at exit, so that the interpreter's last collection still sees
-    them: frozen, extension objects in cycles outlived it, and their bindings (triton's) wrote leak reports on stderr."""
-    global _unfreeze_at_exit
-    if not _unfreeze_at_exit:
-        atexit.register(gc.unfreeze)
-        _unfreeze_at_exit = True
+    them (atexit, below): frozen, extension objects in cycles outlived it, and their bindings (triton's) wrote leak
+    reports on stderr."""
     gc.freeze()
+
+
+atexit.register(gc.unfreeze)  # nothing to do unless keep_loaded() froze something
