@@ -711,6 +711,55 @@ def _run(argv) -> int:
 
 
 def main(argv=None):
+    """The `clover` command. Run as a program (argv None), the process ends as soon as the command has: see
+    _leave. Called with argv (tests, scripts), it raises SystemExit as a program would exit."""
+    try:
+        _main(argv)
+    except SystemExit as e:
+        if argv is None and os.environ.get("CLOVER_SLOW_EXIT", "") in ("", "0"):
+            _leave(e.code)
+        raise
+
+
+def _leave(code) -> None:
+    """End the process now, with `code`, as the interpreter would, minus its teardown.
+
+    What a normal exit does after the command, in order: wait for the threads that are not daemons, run the atexit
+    functions (a temporary directory's removal, logging's flush, ...), flush the output, then take down every module
+    and object one by one. After torch and a model have been loaded, that last part alone takes ~1.3 s (measured:
+    docs/BENCHMARKS.md) during which the user's shell waits and nothing is written. This does the first three and
+    skips the last (os._exit). CLOVER_SLOW_EXIT=1 keeps the interpreter's own exit."""
+    import atexit
+    import threading
+
+    shutdown = getattr(threading, "_shutdown", None)  # joins the non-daemon threads, as the interpreter does
+    exitfuncs = getattr(atexit, "_run_exitfuncs", None)
+    if shutdown is None or exitfuncs is None:  # not CPython: its own exit
+        return
+    shutdown()
+    exitfuncs()
+    if code is None:
+        status = 0
+    elif isinstance(code, int):
+        status = code
+    else:  # SystemExit("message"): the message on stderr, status 1, as Python does
+        sys.stderr.write(f"{code}\n")
+        status = 1
+    _stdout_ok()
+    try:
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+    try:  # what C libraries have buffered in their own stdio
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):
+        pass
+    os._exit(status & 0xFF if status >= 0 else 1)
+
+
+def _main(argv=None):
     """The error boundary: whatever escapes a command ends as one line on stderr and an exit code: 2 for a problem
     the user can fix (CloverError, a usage error), 1 for anything else, 130 for Ctrl-C. --debug or CLOVER_DEBUG=1
     also print the traceback."""

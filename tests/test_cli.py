@@ -404,3 +404,41 @@ def test_a_sessions_long_lived_objects_are_left_out_of_cyclic_collection(llama_d
               next(session.model.parameters()))
     assert not any(id(o) in watched for o in loaded)
     assert id(events) in watched  # a list made after the session was: still watched
+
+
+EXIT_PROBE = """
+import atexit, sys, threading, time
+from pathlib import Path
+from clover_cli.cli import main
+
+out = Path(sys.argv[1])
+class Finalized:
+    def __del__(self):
+        (out / "finalized").write_text("yes")
+keep = Finalized()  # a module global: only the interpreter's teardown deletes it
+atexit.register(lambda: (out / "atexit").write_text("yes"))
+def late():
+    time.sleep(0.3)
+    (out / "thread").write_text("yes")
+threading.Thread(target=late).start()  # not a daemon: the exit waits for it
+sys.argv = ["clover", *sys.argv[2:]]
+main()
+"""
+
+
+@pytest.mark.parametrize("slow", ["", "1"])
+@pytest.mark.parametrize("args,code", [(["--version"], 0), (["generate", "--no-such-option"], 2)])
+def test_the_program_ends_without_the_interpreters_teardown(tmp_path, slow, args, code):
+    """Run as a program, `clover` leaves as soon as its command is done: threads joined, atexit functions run, output
+    flushed, exit code kept, but the ~1.3 s in which the interpreter takes every module and object down after torch
+    and a model were loaded is skipped (CLOVER_SLOW_EXIT=1 keeps it)."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "CLOVER_SLOW_EXIT": slow}
+    proc = subprocess.run([sys.executable, "-c", EXIT_PROBE, str(tmp_path), *args], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == code, proc.stderr
+    assert (proc.stdout if code == 0 else proc.stderr).strip()  # the version, or the one-line usage error
+    assert (tmp_path / "atexit").is_file() and (tmp_path / "thread").is_file()
+    assert (tmp_path / "finalized").is_file() == bool(slow)
