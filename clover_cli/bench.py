@@ -7,7 +7,7 @@ layers skipped as the draft (self-chain, self: --draft self; only when asked for
 llama.cpp (plain, with prompt lookup, and drafted by a GGUF of the same draft model as the model rows) on a GGUF
 of the same weights (clover_cli/llamacpp.py). One model load
 serves every method. Each prompt is run by every method in turn (so drift on the machine hits all alike), the
-order rotated from prompt to prompt, after one untimed warm-up run of each method. Our engine starts every run from an empty cache (no reuse of a
+order balanced over the prompts (each method in each place, and after each other one, equally often), after one untimed warm-up run of each method. Our engine starts every run from an empty cache (no reuse of a
 previous run's prefix) with a fresh drafter, so no method sees another run's output.
 """
 

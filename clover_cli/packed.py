@@ -19,6 +19,10 @@ doubles, so a module whose linears exceed MAX_PACKED_BYTES (4 GiB) is left as it
 path only inside `packed_linears()` (Target.forward and the drafters enter it), only without autograd and only on
 the CPU; everywhere else (transformers' own `generate`, training) they are the stock `F.linear`. A weight changed
 in place after packing is packed again before its next use. CLOVER_PACKED=0 turns packing off.
+
+`pack_linears(module, lazy=True)` makes the PackedLinears but leaves the packing, warming and timing (0.5-2 s for
+the bundled model, docs/BENCHMARKS.md) to the first packed forward of any of them, or to `finish_packing`: a session
+whose compiled step is active from the start runs no eager forward at all and never pays it.
 """
 
 from __future__ import annotations
@@ -103,11 +107,14 @@ class PackedLinear(nn.Linear):
         return state
 
     stock_buckets: tuple = ()  # per TIMED_ROWS bucket: run F.linear there (set by pack_linears)
+    pending = None  # the linears packed lazily with this one (pack_linears(lazy=True)) until they are finished
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (not getattr(_state, "depth", 0) or torch.is_grad_enabled() or x.device.type != "cpu"
+        if (getattr(_state, "depth", 0) <= 0 or torch.is_grad_enabled() or x.device.type != "cpu"
                 or x.dtype not in PACKED_DTYPES or x.dtype != self.weight.dtype):
             return F.linear(x, self.weight, self.bias)
+        if self.pending is not None:
+            _finish(self.pending)
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         bucket = (rows - 1).bit_length()  # 1 -> 0, 2 -> 1, 3-4 -> 2, 5-8 -> 3, 9-16 -> 4
         if rows and bucket < len(self.stock_buckets) and self.stock_buckets[bucket]:
@@ -137,21 +144,42 @@ def _linear_in_chunks(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor 
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def pack_linears(module: nn.Module, max_bytes: int = MAX_PACKED_BYTES) -> int:
+def pack_linears(module: nn.Module, max_bytes: int = MAX_PACKED_BYTES, lazy: bool = False) -> int:
     """Make the CPU float32 nn.Linears of `module` PackedLinears; returns how many (0 when not supported here).
 
     oneDNN compiles a kernel the first time it meets a (weight shape, row count); for a small model that costs more
     (~0.4 ms) than the product itself, so each new weight shape is run here for 1..WARM_ROWS rows (the tree sizes a
     verify uses) rather than during the first replies, where it would also skew the engine's measured verify costs.
+    lazy: all of that waits for the first packed forward of one of them, or finish_packing(module).
     """
     linears = [m for m in module.modules() if type(m) is nn.Linear and m.weight.device.type == "cpu"
                and m.weight.dtype in PACKED_DTYPES]
     size = sum(m.weight.numel() * m.weight.element_size() for m in linears)
     if not linears or size > max_bytes or not supported():
         return 0
-    shapes = {}
     for m in linears:
         m.__class__ = PackedLinear
+        m.packed_key = None
+        m.pending = linears if lazy else None
+    if not lazy:
+        _finish(linears)
+    return len(linears)
+
+
+def finish_packing(module: nn.Module) -> None:
+    """Pack (warm, time) now what pack_linears(lazy=True) left for later in `module`."""
+    for m in module.modules():
+        if isinstance(m, PackedLinear) and m.pending is not None:
+            _finish(m.pending)
+
+
+def _finish(linears: list) -> None:
+    """Pack, warm and time the PackedLinears of one pack_linears call."""
+    for m in linears:
+        m.pending = None
+    size = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    shapes = {}
+    for m in linears:
         m.repack()
         shapes.setdefault(_shape_key(m), m)
     if size <= WARM_MAX_BYTES:
@@ -166,7 +194,6 @@ def pack_linears(module: nn.Module, max_bytes: int = MAX_PACKED_BYTES) -> int:
                     _stock_buckets[key] = tuple(stock_faster(m, rows) for rows in TIMED_ROWS)
         for m in linears:
             m.stock_buckets = _stock_buckets.get(_shape_key(m), ()) if timed else ()
-    return len(linears)
 
 
 def _shape_key(m: nn.Linear) -> tuple:
@@ -192,6 +219,18 @@ def stock_faster(m: PackedLinear, rows: int, rounds: int = 3) -> bool:
     for _ in range(rounds):
         t_stock, t_packed = min(t_stock, _seconds(stock, calls)), min(t_packed, _seconds(packed, calls))
     return t_stock < STOCK_MARGIN * t_packed
+
+
+@contextmanager
+def stock_linears():
+    """Inside this block PackedLinears run F.linear, packed_linears() blocks within it included (per thread): for a
+    forward that must not set off a lazy packing (a model's one-time check at load)."""
+    saved = getattr(_state, "depth", 0)
+    _state.depth = -(1 << 30)
+    try:
+        yield
+    finally:
+        _state.depth = saved
 
 
 @contextmanager

@@ -19,6 +19,7 @@ from .hub import looks_like_repo, resolve_model
 from .loading import keep_loaded, load
 from .target import Target, check_exact
 from .options import DRAFTS, HEADS_DRAFTS, Options, parse_budget  # noqa: F401 - importable from here too
+from .packed import finish_packing
 from .templates import STOP_STRINGS, chat_template, render
 
 class Session:
@@ -59,7 +60,9 @@ class Session:
         if self.template_name != "tokenizer" and not (spec and spec.template):
             self.template_notice = (f"{self.resolved.name} has no chat template of its own: using the "
                                     f"{self.template_name} template")
-        self.target = Target(self.model, max_context=opts.max_context)
+        # its linears packed for the eager step only if one is going to run (_pack_if_eager): with the compiled step
+        # active from the start, packing (0.5-2 s of loading) would buy nothing
+        self.target = Target(self.model, max_context=opts.max_context, pack="lazy")
         check_exact(self.target)  # a model clover would not run exactly is refused here, in one line
         self.compiler = StepCompiler(compile_mode(opts.compile), self.target, self.resolved.path, self.dtype,
                                      self.device, self.load_in_8bit, opts.trust_remote_code, opts.allow_pickle,
@@ -70,6 +73,7 @@ class Session:
                              costs=StepCosts(self.resolved.path, self.device, self.dtype, self.compiler))
         self.compiler.listeners.append(self.engine.use_verify_costs)
         self.compiler.use_drafter(self.drafter, self.heads_path, self._draft_path())
+        self._pack_if_eager()
         self.eos_ids = self._eos_ids()
         # the tokenizer's own template has no known stop strings; an alias names the template it follows
         self.stop_strings = STOP_STRINGS.get(self.template_name) or STOP_STRINGS.get(spec.template if spec else "", [])
@@ -175,6 +179,13 @@ class Session:
         self.engine.drafter = self.drafter
         self.engine.reset()
         self.compiler.use_drafter(self.drafter, self.heads_path, self._draft_path())
+        self._pack_if_eager()
+
+    def _pack_if_eager(self) -> None:
+        """Pack the target's linears now (at load, behind chat's prompt; not in a reply, nor in the forwards whose
+        times size the trees) unless the compiled step runs its forwards (--draft self packs them for its own)."""
+        if not self.compiler.active:
+            finish_packing(self.model)
 
     def _eos_ids(self) -> set[int]:
         ids = set()

@@ -19,7 +19,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .errors import CloverError
-from .packed import pack_linears, packed_linears
+from .packed import pack_linears, packed_linears, stock_linears
 
 ATTN_NAME = "clover_tree"
 
@@ -349,7 +349,7 @@ class Target:
     eager modules whenever it fits: same inputs, same cache buffers, same outputs.
     """
 
-    def __init__(self, model, max_context: int | None = None, initial_capacity: int = 1024, pack: bool = True):
+    def __init__(self, model, max_context: int | None = None, initial_capacity: int = 1024, pack: bool | str = True):
         self.model = model
         self.config = model.config
         why = refusal(model)
@@ -364,8 +364,8 @@ class Target:
         self.lm_head = model.get_output_embeddings()
         self.embed_tokens = model.get_input_embeddings()
         self.device = input_device(model)
-        if pack:  # CPU linears only, used only inside forward(); elsewhere (hf's generate) as they were
-            pack_linears(model)
+        if pack:  # CPU linears only, used only inside forward(); elsewhere (hf's generate) as they were;
+            pack_linears(model, lazy=pack == "lazy")  # "lazy": when an eager forward first needs them
         self.max_context = context_limit(self.config, max_context)
         self.cache = TreeKVCache(self.config.num_hidden_layers, min(initial_capacity, self.max_context),
                                  self.max_context)
@@ -528,12 +528,13 @@ def check_exact(target: "Target", tolerance: float | None = None) -> None:
     program, target.program = target.program, None  # the eager step is checked (the compiled one against it)
     try:
         target.reset(0)
-        target.forward(torch.tensor(prefix, device=dev))
-        target.cache.append(len(prefix))
-        from .tree import DraftTree
+        with stock_linears():  # what is checked is the attention and cache: no packing for it (it may be lazy)
+            target.forward(torch.tensor(prefix, device=dev))
+            target.cache.append(len(prefix))
+            from .tree import DraftTree
 
-        tokens, depths, mask = DraftTree(tree, parents).tensors(dev)
-        _, ours = target.forward(tokens, len(prefix) + depths, mask)
+            tokens, depths, mask = DraftTree(tree, parents).tensors(dev)
+            _, ours = target.forward(tokens, len(prefix) + depths, mask)
         batch = torch.tensor([prefix + [tree[i] for i in path] + [0] * (3 - len(path)) for path in paths],
                              device=dev)
         own = config._attn_implementation

@@ -211,3 +211,51 @@ def test_timed_choice_is_a_real_timing_and_leaves_the_seed_alone(monkeypatch):
     torch.manual_seed(123)
     assert all(isinstance(packed.stock_faster(mlp[0], rows), bool) for rows in packed.TIMED_ROWS)
     assert torch.equal(torch.rand(3), want)
+
+
+def test_lazy_packing_waits_for_the_first_packed_forward(monkeypatch):
+    """pack_linears(lazy=True) makes the PackedLinears at once but packs, warms and times them (0.5-2 s for the
+    bundled model) only when one of them first runs packed, all of its call's linears together, or on
+    finish_packing; outside the packed block they run F.linear and set nothing off."""
+    monkeypatch.setenv("CLOVER_PACKED", "auto")
+    monkeypatch.setattr(packed, "_stock_buckets", {})
+    timed = []
+    monkeypatch.setattr(packed, "stock_faster", lambda m, rows: timed.append(rows) or False)
+    mlp = _mlp(11)
+    assert pack_linears(mlp, lazy=True) == 2
+    assert all(type(m) is PackedLinear and "packed" not in m.__dict__ for m in (mlp[0], mlp[2]))
+    x = torch.randn(3, 64)
+    with torch.inference_mode():
+        assert torch.equal(mlp(x), _reference(mlp, x))  # outside the block: stock, still lazy
+    assert timed == [] and "packed" not in mlp[2].__dict__
+    with torch.inference_mode(), packed.stock_linears(), packed_linears():
+        assert torch.equal(mlp(x), _reference(mlp, x))  # a check at load runs stock, even inside the block
+    assert timed == [] and "packed" not in mlp[2].__dict__
+    with torch.inference_mode(), packed_linears():
+        out = mlp(x)
+    torch.testing.assert_close(out, _reference(mlp, x), rtol=1e-5, atol=1e-5)
+    assert len(timed) == 2 * len(packed.TIMED_ROWS)  # both shapes timed, by the first linear's forward
+    assert all(m.pending is None and "packed" in m.__dict__ and m.stock_buckets == (False,) * 5
+               for m in (mlp[0], mlp[2]))
+    other = _mlp(12)
+    pack_linears(other, lazy=True)
+    packed.finish_packing(other)
+    assert all(m.pending is None and "packed" in m.__dict__ for m in (other[0], other[2]))
+
+
+def test_a_session_packs_the_target_only_when_its_forwards_run_eager(llama_dir, monkeypatch):
+    """The session's target is packed lazily: with --compile off (and whenever the compiled step is not active) it is
+    packed at load, behind the chat's prompt, not in the first reply; while the compiled step runs every forward it
+    stays unpacked (the load skips the cost)."""
+    from clover_cli import compiled
+    from clover_cli.session import Options, Session
+
+    def targets_pending(session):
+        return [m.pending is not None for m in session.model.modules() if isinstance(m, PackedLinear)]
+
+    eager = Session(Options(model=str(llama_dir), draft="ngram", compile="off"), quiet=True)
+    assert targets_pending(eager) and not any(targets_pending(eager))
+    # as if a compiled package had been found: the step is active from the start
+    monkeypatch.setattr(compiled.StepCompiler, "active", property(lambda self: True))
+    skipped = Session(Options(model=str(llama_dir), draft="ngram", compile="off"), quiet=True)
+    assert all(targets_pending(skipped))

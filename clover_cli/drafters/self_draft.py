@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CloverError
+from ..packed import finish_packing
 from ..target import Target, cache_kwarg, decoder_layers, find_final_norm
 from .draft_model import ModelDrafter
 
@@ -302,6 +303,7 @@ class SelfDrafter(ModelDrafter):
                               "offloads the target's embedding")
         self.cache_file = cache
         self.log = log
+        finish_packing(target.model)  # its layers run eager, whatever step the target's verify runs
         # the file, else what this process chose for the model before (a cache directory that cannot be written)
         self.choice = ({"skip": list(skip)} if skip else
                        load_choice(cache, n) or target.model.__dict__.get("_clover_self_choice"))
