@@ -274,11 +274,13 @@ def _fmt_pct(x) -> str:
 
 class Chat:
     def __init__(self, session, conv: Conversation, out: Out, max_new_tokens: int, temperature: float,
-                 top_p: float, seed: int | None, writer=None, stats_path=None, interactive: bool = True):
+                 top_p: float, seed: int | None, writer=None, stats_path=None, interactive: bool = True,
+                 repetition_penalty: float = 1.0):
         from .stats import SessionStats
 
         self.session, self.conv, self.out = session, conv, out
         self.max_new_tokens, self.temperature, self.top_p, self.seed = max_new_tokens, temperature, top_p, seed
+        self.repetition_penalty = repetition_penalty
         self.writer, self.stats_path, self.interactive = writer, stats_path, interactive
         self.sid = writer.new_session("chat", session) if writer else None
         self.total = SessionStats(self.sid or "", "chat", session.resolved.name, session.draft_name)
@@ -322,7 +324,8 @@ class Chat:
                               "yellow")
             seed = None if self.seed is None else self.seed + self.generations
             self.generations += 1
-            gen = s.generate(ids, self.max_new_tokens, Sampling(self.temperature, self.top_p, seed))
+            gen = s.generate(ids, self.max_new_tokens, Sampling(self.temperature, self.top_p, seed,
+                                                                self.repetition_penalty))
         except CloverError as e:
             self.conv.restore(before)
             self.failed += 1
@@ -840,6 +843,8 @@ def _banner(session, out: Out, load_s: float, chat: Chat, history_path, interact
         extra.append(f"stats → {chat.stats_path}")
     if history_path:
         extra.append(f"history → {history_path}")
+    if chat.repetition_penalty != 1.0:
+        extra.insert(0, f"repetition penalty {chat.repetition_penalty:g}")
     out.note(f"context {session.max_context} tokens · replies up to {chat.max_new_tokens} tokens · temperature "
              f"{chat.temperature:g}" + "".join(f" · {e}" for e in extra))
     if out.colour and session.draft_name != "none":
@@ -853,7 +858,7 @@ def _banner(session, out: Out, load_s: float, chat: Chat, history_path, interact
 
 
 def run_chat(opts, system=None, max_new_tokens=256, temperature=0.0, top_p=1.0, seed=None, history_file=None,
-             stats_file=None, no_color=False):
+             stats_file=None, no_color=False, repetition_penalty=1.0):
     from .render import use_colour
     from .stats import StatsWriter
 
@@ -867,7 +872,7 @@ def run_chat(opts, system=None, max_new_tokens=256, temperature=0.0, top_p=1.0, 
         session, load_s = _load(opts, out, show_progress=progress)
         writer = StatsWriter.open(stats_file)  # after loading: a run that fails to start leaves no record
         chat = Chat(session, Conversation(system or None), out, max_new_tokens, temperature, top_p, seed, writer,
-                    writer.path if writer else None, interactive)
+                    writer.path if writer else None, interactive, repetition_penalty)
         session.compiler.start(background=True)  # auto: replies run eager until the compiled step is built
 
         def banner():

@@ -29,6 +29,9 @@ class Sampling:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    # transformers' repetition penalty (CTRL): before choosing, the logit of every token already in the sequence
+    # (prompt included) is divided by it when positive, multiplied when negative; 1.0: none
+    repetition_penalty: float = 1.0
 
     @property
     def greedy(self) -> bool:
@@ -62,6 +65,27 @@ def warp(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
         sorted_p[outside] = 0.0
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
     return probs
+
+
+def penalize(logits: torch.Tensor, tree: DraftTree, context: list[int], penalty: float) -> torch.Tensor:
+    """The tree's logits [nodes, V] with transformers' repetition penalty applied per node: node j's row predicts
+    the token after context + the tokens on the path from the root to j (both ends included), so every token in
+    those is penalised, once, the way transformers' RepetitionPenaltyLogitsProcessor does (float32 logits; divided
+    by the penalty where positive, multiplied where negative). The verdict on each node is then the one the target
+    with that penalty gives alone, and the output stays exactly its output."""
+    if penalty == 1.0:
+        return logits
+    z = logits.float()
+    seen = torch.zeros(z.shape, dtype=torch.bool, device=z.device)
+    if context:
+        seen[:, torch.tensor(sorted(set(context)), device=z.device)] = True
+    rows, cols, path = [], [], [[] for _ in tree.tokens]
+    for j, tok in enumerate(tree.tokens):
+        path[j] = (path[tree.parents[j]] if j else []) + [tok]
+        rows += [j] * len(path[j])
+        cols += path[j]
+    seen[torch.tensor(rows, device=z.device), torch.tensor(cols, device=z.device)] = True
+    return torch.where(seen, torch.where(z < 0, z * penalty, z / penalty), z)
 
 
 def argmax_rows(logits: torch.Tensor) -> list[int]:
@@ -491,7 +515,8 @@ class Engine:
         hidden, logits = self.target.forward(new, logits_for=slice(-1, None))
         self.target.cache.append(new.numel())
         self.context = list(prompt)
-        _, root = accept(DraftTree.root_only(prompt[-1]), logits, sampling, rng)
+        first = DraftTree.root_only(prompt[-1])
+        _, root = accept(first, penalize(logits, first, prompt[:-1], sampling.repetition_penalty), sampling, rng)
         self.drafter.observe(hidden, torch.tensor(prompt[keep + 1:] + [root], dtype=torch.long, device=device))
         finish = stop.push(root)
         self._device_sync()
@@ -499,12 +524,15 @@ class Engine:
         if self.auto_budget and self.cost is None and finish is None and self.drafter.name != "none":
             self.calibrate(root)
 
+        # drafts fare differently at each temperature, and against a penalised target: each learns on its own
+        mode = sampling.temperature if sampling.repetition_penalty == 1.0 else (sampling.temperature,
+                                                                                 sampling.repetition_penalty)
         if self.cost is not None:
-            self.cost.use_mode(sampling.temperature)
+            self.cost.use_mode(mode)
         curve = None
         if hasattr(self.drafter, "curve"):
             if self.curves is not None:
-                curve = self.curves.setdefault(sampling.temperature, AcceptanceCurve())
+                curve = self.curves.setdefault(mode, AcceptanceCurve())
             self.drafter.curve = curve
         if hasattr(self.drafter, "sampling"):  # a drafter that samples its candidates at temperature > 0
             self.drafter.sampling = sampling
@@ -537,7 +565,7 @@ class Engine:
             if self.costs is not None and self.cost is not None and device.type == "cpu":
                 # keeps the stored table current (a GPU forward returns before it is done: not timed there)
                 self.cost.refresh(len(tree), time.perf_counter() - tv)
-            path, bonus = accept(tree, logits, sampling, rng)
+            path, bonus = accept(tree, penalize(logits, tree, self.context, sampling.repetition_penalty), sampling, rng)
             if curve is not None:
                 curve.observe(tree, path)
             self.target.cache.commit(path)

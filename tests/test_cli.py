@@ -130,6 +130,45 @@ def test_generate_json_on_cpu(run_cli, llama_dir, prompt_path, isolated):
     assert json.loads(out2)["text"] == result["text"]
 
 
+def test_generate_with_a_repetition_penalty_is_transformers_output(run_cli, llama_dir, prompt_path, isolated):
+    """--repetition-penalty: the reply is transformers' greedy generate with the same penalty on the same ids (and
+    --json says the penalty); without the option, generate applies none."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from clover_cli.session import Options, Session
+
+    session = Session(Options(model=str(llama_dir), draft="none", compile="off"), quiet=True)
+    ids = session.encode_chat([{"role": "user", "content": prompt_path.read_text().rstrip("\n")}])
+    model = AutoModelForCausalLM.from_pretrained(llama_dir).eval()
+    tok = AutoTokenizer.from_pretrained(llama_dir)
+
+    def hf(penalty):
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=24, do_sample=False, repetition_penalty=penalty, pad_token_id=0)
+        new = out[0, len(ids):].tolist()
+        eos = [i for i, t in enumerate(new) if t == tok.eos_token_id]
+        return tok.decode(new[:eos[0]] if eos else new, skip_special_tokens=True)
+
+    replies = {}
+    for args, penalty in (([], 1.0), (["--repetition-penalty", "1.8"], 1.8)):
+        code, out, err = gen(run_cli, llama_dir, prompt_path, "--draft", "ngram", "--json", "-n", "24", *args)
+        assert code == 0, err
+        result = json.loads(out)
+        assert result["repetition_penalty"] == penalty
+        assert result["text"].strip() == hf(penalty).strip()
+        replies[penalty] = result["text"]
+    assert replies[1.0] != replies[1.8]  # the penalty changed the reply: the comparison above means something
+
+
+def test_chat_repetition_penalty_default_is_the_models():
+    """`clover chat` penalises repetition by default only for a model whose alias says so (the bundled one, whose
+    greedy replies otherwise loop); any other model, and generate, get none unless asked."""
+    from clover_cli.hub import chat_repetition_penalty
+
+    assert chat_repetition_penalty(None) == chat_repetition_penalty("tiny") == 1.3
+    assert chat_repetition_penalty("vicuna-7b") == 1.0 and chat_repetition_penalty("/some/dir") == 1.0
+
+
 def test_generate_8bit_on_cpu(run_cli, llama_dir, prompt_path):
     """bitsandbytes 0.50 quantizes and runs int8 matmuls on CPU (accelerate places the model)."""
     pytest.importorskip("bitsandbytes")
@@ -254,6 +293,8 @@ def test_bad_drafter_choices(run_cli, llama_dir, prompt_path, isolated):
     ("--top-p", "0"), ("--top-p", "1.5"), ("--top-p", "-0.5"), ("--top-p", "nan"),
     ("--max-new-tokens", "0"), ("--max-new-tokens", "-5"), ("--max-new-tokens", str(10**9)),
     ("--seed", "-1"), ("--seed", str(2**70)),
+    ("--repetition-penalty", "0"), ("--repetition-penalty", "-1.2"), ("--repetition-penalty", "nan"),
+    ("--repetition-penalty", "11"),
 ])
 def test_bad_sampling(run_cli, llama_dir, prompt_path, isolated, option, value):
     assert_one_line_error(gen(run_cli, llama_dir, prompt_path, option, value, "--json"), option, tmp=isolated)

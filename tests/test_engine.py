@@ -159,36 +159,52 @@ class RandomTreeDrafter:
         return b.build(budget)
 
 
-@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.8, 0.9)])
-def test_speculative_sampling_matches_the_target_distribution(temperature, top_p):
+@pytest.mark.parametrize("temperature,top_p,penalty", [(1.0, 1.0, 1.0), (0.8, 0.9, 1.0), (1.0, 1.0, 3.0)])
+def test_speculative_sampling_matches_the_target_distribution(temperature, top_p, penalty):
     """End to end on a tiny-vocabulary model: the joint distribution of the first two sampled tokens equals the
-    target's own (computed exactly by enumeration), within a TV bound that exact sampling meets."""
+    target's own (computed exactly by enumeration; with a repetition penalty, through transformers' own
+    RepetitionPenaltyLogitsProcessor), within a TV bound that exact sampling meets."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
     V = 6
     model = make_model("llama", 5, vocab=V)
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(0.15)  # temper the x8 sharpening: spread-out distributions
-    s = Sampling(temperature, top_p)
-    prompt = [1, 4, 2, 5]
-    exact = np.zeros((V, V))
-    with torch.no_grad():
-        model.set_attn_implementation("sdpa")
-        p1 = warp(model(torch.tensor([prompt])).logits[0, -1], s)
-        for a in range(V):
-            if p1[a] > 0:
-                p2 = warp(model(torch.tensor([prompt + [a]])).logits[0, -1], s)
-                exact[a] = (p1[a] * p2).numpy()
-    exact = exact.ravel() / exact.sum()
+    with torch.no_grad():  # temper the x8 sharpening: spread-out distributions (less so for the penalty to bite)
+        model.get_output_embeddings().weight.mul_(0.15 if penalty == 1.0 else 1.0)
+    s = Sampling(temperature, top_p, repetition_penalty=penalty)
+    prompt = [1, 4, 2, 1]  # tokens 0, 3 and 5 unseen (until drawn): the penalty moves mass towards them
+
+    def joint(penalty):
+        processor = RepetitionPenaltyLogitsProcessor(penalty)
+
+        def probs(ids):
+            logits = model(torch.tensor([ids])).logits[:, -1].float()
+            return warp(processor(torch.tensor([ids]), logits)[0], s)
+
+        exact = np.zeros((V, V))
+        with torch.no_grad():
+            model.set_attn_implementation("sdpa")
+            p1 = probs(prompt)
+            for a in range(V):
+                if p1[a] > 0:
+                    exact[a] = (p1[a] * probs(prompt + [a])).numpy()
+        return exact.ravel() / exact.sum()
+
+    exact = joint(penalty)
+    n = 2500
+    bound = _null_tv_bound(exact, n, np.random.default_rng(1))
+    if penalty != 1.0:  # sampling without the penalty would fail this test
+        assert 0.5 * np.abs(joint(1.0) - exact).sum() > 2 * bound
     target = Target(model)
     engine = Engine(target, RandomTreeDrafter(V, 0), budget=12, auto_budget=False)
-    n = 2500
     counts = np.zeros(V * V)
     accepted = 0
     for i in range(n):
-        out, events = run_engine(engine, prompt, StopCheck(2), Sampling(temperature, top_p, seed=i))
+        out, events = run_engine(engine, prompt, StopCheck(2), Sampling(temperature, top_p, seed=i,
+                                                                        repetition_penalty=penalty))
         counts[out[0] * V + out[1]] += 1
         accepted += sum(e.accepted for e in events)
     assert accepted > n * 0.2  # the drafts really were accepted a good share of the time
-    assert _tv(counts, exact) < _null_tv_bound(exact, n, np.random.default_rng(1))
+    assert _tv(counts, exact) < bound
 
 
 def test_sampling_is_reproducible_with_a_seed():

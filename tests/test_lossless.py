@@ -18,7 +18,7 @@ from clover_cli.drafters.eagle import EagleDrafter
 from clover_cli.drafters.clover2 import CloverDrafter
 from clover_cli.drafters.medusa import MedusaDrafter
 from clover_cli.drafters.ngram import NgramDrafter
-from clover_cli.engine import PROBE_NODES, Engine, StopCheck
+from clover_cli.engine import PROBE_NODES, Engine, Sampling, StopCheck
 from clover_cli.drafters.common import HeadsConfig
 from clover_cli.drafters.registry import build_heads
 from clover_cli.target import Target
@@ -470,3 +470,46 @@ def test_choice_stats_tries_the_other_way_less_the_slower_it_is(slower, every):
         choices.add((0, True), 2, slower, alone=2)  # the heads add nothing and make the step `slower` times dearer
     ran = [choices.choose(0, True) for _ in range(1024)]
     assert sum(ran) == 1024 // every
+
+
+def hf_greedy_penalised(model, prompt: list[int], n: int, penalty: float) -> list[int]:
+    """transformers' greedy generate with its repetition penalty (RepetitionPenaltyLogitsProcessor), EOS off."""
+    saved = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = None
+    try:
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                             repetition_penalty=penalty, eos_token_id=None, pad_token_id=0)
+    finally:
+        model.generation_config.eos_token_id = saved
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("family,kind,seed", [(fam, kind, seed) for fam in ("llama", "qwen2")
+                                              for kind in ("clover", "medusa", "ngram", "oracle", "merged", "none")
+                                              for seed in range(3)])
+def test_greedy_with_a_repetition_penalty_matches_transformers(family, kind, seed):
+    """With a repetition penalty every tree node is judged on its own sequence (context + its path): the output is
+    transformers' own greedy generate with the same penalty, for every drafter, tree shape and budget, and a reply
+    that reuses the cache; the penalty really changes the output (else this would test nothing)."""
+    rng = random.Random(zlib.crc32(f"penalty-{family}-{kind}-{seed}".encode()))
+    model = make_model(family, seed=seed)
+    target = Target(model)
+    changed = 0
+    for _ in range(3):
+        base = [rng.randrange(3, 96) for _ in range(rng.randint(2, 8))]
+        prompt = (base * rng.randint(1, 3))[: rng.randint(1, 24)] or [5]
+        penalty, n = rng.choice([1.3, 2.0, 0.7]), rng.randint(8, 40)
+        reference = hf_greedy_penalised(model, prompt, n, penalty)
+        changed += reference != hf_greedy(model, prompt, n)
+        drafter = drafter_for(kind, model, target, rng, reference, len(prompt))
+        engine = Engine(target, drafter, budget=rng.choice([4, 16, 40]), auto_budget=False)
+        out, _ = run_engine(engine, prompt, StopCheck(n), Sampling(repetition_penalty=penalty))
+        assert out == reference, f"prompt {prompt} n={n} penalty {penalty}"
+        follow = prompt + reference + [rng.randrange(3, 96)]
+        ref2 = hf_greedy_penalised(model, follow, 10, penalty)
+        if kind == "oracle":
+            engine.drafter = drafter_for(kind, model, target, rng, ref2, len(follow))
+        out2, _ = run_engine(engine, follow, StopCheck(10), Sampling(repetition_penalty=penalty))
+        assert out2 == ref2
+    assert changed
