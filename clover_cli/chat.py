@@ -42,6 +42,7 @@ COMMANDS = {
     "/load": ("FILE", "load a conversation saved with /save (or a JSON list of {role, content})"),
     "/system": ("[TEXT | --clear]", "show, set or clear the system message"),
     "/temp": ("[X]", "show or set the sampling temperature, 0 to 10 (0 = greedy)"),
+    "/penalty": ("[P]", "show or set the repetition penalty, above 0 and up to 10 (1 = none)"),
     "/draft": ("[NAME]", "show or switch the drafter: auto, clover, medusa, eagle, ngram, model, self, none"),
     "/stats": ("", "acceptance statistics of this chat so far"),
     "/exit": ("", "leave (also /quit and Ctrl-D)"),
@@ -536,6 +537,19 @@ class Chat:
             return
         self.temperature = t
         self.out.note(f"(temperature {t:g}{' (greedy)' if t == 0 else ''})")
+
+    def cmd_penalty(self, arg):
+        if arg:
+            try:
+                p = float(arg)
+            except ValueError:
+                p = float("nan")
+            if not (math.isfinite(p) and 0.0 < p <= 10.0):
+                self.out.error(f"/penalty needs a number above 0 and up to 10, not {arg!r}")
+                return
+            self.repetition_penalty = p
+        p = self.repetition_penalty
+        self.out.note(f"(repetition penalty {p:g}{' (none)' if p == 1 else ''})")
 
     def cmd_draft(self, arg):
         if not arg:

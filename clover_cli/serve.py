@@ -72,7 +72,9 @@ NEUTRAL = {"n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, 
            "top_logprobs": 0, "echo": False, "logit_bias": {}, "suffix": "", "tools": [], "tool_choice": ("none", "auto"),
            "response_format": {"type": "text"}, "parallel_tool_calls": (True, False), "user": str,
            "service_tier": str, "store": False, "metadata": dict}
-COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options"}
+# repetition_penalty: not OpenAI's, but what transformers, vLLM and TGI clients send (clover generate's option)
+COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options",
+          "repetition_penalty"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "n", "presence_penalty", "frequency_penalty",
                         "logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice", "response_format",
                         "parallel_tool_calls", "user", "service_tier", "store", "metadata"}
@@ -376,7 +378,8 @@ class Server:
         limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         max_tokens = _integer(body, limit, 1, 1_000_000) or self.max_new_tokens
         sampling = Sampling(_number(body, "temperature", 0.0, 2.0, 0.0), _number(body, "top_p", 0.0, 1.0, 1.0, True),
-                            _integer(body, "seed", 0, 2**63 - 1))
+                            _integer(body, "seed", 0, 2**63 - 1),
+                            _number(body, "repetition_penalty", 0.0, 10.0, 1.0, True))
         stream = body.get("stream")
         options = body.get("stream_options")
         if stream is not None and not isinstance(stream, bool):

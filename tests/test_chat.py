@@ -404,3 +404,24 @@ def test_terminal_ctrl_c(long_dir, tmp_path):
         child.close(force=True)
     assert child.exitstatus == 0
     assert "+Tell me a long story" in (tmp_path / "hist").read_text()
+
+
+def test_penalty_command_sets_the_repetition_penalty(llama_dir, tmp_path, run_cli, monkeypatch):
+    """/penalty P: the next replies are what `clover generate --repetition-penalty P` gives; a bad P is refused in
+    one line and changes nothing; /penalty alone shows it."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    text = "Tell me about the sea and the sea and the sea"
+    (tmp_path / "p.txt").write_text(text)
+    lines = ["/penalty 0", "/penalty abc", "/penalty 1.8", "/penalty", text]
+    code, out, err = run_cli("chat", str(llama_dir), "-n", "16", "--draft", "ngram", "--stats-file", "off",
+                             stdin="\n".join(lines) + "\n")
+    assert code == 0, err
+    assert err.count("/penalty needs a number") == 2 and err.count("repetition penalty 1.8") == 2
+    replies = {}
+    for p in ("1.8", "1"):
+        code, gen_out, gen_err = run_cli("generate", str(llama_dir), "--prompt", str(tmp_path / "p.txt"), "-n", "16",
+                                         "--draft", "ngram", "--stats-file", "off", "--json",
+                                         "--repetition-penalty", p)
+        assert code == 0, gen_err
+        replies[p] = json.loads(gen_out)["text"].strip()
+    assert replies["1.8"] != replies["1"] and replies["1.8"] in out

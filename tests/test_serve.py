@@ -182,6 +182,23 @@ def test_openai_client_completions_are_generate_raw(server, reference):
         assert streamed == want["text"]
 
 
+def test_a_repetition_penalty_is_clover_generates(server, llama_dir, tmp_path):
+    """`repetition_penalty` in a request (as transformers, vLLM and TGI clients send it) gives what `clover generate
+    --repetition-penalty` gives; a bad one is a 400."""
+    from clover_cli.cli import main
+
+    path = tmp_path / "p.txt"
+    path.write_text(PROMPTS[1])
+    want = _json_of(main, ["generate", str(llama_dir), "--prompt", str(path), "--json", "-n", str(N), "--draft",
+                           "ngram", "--stats-file", "off", "--repetition-penalty", "1.8"])
+    plain = _json_of(main, ["generate", str(llama_dir), "--prompt", str(path), "--json", "-n", str(N), "--draft",
+                            "ngram", "--stats-file", "off"])
+    assert want["text"] != plain["text"]
+    assert ask(server, PROMPTS[1], repetition_penalty=1.8) == want["text"].strip()
+    status, _, err = request(server.url, "POST", "/v1/chat/completions", chat_body("hi", repetition_penalty=0))
+    assert status == 400 and err["error"]["param"] == "repetition_penalty"
+
+
 def test_stop_strings(server, reference):
     client = openai_client(server)
     full = reference[PROMPTS[0], False]["text"].strip()

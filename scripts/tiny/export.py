@@ -72,7 +72,8 @@ def measured(ev: dict) -> str:
                          f"{speed.get(name, '-')} |")
     lines.append(f"| none | 1.0 | 1.0 | 1.0 | {speed.get('none', '-')} |")
     return "\n".join(lines) + (f"\n\n{ev['prompts']} held-out prompts, {ev['max_new_tokens']} new tokens; "
-                               f"{ev['greedy_loop_share']:.0%} of the greedy replies end in a loop.")
+                               f"{ev['greedy_loop_share']:.0%} of the greedy replies end in a loop (`clover chat` "
+                               f"therefore uses `--repetition-penalty 1.3` with this model by default).")
 
 
 def model_card(work: Path, heads_cfg: dict) -> str:
