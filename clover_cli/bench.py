@@ -43,6 +43,7 @@ class BenchConfig:
     methods: str | None = None
     max_new_tokens: int = 128
     temperature: float = 0.0
+    repetition_penalty: float = 1.0  # every row, hf's too (transformers' repetition_penalty); llama.cpp's: none
     repeats: int = 1
     limit: int | None = None
     heads: str | None = None
@@ -172,6 +173,9 @@ def choose_methods(spec: str | None, session, cfg: BenchConfig) -> list[str]:
             raise CloverError("the eagle method needs EAGLE heads: pass --eagle-heads")
         if cfg.temperature > 0 and any(m.startswith("hf-") or m in LLAMA_METHODS for m in methods):
             raise CloverError("hf-lookup, hf-assisted and llama.cpp run greedy only; use --temperature 0")
+        if cfg.repetition_penalty != 1.0 and any(m in LLAMA_METHODS for m in methods):
+            raise CloverError("the llama.cpp rows run without a repetition penalty (llama.cpp's counts only the last "
+                              "tokens); leave out --repetition-penalty")
         peers = [m for m in methods if m in LLAMA_METHODS]
         why = session.llama_unavailable() if peers else None
         if why:
@@ -193,6 +197,9 @@ def choose_methods(spec: str | None, session, cfg: BenchConfig) -> list[str]:
         methods += ["clover", "clover+ngram"]  # the heads alone, and the default drafter (heads + lookup)
     if cfg.temperature > 0:
         methods = [m for m in methods if not m.startswith("hf-")]
+    elif cfg.repetition_penalty != 1.0:
+        print("clover bench: no llama.cpp rows with a repetition penalty (llama.cpp's counts only the last tokens)",
+              file=sys.stderr)
     elif why := session.llama_unavailable():
         print(f"clover bench: no llama.cpp rows: {why}", file=sys.stderr)
     else:
@@ -384,6 +391,8 @@ class BenchSession:
                 torch.manual_seed(seed)
             else:
                 kwargs.update(do_sample=False)
+            if cfg.repetition_penalty != 1.0:
+                kwargs["repetition_penalty"] = cfg.repetition_penalty
             if method == "hf-lookup":
                 kwargs["prompt_lookup_num_tokens"] = LOOKUP_TOKENS
             if method == "hf-assisted":
@@ -405,7 +414,7 @@ class BenchSession:
         new = []
         t0 = time.perf_counter()
         stop = StopCheck(n, s.eos_ids)
-        for ev in eng.generate(ids, stop, Sampling(cfg.temperature, 1.0, seed)):
+        for ev in eng.generate(ids, stop, Sampling(cfg.temperature, 1.0, seed, cfg.repetition_penalty)):
             stats.add(ev)
             new += ev.tokens
         t1 = time.perf_counter()
@@ -424,6 +433,8 @@ def run_bench(cfg: BenchConfig):
         raise CloverError(f"--max-new-tokens must be between 1 and 100000, not {cfg.max_new_tokens}")
     if not (math.isfinite(cfg.temperature) and 0 <= cfg.temperature <= 10):
         raise CloverError(f"--temperature must be between 0 and 10, not {cfg.temperature}")
+    if not (math.isfinite(cfg.repetition_penalty) and 0 < cfg.repetition_penalty <= 10):
+        raise CloverError(f"--repetition-penalty must be above 0 and at most 10, not {cfg.repetition_penalty}")
     if not 1 <= cfg.repeats <= 100:
         raise CloverError(f"--repeats must be between 1 and 100, not {cfg.repeats}")
     if cfg.limit is not None and cfg.limit < 1:
@@ -452,7 +463,8 @@ def run_bench(cfg: BenchConfig):
     progress = _progress(cfg, len(prompts) * cfg.repeats * len(methods) + len(methods))
     with torch.inference_mode():
         for m in methods:  # warm-up: first-call costs (and the engine's cost measurement) stay out of the timings
-            bs.run(m, encoded[0][:64], BenchConfig(max_new_tokens=8, temperature=cfg.temperature), seed=0)
+            bs.run(m, encoded[0][:64], BenchConfig(max_new_tokens=8, temperature=cfg.temperature,
+                                                   repetition_penalty=cfg.repetition_penalty), seed=0)
             progress.advance(f"warm-up {m}")
         for r in range(cfg.repeats):
             for i, ids in enumerate(encoded):
@@ -525,6 +537,7 @@ def make_report(cfg, bs, methods, rows, prompts) -> dict:
     report = {
         "model": s.resolved.name, "device": str(s.device), "dtype": str(s.dtype).replace("torch.", ""),
         "prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
+        "repetition_penalty": cfg.repetition_penalty,
         "repeats": cfg.repeats, "tree_budget": cfg.tree_budget, "compiled": s.compiler.active,
         "step": s.compiler.describe(),
         "machine": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} threads".strip(),

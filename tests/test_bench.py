@@ -60,6 +60,33 @@ def test_bench_json_all_methods_identical(model_with_heads, prompts_file, run_cl
     assert png.is_file() and png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_bench_with_a_repetition_penalty_compares_with_hf_penalised(model_with_heads, prompts_file, run_cli,
+                                                                    monkeypatch):
+    """--repetition-penalty: hf generates with the same penalty (transformers' own processor runs), clover's rows
+    apply it, and every row is identical to hf."""
+    import transformers
+
+    from clover_cli import engine
+
+    model, heads = model_with_heads
+    seen = {"hf": [], "clover": []}
+    real_call = transformers.RepetitionPenaltyLogitsProcessor.__call__
+    real_penalize = engine.penalize
+    monkeypatch.setattr(transformers.RepetitionPenaltyLogitsProcessor, "__call__",
+                        lambda self, ids, scores: seen["hf"].append(self.penalty) or real_call(self, ids, scores))
+    monkeypatch.setattr(engine, "penalize",
+                        lambda logits, tree, context, p: seen["clover"].append(p) or real_penalize(logits, tree,
+                                                                                                   context, p))
+    code, out, err = run_cli("bench", str(model), "--heads", str(heads["clover2"]), "--prompts", str(prompts_file),
+                             "-n", "24", "--json", "--methods", "hf,plain,ngram,clover+ngram",
+                             "--repetition-penalty", "1.8")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["repetition_penalty"] == 1.8
+    assert all(r["identical"] is True for r in report["methods"]), report["methods"]
+    assert seen["hf"] and set(seen["hf"]) == {1.8} and seen["clover"] and set(seen["clover"]) == {1.8}
+
+
 def test_bench_prompt_directory_and_methods(model_with_heads, tmp_path, run_cli):
     model, _ = model_with_heads
     d = tmp_path / "p"
@@ -128,6 +155,8 @@ def test_builtin_prompts_are_heldout_and_categorised():
     (["-n", "0"], "--max-new-tokens"),
     (["--repeats", "0"], "--repeats"),
     (["--temperature", "-1"], "--temperature"),
+    (["--repetition-penalty", "0"], "--repetition-penalty"),
+    (["--repetition-penalty", "1.2", "--methods", "plain,llama.cpp"], "llama.cpp"),
 ])
 def test_bench_bad_input(llama_dir, run_cli, args, needle, prompts_file):
     code, out, err = run_cli("bench", str(llama_dir), "--prompts", str(prompts_file), *args)
