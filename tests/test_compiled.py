@@ -798,3 +798,13 @@ def test_the_default_drafters_choice_is_kept_between_processes(llama_dir, tmp_pa
     assert [t for ev in third.generate(prompt, 24, Sampling()) for t in ev.tokens] == out_first
     assert json.loads(stored.read_text()) == third.drafter.choices.state()
     assert sum(third.drafter.choices.state()["decisions"].values()) < sum(learned["decisions"].values()) * 2
+    # a reply under a repetition penalty learns (and keeps) a choice of its own: the unpenalised one is untouched
+    unpenalised = third.drafter.choices
+    before = json.loads(stored.read_text())
+    list(third.generate(prompt, 24, Sampling(repetition_penalty=1.5)))
+    penalised = third.engine.costs.choices_path(third.heads_path, 1.5)
+    assert penalised != stored and json.loads(stored.read_text()) == before
+    assert json.loads(penalised.read_text()) == third.drafter.choices.state() and third.drafter.choices is not unpenalised
+    assert sum(third.drafter.choices.state()["decisions"].values()) >= 1
+    list(third.generate(prompt, 24, Sampling()))
+    assert third.drafter.choices is unpenalised and json.loads(stored.read_text()) == unpenalised.state()
