@@ -703,6 +703,8 @@ def _first_line(e: BaseException) -> str:
 def _stdout_ok() -> bool:
     """Flush standard output; when it can no longer be written (its reader left, its device is full), point it at
     /dev/null so that what Python still holds for it is not tried again at exit ("Exception ignored ...")."""
+    if sys.stdout is None:  # started with its standard output closed
+        return False
     try:
         sys.stdout.flush()
         return True
@@ -754,29 +756,35 @@ def _leave(code) -> None:
 
     shutdown = getattr(threading, "_shutdown", None)  # joins the non-daemon threads, as the interpreter does
     exitfuncs = getattr(atexit, "_run_exitfuncs", None)
-    if shutdown is None or exitfuncs is None:  # not CPython: its own exit
+    if shutdown is None or exitfuncs is None or os.name == "nt":  # not CPython on a POSIX system: its own exit
         return
-    shutdown()
-    exitfuncs()
     if code is None:
         status = 0
     elif isinstance(code, int):
-        status = code
+        status = code if 0 <= code <= 255 else 1
     else:  # SystemExit("message"): the message on stderr, status 1, as Python does
-        sys.stderr.write(f"{code}\n")
         status = 1
+    try:
+        shutdown()
+        exitfuncs()
+        if not isinstance(code, (int, type(None))):
+            sys.stderr.write(f"{code}\n")
+    except KeyboardInterrupt:  # Ctrl-C while threads were joined: leave at once, as interrupted
+        status = 130
+    except BaseException:  # noqa: BLE001 - whatever else: the command's own status stands
+        pass
     _stdout_ok()
     try:
         sys.stderr.flush()
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError):
         pass
     try:  # what C libraries have buffered in their own stdio
         import ctypes
 
         ctypes.CDLL(None).fflush(None)
-    except (OSError, AttributeError):
+    except Exception:  # noqa: BLE001 - no C library to flush: nothing buffered there
         pass
-    os._exit(status & 0xFF if status >= 0 else 1)
+    os._exit(status)
 
 
 def _main(argv=None):

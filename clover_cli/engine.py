@@ -72,20 +72,26 @@ def penalize(logits: torch.Tensor, tree: DraftTree, context: list[int], penalty:
     the token after context + the tokens on the path from the root to j (both ends included), so every token in
     those is penalised, once, the way transformers' RepetitionPenaltyLogitsProcessor does (float32 logits; divided
     by the penalty where positive, multiplied where negative). The verdict on each node is then the one the target
-    with that penalty gives alone, and the output stays exactly its output."""
+    with that penalty gives alone, and the output stays exactly its output. Only the seen entries are read and
+    written (a [nodes, V] mask would cost ~70 ms a step with a 152k vocabulary)."""
     if penalty == 1.0:
         return logits
-    z = logits.float()
-    seen = torch.zeros(z.shape, dtype=torch.bool, device=z.device)
-    if context:
-        seen[:, torch.tensor(sorted(set(context)), device=z.device)] = True
-    rows, cols, path = [], [], [[] for _ in tree.tokens]
+    z = logits.float().clone()
+    n, vocab = z.shape
+    dev = z.device
+    seen = torch.tensor(sorted(t for t in set(context) if 0 <= t < vocab), dtype=torch.long, device=dev)
+    rows, cols, path = [], [], [[] for _ in tree.tokens]  # transformers too leaves out ids past the logits
     for j, tok in enumerate(tree.tokens):
         path[j] = (path[tree.parents[j]] if j else []) + [tok]
-        rows += [j] * len(path[j])
-        cols += path[j]
-    seen[torch.tensor(rows, device=z.device), torch.tensor(cols, device=z.device)] = True
-    return torch.where(seen, torch.where(z < 0, z * penalty, z / penalty), z)
+        on_path = [t for t in path[j] if 0 <= t < vocab]
+        rows += [j] * len(on_path)
+        cols += on_path  # a path token seen before is written twice, with the same value: penalised once
+    rows_t = torch.cat([torch.arange(n, device=dev).repeat_interleave(seen.numel()),
+                        torch.tensor(rows, dtype=torch.long, device=dev)])
+    cols_t = torch.cat([seen.repeat(n), torch.tensor(cols, dtype=torch.long, device=dev)])
+    picked = z[rows_t, cols_t]
+    z[rows_t, cols_t] = torch.where(picked < 0, picked * penalty, picked / penalty)
+    return z
 
 
 def argmax_rows(logits: torch.Tensor) -> list[int]:

@@ -99,11 +99,12 @@ class PackedLinear(nn.Linear):
         self.unpack()
         return super()._apply(fn, recurse)
 
-    def __getstate__(self):  # copies and pickles leave the packed weight behind (packed again on first use)
-        state = self.__dict__.copy()
+    def __getstate__(self):  # copies and pickles leave the packed weight behind (packed again on first use), and
+        state = self.__dict__.copy()  # the other linears of a lazy pack_linears call
         state.pop("packed", None)
         state.pop("packed_from", None)
         state["packed_key"] = None
+        state["pending"] = None
         return state
 
     stock_buckets: tuple = ()  # per TIMED_ROWS bucket: run F.linear there (set by pack_linears)
@@ -174,9 +175,21 @@ def finish_packing(module: nn.Module) -> None:
 
 
 def _finish(linears: list) -> None:
-    """Pack, warm and time the PackedLinears of one pack_linears call."""
+    """Pack, warm and time the PackedLinears of one pack_linears call (those still on the CPU in a packed type; an
+    interrupted call leaves them pending, to be finished at their next use)."""
     for m in linears:
         m.pending = None
+    try:
+        _pack_warm_time([m for m in linears if m.weight.device.type == "cpu" and m.weight.dtype in PACKED_DTYPES])
+    except BaseException:
+        for m in linears:
+            m.pending = linears
+        raise
+
+
+def _pack_warm_time(linears: list) -> None:
+    if not linears:
+        return
     size = sum(m.weight.numel() * m.weight.element_size() for m in linears)
     shapes = {}
     for m in linears:

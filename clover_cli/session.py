@@ -183,8 +183,12 @@ class Session:
 
     def _pack_if_eager(self) -> None:
         """Pack the target's linears now (at load, behind chat's prompt; not in a reply, nor in the forwards whose
-        times size the trees) unless the compiled step runs its forwards (--draft self packs them for its own)."""
-        if not self.compiler.active:
+        times size the trees) unless the compiled step runs every forward that uses them: not when it is inactive,
+        when the context can outgrow its programs, or when heads run eager (those without a draft vocabulary
+        project through the target's lm_head). --draft self packs them for its own layers."""
+        heads = getattr(self.drafter, "first", self.drafter)
+        eager_heads = hasattr(heads, "heads") and getattr(heads, "programs", None) is None
+        if not self.compiler.active or self.target.max_context > self.compiler.capacity or eager_heads:
             finish_packing(self.model)
 
     def _eos_ids(self) -> set[int]:

@@ -425,3 +425,14 @@ def test_penalty_command_sets_the_repetition_penalty(llama_dir, tmp_path, run_cl
         assert code == 0, gen_err
         replies[p] = json.loads(gen_out)["text"].strip()
     assert replies["1.8"] != replies["1"] and replies["1.8"] in out
+
+
+def test_the_bundled_models_chat_penalises_repetition_by_default(tmp_path, run_cli, monkeypatch):
+    """`clover chat` with the bundled model (its greedy replies loop) starts with repetition penalty 1.3, as its
+    alias says; --repetition-penalty overrides it."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    for args, want in (([], "repetition penalty 1.3"), (["--repetition-penalty", "1"], "repetition penalty 1 (none)")):
+        code, out, err = run_cli("chat", "--compile", "off", "--draft", "none", "--stats-file", "off", *args,
+                                 stdin="/penalty\n")
+        assert code == 0, err
+        assert want in err, err

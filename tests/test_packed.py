@@ -243,7 +243,7 @@ def test_lazy_packing_waits_for_the_first_packed_forward(monkeypatch):
     assert all(m.pending is None and "packed" in m.__dict__ for m in (other[0], other[2]))
 
 
-def test_a_session_packs_the_target_only_when_its_forwards_run_eager(llama_dir, monkeypatch):
+def test_a_session_packs_the_target_only_when_its_forwards_run_eager(llama_dir, monkeypatch, tmp_path):
     """The session's target is packed lazily: with --compile off (and whenever the compiled step is not active) it is
     packed at load, behind the chat's prompt, not in the first reply; while the compiled step runs every forward it
     stays unpacked (the load skips the cost)."""
@@ -259,3 +259,20 @@ def test_a_session_packs_the_target_only_when_its_forwards_run_eager(llama_dir, 
     monkeypatch.setattr(compiled.StepCompiler, "active", property(lambda self: True))
     skipped = Session(Options(model=str(llama_dir), draft="ngram", compile="off"), quiet=True)
     assert all(targets_pending(skipped))
+    # heads whose programs are not attached run eager, through the target's lm_head: packed at load
+    from transformers import AutoModelForCausalLM
+
+    from clover_cli.drafters.common import HeadsConfig
+    from clover_cli.drafters.registry import build_heads, save_heads
+
+    model = AutoModelForCausalLM.from_pretrained(llama_dir)
+    heads = build_heads(HeadsConfig.for_target(model.config, architecture="clover2", num_heads=2, num_layers=1), model)
+    heads.init_from_target(model)
+    save_heads(heads, tmp_path / "heads", "test heads")
+    eager_heads = Session(Options(model=str(llama_dir), heads=str(tmp_path / "heads"), draft="clover",
+                                  compile="off"), quiet=True)
+    assert targets_pending(eager_heads) and not any(targets_pending(eager_heads))
+    # and a context longer than the compiled programs hold runs its forwards eager past them: packed too
+    monkeypatch.setattr(compiled, "capacity_for", lambda context: 16)
+    longer = Session(Options(model=str(llama_dir), draft="ngram", compile="off"), quiet=True)
+    assert not any(targets_pending(longer))
