@@ -282,6 +282,7 @@ class Chat:
         self.session, self.conv, self.out = session, conv, out
         self.max_new_tokens, self.temperature, self.top_p, self.seed = max_new_tokens, temperature, top_p, seed
         self.repetition_penalty = repetition_penalty
+        self.loop_hinted = False  # said once per chat: a reply ended in a loop, and /penalty exists
         self.writer, self.stats_path, self.interactive = writer, stats_path, interactive
         self.sid = writer.new_session("chat", session) if writer else None
         self.total = SessionStats(self.sid or "", "chat", session.resolved.name, session.draft_name)
@@ -347,6 +348,7 @@ class Chat:
         detok = Detokenizer(s.tokenizer)
         reply = ReplyPrinter(self.out, stops)
         per = SessionStats()
+        tokens = []
         interrupted, failed, finish = False, None, None
         model, draft = s.resolved.name, s.draft_name
         try:
@@ -358,6 +360,7 @@ class Chat:
                 self.total.add(rec)
                 for tok, depth in zip(ev.tokens, ev.depths):
                     reply.add(detok.push(tok), depth)
+                tokens += ev.tokens
                 reply.flush()
                 finish = ev.finish
         except KeyboardInterrupt:
@@ -402,6 +405,10 @@ class Chat:
             if not content and not interrupted:
                 self.out.note("(empty reply)")
             self.stats_line(per, finish, interrupted)
+            if not self.loop_hinted and self.repetition_penalty == 1.0 and ends_in_loop(tokens):
+                self.loop_hinted = True
+                self.out.note("(the reply ended repeating itself: /penalty 1.3 makes repetition less likely, and "
+                              "drafts are then accepted less often)")
         except KeyboardInterrupt:
             self.conv.repair()
         finally:
@@ -869,6 +876,13 @@ def _banner(session, out: Out, load_s: float, chat: Chat, history_path, interact
 
 
 # ------------------------------------------------------------------------------------------- entry point
+
+
+def ends_in_loop(tokens: list[int], tail: int = 48, longest: int = 16) -> bool:
+    """Whether the last `tail` tokens are one block of at most `longest` tokens repeated (what a small model's greedy
+    reply often ends in: docs/BENCHMARKS.md counts them so)."""
+    t = tokens[-tail:]
+    return len(t) == tail and any(all(t[i] == t[i % p] for i in range(tail)) for p in range(1, longest + 1))
 
 
 def run_chat(opts, system=None, max_new_tokens=256, temperature=0.0, top_p=1.0, seed=None, history_file=None,

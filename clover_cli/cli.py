@@ -85,7 +85,7 @@ class Common:
     repetition_penalty = typer.Option(None, "--repetition-penalty", help="Penalise every token already in the "
                                       "conversation, as transformers' repetition_penalty does (logit / p if positive, "
                                       "x p if negative); 1 = none. The output stays exactly the target's with that "
-                                      "penalty. Default 1, but 1.3 in `clover chat` with the bundled model (it loops).",
+                                      "penalty. Default 1.",
                                       show_default=False)
     stats_file = typer.Option(None, "--stats-file", help="Where to append per-step records (default: the user "
                                                          "cache directory; 'off' disables).")
@@ -344,16 +344,12 @@ def chat(
     """
     from .chat import run_chat
 
-    from .hub import chat_repetition_penalty
-
     check_sampling(max_new_tokens, temperature, top_p, seed, repetition_penalty)
-    if repetition_penalty is None:
-        repetition_penalty = chat_repetition_penalty(model)
     run_chat(_options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, device, dtype,
                       trust_remote_code, allow_pickle, compile, load_in_4bit, device_map, max_memory, draft_model),
              system=system, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
              history_file=history_file, stats_file=stats_file, no_color=no_color,
-             repetition_penalty=repetition_penalty)
+             repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty)
 
 
 @app.command()

@@ -37,8 +37,6 @@ class ModelSpec:
     # the default draft model of `--draft model` (issue #16): an alias, a Hub repo id, or "bundled" (the bundled
     # model's own draft/ directory); None: none known
     draft: str | None = None
-    # `clover chat`'s repetition penalty when none is given (generate and serve default to none: 1.0)
-    chat_repetition_penalty: float = 1.0
 
     def heads_for(self, draft: str) -> str | None:
         """The heads repository for `--draft draft` (auto: the first one), or None."""
@@ -55,9 +53,8 @@ class ModelSpec:
 ALIASES = {
     s.alias: s
     for s in [
-        # its greedy replies loop without a penalty: 16 of clover bench's 27 prompts, 1 at 1.3 (docs/BENCHMARKS.md)
         ModelSpec("tiny", None, "vicuna_v1.1", (("clover", "bundled"),),
-                  "bundled 9M-parameter ShareGPT chat model (offline)", draft="bundled", chat_repetition_penalty=1.3),
+                  "bundled 9M-parameter ShareGPT chat model (offline)", draft="bundled"),
         ModelSpec("vicuna-7b", "lmsys/vicuna-7b-v1.5", "vicuna_v1.1", (("clover", "BinXiao/clover-2-vicuna-7b-v1.5"),),
                   "Vicuna 7B v1.5, with the Clover-2 authors' heads", draft="double7/vicuna-68m"),
         ModelSpec("vicuna-7b-v1.3", "lmsys/vicuna-7b-v1.3", "vicuna_v1.1",
@@ -209,13 +206,6 @@ def check_weights(path: Path, name: str, allow_pickle: bool):
         return
     raise CloverError(f"{name} has no safetensors weights"
                       + ("" if allow_pickle else " (pickled .bin weights are loaded only with --allow-pickle)"))
-
-
-def chat_repetition_penalty(name: str | None) -> float:
-    """`clover chat`'s repetition penalty for model `name` (an alias, repo or directory; None: the bundled model)
-    when the user gives none: the alias's own, else 1.0 (none)."""
-    spec = ALIASES.get(name or "tiny")
-    return spec.chat_repetition_penalty if spec is not None else 1.0
 
 
 def resolve_model(name: str | None, revision: str | None = None, allow_pickle: bool = False,

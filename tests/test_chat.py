@@ -427,12 +427,20 @@ def test_penalty_command_sets_the_repetition_penalty(llama_dir, tmp_path, run_cl
     assert replies["1.8"] != replies["1"] and replies["1.8"] in out
 
 
-def test_the_bundled_models_chat_penalises_repetition_by_default(tmp_path, run_cli, monkeypatch):
-    """`clover chat` with the bundled model (its greedy replies loop) starts with repetition penalty 1.3, as its
-    alias says; --repetition-penalty overrides it."""
+def test_a_reply_that_ends_in_a_loop_gets_the_penalty_hint_once(tmp_path, run_cli, monkeypatch):
+    """The bundled model's greedy replies often end in a loop: the first one that does is followed by one note that
+    /penalty exists (and what it costs); none with a penalty set, and the default is no penalty."""
+    from clover_cli.chat import ends_in_loop
+
+    assert ends_in_loop([1, 2, 3] * 16) and ends_in_loop([5] * 60) and not ends_in_loop([1, 2, 3] * 15)
+    assert not ends_in_loop(list(range(48))) and not ends_in_loop([1, 2] * 23 + [3, 4])
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    for args, want in (([], "repetition penalty 1.3"), (["--repetition-penalty", "1"], "repetition penalty 1 (none)")):
-        code, out, err = run_cli("chat", "--compile", "off", "--draft", "none", "--stats-file", "off", *args,
-                                 stdin="/penalty\n")
+    lines = "/penalty\nTell me about the sea.\nHow do I write a for loop in Python?\n"
+    hints = {}
+    for args in ([], ["--repetition-penalty", "1.3"]):
+        code, out, err = run_cli("chat", "--compile", "off", "--draft", "ngram", "--stats-file", "off", "-n", "128",
+                                 *args, stdin=lines)
         assert code == 0, err
-        assert want in err, err
+        hints[bool(args)] = err.count("/penalty 1.3 makes repetition less likely")
+        assert ("repetition penalty 1.3" if args else "repetition penalty 1 (none)") in err
+    assert hints == {False: 1, True: 0}

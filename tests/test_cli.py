@@ -160,15 +160,6 @@ def test_generate_with_a_repetition_penalty_is_transformers_output(run_cli, llam
     assert replies[1.0] != replies[1.8]  # the penalty changed the reply: the comparison above means something
 
 
-def test_chat_repetition_penalty_default_is_the_models():
-    """`clover chat` penalises repetition by default only for a model whose alias says so (the bundled one, whose
-    greedy replies otherwise loop); any other model, and generate, get none unless asked."""
-    from clover_cli.hub import chat_repetition_penalty
-
-    assert chat_repetition_penalty(None) == chat_repetition_penalty("tiny") == 1.3
-    assert chat_repetition_penalty("vicuna-7b") == 1.0 and chat_repetition_penalty("/some/dir") == 1.0
-
-
 def test_generate_8bit_on_cpu(run_cli, llama_dir, prompt_path):
     """bitsandbytes 0.50 quantizes and runs int8 matmuls on CPU (accelerate places the model)."""
     pytest.importorskip("bitsandbytes")

@@ -114,11 +114,10 @@ def timing(target, draft, prompt, rounds=5, steps=64) -> dict:
 
 
 def loops(tokens: list[int], tail: int = 48) -> bool:
-    """Whether the last `tail` tokens are one block of 1-16 tokens repeated."""
-    t = tokens[-tail:]
-    if len(t) < tail:
-        return False
-    return any(all(t[i] == t[i % p] for i in range(len(t))) for p in range(1, 17))
+    """Whether a reply ends in a loop: its last 48 tokens one block of 1-16 tokens repeated (the chat's test)."""
+    from clover_cli.chat import ends_in_loop
+
+    return ends_in_loop(tokens, tail)
 
 
 def _name(path: str) -> str:

@@ -72,8 +72,9 @@ def measured(ev: dict) -> str:
                          f"{speed.get(name, '-')} |")
     lines.append(f"| none | 1.0 | 1.0 | 1.0 | {speed.get('none', '-')} |")
     return "\n".join(lines) + (f"\n\n{ev['prompts']} held-out prompts, {ev['max_new_tokens']} new tokens; "
-                               f"{ev['greedy_loop_share']:.0%} of the greedy replies end in a loop (`clover chat` "
-                               f"therefore uses `--repetition-penalty 1.3` with this model by default).")
+                               f"{ev['greedy_loop_share']:.0%} of the greedy replies end in a loop (`/penalty 1.3` in "
+                               f"the chat, or `--repetition-penalty 1.3`, stops most of them, at the cost of most "
+                               f"drafts).")
 
 
 def model_card(work: Path, heads_cfg: dict) -> str:
