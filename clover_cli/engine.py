@@ -79,8 +79,9 @@ def penalize(logits: torch.Tensor, tree: DraftTree, context: list[int], penalty:
     z = logits.float().clone()
     n, vocab = z.shape
     dev = z.device
+    # ids past the logits are left out, as transformers leaves them out
     seen = torch.tensor(sorted(t for t in set(context) if 0 <= t < vocab), dtype=torch.long, device=dev)
-    rows, cols, path = [], [], [[] for _ in tree.tokens]  # transformers too leaves out ids past the logits
+    rows, cols, path = [], [], [[] for _ in tree.tokens]
     for j, tok in enumerate(tree.tokens):
         path[j] = (path[tree.parents[j]] if j else []) + [tok]
         on_path = [t for t in path[j] if 0 <= t < vocab]
