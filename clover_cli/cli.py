@@ -82,11 +82,10 @@ class Common:
     temperature = typer.Option(0.0, "--temperature", "-t", help="0 = greedy; above 0 samples.")
     top_p = typer.Option(1.0, "--top-p", help="Nucleus sampling mass, in (0, 1].")
     seed = typer.Option(None, "--seed", help="Random seed for sampling.")
-    repetition_penalty = typer.Option(None, "--repetition-penalty", help="Penalise every token already in the "
+    repetition_penalty = typer.Option(1.0, "--repetition-penalty", help="Penalise every token already in the "
                                       "conversation, as transformers' repetition_penalty does (logit / p if positive, "
                                       "x p if negative); 1 = none. The output stays exactly the target's with that "
-                                      "penalty. Default 1.",
-                                      show_default=False)
+                                      "penalty.")
     stats_file = typer.Option(None, "--stats-file", help="Where to append per-step records (default: the user "
                                                          "cache directory; 'off' disables).")
     no_color = typer.Option(False, "--no-color", help="Plain text, no colours.")
@@ -97,8 +96,8 @@ class Common:
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_p: float, seed: int | None = None,
-                   repetition_penalty: float | None = None):
-    if repetition_penalty is not None and not (math.isfinite(repetition_penalty) and 0.0 < repetition_penalty <= 10.0):
+                   repetition_penalty: float = 1.0):
+    if not (math.isfinite(repetition_penalty) and 0.0 < repetition_penalty <= 10.0):
         raise CloverError(f"--repetition-penalty must be above 0 and at most 10, not {repetition_penalty}")
     if seed is not None and not 0 <= seed < 2**63:
         raise CloverError(f"--seed must be between 0 and 2**63-1, not {seed}")
@@ -219,7 +218,7 @@ def generate(
                                                            "standard input."),
     max_new_tokens: int = Common.max_new_tokens, temperature: float = Common.temperature,
     top_p: float = Common.top_p, seed: Optional[int] = Common.seed,
-    repetition_penalty: Optional[float] = Common.repetition_penalty,
+    repetition_penalty: float = Common.repetition_penalty,
     raw: bool = typer.Option(False, "--raw", help="Feed the prompt as is, without the chat template."),
     keep_newline: bool = typer.Option(False, "--keep-newline", help="Keep the newline that ends the prompt file "
                                       "(by default one trailing newline is dropped, as a typed message has none)."),
@@ -267,9 +266,7 @@ def generate(
     t0 = time.perf_counter()
     # Streamed text holds back what could be the start of a stop string, so "USER:" never reaches the terminal.
     printer = None if json_out else ReplyPrinter(Out(colour), session.stop_strings)
-    # one-shot generation is the target's own greedy (or sampled) output unless a penalty is asked for
-    penalty = 1.0 if repetition_penalty is None else repetition_penalty
-    for ev in session.generate(ids, max_new_tokens, Sampling(temperature, top_p, seed, penalty)):
+    for ev in session.generate(ids, max_new_tokens, Sampling(temperature, top_p, seed, repetition_penalty)):
         stats.add(ev)
         if writer:
             writer.step(sid, ev)
@@ -307,7 +304,7 @@ def generate(
         "compiled": session.compiler.active,
         "step": session.compiler.describe(),
         "prompt_tokens": len(ids),
-        "repetition_penalty": penalty,
+        "repetition_penalty": repetition_penalty,
     }
     if json_out:
         typer.echo(json.dumps(result, ensure_ascii=False))
@@ -322,7 +319,7 @@ def chat(
     system: Optional[str] = typer.Option(None, "--system", help="System message."),
     max_new_tokens: int = Common.max_new_tokens, temperature: float = Common.temperature,
     top_p: float = Common.top_p, seed: Optional[int] = Common.seed,
-    repetition_penalty: Optional[float] = Common.repetition_penalty,
+    repetition_penalty: float = Common.repetition_penalty,
     draft: str = Common.draft, draft_model: Optional[str] = Common.draft_model,
     heads: Optional[str] = Common.heads, tree: str = Common.tree,
     tree_budget: str = Common.tree_budget, load_in_8bit: bool = Common.load_in_8bit,
@@ -349,7 +346,7 @@ def chat(
                       trust_remote_code, allow_pickle, compile, load_in_4bit, device_map, max_memory, draft_model),
              system=system, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
              history_file=history_file, stats_file=stats_file, no_color=no_color,
-             repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty)
+             repetition_penalty=repetition_penalty)
 
 
 @app.command()
