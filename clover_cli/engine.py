@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
+import numpy as np
 import torch
 
 from .target import Target
@@ -81,15 +82,13 @@ def penalize(logits: torch.Tensor, tree: DraftTree, context: list[int], penalty:
     dev = z.device
     # ids past the logits are left out, as transformers leaves them out
     seen = torch.tensor(sorted(t for t in set(context) if 0 <= t < vocab), dtype=torch.long, device=dev)
-    rows, cols, path = [], [], [[] for _ in tree.tokens]
-    for j, tok in enumerate(tree.tokens):
-        path[j] = (path[tree.parents[j]] if j else []) + [tok]
-        on_path = [t for t in path[j] if 0 <= t < vocab]
-        rows += [j] * len(on_path)
-        cols += on_path  # a path token seen before is written twice, with the same value: penalised once
+    # node j's path: j and its ancestors (a path token seen before is written twice, the same value: penalised once)
+    rows, nodes = tree.ancestor_mask().nonzero()
+    cols = np.asarray(tree.tokens, dtype=np.int64)[nodes]
+    inside = (cols >= 0) & (cols < vocab)
     rows_t = torch.cat([torch.arange(n, device=dev).repeat_interleave(seen.numel()),
-                        torch.tensor(rows, dtype=torch.long, device=dev)])
-    cols_t = torch.cat([seen.repeat(n), torch.tensor(cols, dtype=torch.long, device=dev)])
+                        torch.from_numpy(rows[inside].astype(np.int64)).to(dev)])
+    cols_t = torch.cat([seen.repeat(n), torch.from_numpy(cols[inside]).to(dev)])
     picked = z[rows_t, cols_t]
     z[rows_t, cols_t] = torch.where(picked < 0, picked * penalty, picked / penalty)
     return z
