@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from clover_cli.drafters.ngram import NgramDrafter
-from clover_cli.engine import AcceptanceCurve, CostModel, Engine, Sampling, StopCheck, accept, warp
+from clover_cli.engine import AcceptanceCurve, CostModel, Engine, Sampling, StopCheck, accept, sample, warp
 from clover_cli.target import Target, cache_kwarg
 from clover_cli.tree import DraftTree, TreeBuilder
 from helpers import OracleDrafter, hf_greedy, run_engine
@@ -205,6 +205,31 @@ def test_speculative_sampling_matches_the_target_distribution(temperature, top_p
         accepted += sum(e.accepted for e in events)
     assert accepted > n * 0.2  # the drafts really were accepted a good share of the time
     assert _tv(counts, exact) < bound
+
+
+def test_sample_draws_each_token_with_its_share_of_the_mass():
+    """engine.sample (the inverse of the cumulative sum) against the exact distribution: unnormalised input, zero
+    entries (a top-p cut, a rejected sibling) never drawn, within the TV bound exact sampling meets; a version that
+    forgets the input is unnormalised fails the same bound."""
+    probs = np.array([0.0, 0.05, 0.3, 0.0, 0.15, 0.4, 0.1, 0.0])
+    p = torch.tensor(probs * 3.7, dtype=torch.float32)  # as accept leaves p after rejections: not summing to 1
+    gen = torch.Generator().manual_seed(3)
+    n = 20000
+    counts = np.bincount([sample(p, gen) for _ in range(n)], minlength=len(probs)).astype(float)
+    bound = _null_tv_bound(probs, n, np.random.default_rng(2))
+    assert counts[probs == 0].sum() == 0
+    assert _tv(counts, probs) < bound
+
+    def unscaled(p, gen):  # u uniform in [0, 1) instead of [0, sum(p))
+        c = p.double().cumsum(0)
+        i = int(torch.searchsorted(c, torch.rand((), generator=gen, dtype=torch.float64).reshape(1), right=True)[0])
+        return min(i, len(c) - 1)
+
+    wrong = np.bincount([unscaled(p, gen) for _ in range(n)], minlength=len(probs)).astype(float)
+    assert _tv(wrong, probs) > bound
+    one = torch.zeros(50_000)
+    one[-1] = 1e-30  # a single token with any mass, at the very end
+    assert {sample(one, gen) for _ in range(50)} == {49_999}
 
 
 def test_sampling_is_reproducible_with_a_seed():

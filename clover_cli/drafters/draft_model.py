@@ -388,7 +388,7 @@ class ModelDrafter:
         continued by one draw from q at its tip. Whether a node gets children, and how many, depends only on its own
         q and the nodes drafted before it, never on the values drawn for those children: what q-aware verification
         needs to stay exact. Each node that got children records its q in `proposals`."""
-        from ..engine import warp
+        from ..engine import sample, warp
 
         builder = TreeBuilder(context[-1])
         proposals: dict[int, torch.Tensor] = {}
@@ -407,7 +407,7 @@ class ModelDrafter:
             for _ in range(k):
                 if q.sum().item() <= 0:
                     break
-                tok = int(torch.multinomial(q, 1, generator=rng).item())
+                tok = sample(q, rng)
                 out.append(tok)
                 q[tok] = 0.0
             return out
