@@ -340,6 +340,58 @@ class CostModel:
         self.draft_s = draft_s if self.draft_s == 0.0 else 0.9 * self.draft_s + 0.1 * draft_s
 
 
+class DraftValue:
+    """Whether asking the drafter pays at all, from its last WINDOW calls: the tokens they got accepted, each worth
+    a plain step's time (what the target would have spent producing it alone), against the time they took to draft
+    (what verifying a tree costs beyond a plain step, the cost model weighs when it sizes the tree). While they do
+    not pay, the drafter is asked only now and
+    then: after EXPLORE plain steps, twice as many after each such try that did not pay for itself (up to
+    MOST_WAIT), EXPLORE again after one that did.
+
+    Sampling at temperature 0.8, the bundled model's drafts are almost never accepted (n-gram lookup: ~0.01 tokens a
+    call), an empty proposal never reaches the cost model's `idle` rule, and every step paid for a proposal: lookup
+    ran at 0.90-0.97x plain decoding, the default drafter at 0.84-0.96x, the draft model at 0.44-0.64x
+    (docs/BENCHMARKS.md). Greedy, lookup's calls are worth ~10x their time and this rule does not fire. Kept per
+    sampling mode."""
+
+    WINDOW = 16
+    EXPLORE = 8
+    MOST_WAIT = 64
+
+    def __init__(self):
+        self.calls: list[tuple[int, float]] = []  # (accepted tokens, seconds) of the last WINDOW calls
+        self.plain_s = 0.0  # a plain step's time, from the steps without a tree (0: not measured yet)
+        self.waited = 0  # plain steps since the drafter was last asked, while its calls do not pay
+        self.wait = self.EXPLORE  # plain steps before the next try
+
+    def pays(self, plain_s: float) -> bool:
+        if len(self.calls) < self.WINDOW:
+            return True
+        worth = sum(a for a, _ in self.calls) * (self.plain_s or plain_s)
+        return worth >= sum(c for _, c in self.calls)
+
+    def ask(self, plain_s: float) -> bool:
+        """Whether to ask the drafter at this step (plain_s: a plain step's time if none was measured yet)."""
+        if self.pays(plain_s):
+            self.waited, self.wait = 0, self.EXPLORE
+            return True
+        self.waited += 1
+        if self.waited > self.wait:
+            self.waited = 0
+            return True
+        return False
+
+    def add(self, accepted: int, seconds: float, plain_s: float) -> None:
+        """A call's accepted tokens and its drafting time."""
+        self.calls.append((accepted, seconds))
+        del self.calls[:-self.WINDOW]
+        paid = accepted * (self.plain_s or plain_s) >= seconds
+        self.wait = self.EXPLORE if paid else min(2 * self.wait, self.MOST_WAIT)
+
+    def plain_step(self, seconds: float) -> None:
+        self.plain_s = seconds if self.plain_s == 0.0 else 0.9 * self.plain_s + 0.1 * seconds
+
+
 class AcceptanceCurve:
     """The chance that the target accepts a drafted node whose parent it accepted, as a function of the drafter's
     own probability p for the node and its rank among its siblings, learned from every verification.
@@ -444,6 +496,7 @@ class Engine:
         # costs of every size measured together, which untimed sizes follow (or None)
         self.costs = costs
         self.context: list[int] = []  # exactly the tokens in the target's KV cache
+        self.values: dict = {}  # sampling mode -> DraftValue, kept across replies
 
     def use_verify_costs(self, table: dict[int, float], padded: bool = False):
         """Size trees from these verify costs from now on (the step changed, e.g. the compiled one came in)."""
@@ -556,15 +609,19 @@ class Engine:
             self.drafter.curve = curve
         if hasattr(self.drafter, "sampling"):  # a drafter that samples its candidates at temperature > 0
             self.drafter.sampling = sampling
+        value = self.values.setdefault(mode, DraftValue()) if self.cost is not None else None
         idle = 0  # steps in a row where no drafted node was worth verifying
         while finish is None:
             t0 = time.perf_counter()
-            probe = False
+            probe = asked = False
             room = max(0, self.target.max_context - self.target.length - 1)  # drafted nodes the context can take
             if self.cost is not None and idle >= 3 and idle % 8:
                 tree = DraftTree.root_only(root)  # drafting does not pay here: plain steps, retrying now and then
                 idle += 1
+            elif value is not None and not value.ask(self.cost.verify(1)):
+                tree = DraftTree.root_only(root)  # nor do this drafter's calls lately (DraftValue)
             else:
+                asked = True
                 probe = idle >= 3
                 if self.cost is not None and hasattr(self.drafter, "min_score"):
                     self.drafter.min_score = self.cost.min_score()
@@ -598,6 +655,10 @@ class Engine:
                 self.cost.observe_step(len(accepted) + 1, t2 - t0)
                 if len(tree) > 1:
                     self.cost.observe(sum(tree.scores[1:]), len(accepted), t1 - t0)
+                if asked:  # what the verified tree costs beyond a plain step, best_budget has weighed already
+                    value.add(len(accepted), t1 - t0, self.cost.verify(1))
+                elif len(tree) == 1:
+                    value.plain_step(t2 - t0)
 
             out, out_depths = [], []
             for depth, tok in enumerate(accepted + [bonus], 1):

@@ -10,7 +10,8 @@ import torch
 from transformers import DynamicCache
 
 from clover_cli.drafters.ngram import NgramDrafter
-from clover_cli.engine import AcceptanceCurve, CostModel, Engine, Sampling, StopCheck, accept, sample, warp
+from clover_cli.engine import (AcceptanceCurve, CostModel, DraftValue, Engine, Sampling, StopCheck, accept, sample,
+                               warp)
 from clover_cli.target import Target, cache_kwarg
 from clover_cli.tree import DraftTree, TreeBuilder
 from helpers import OracleDrafter, hf_greedy, run_engine
@@ -230,6 +231,73 @@ def test_sample_draws_each_token_with_its_share_of_the_mass():
     one = torch.zeros(50_000)
     one[-1] = 1e-30  # a single token with any mass, at the very end
     assert {sample(one, gen) for _ in range(50)} == {49_999}
+
+
+def test_draft_value_stops_asking_a_drafter_whose_calls_do_not_pay_and_comes_back():
+    """Calls that get nothing accepted: after a full window the drafter is asked only after EXPLORE plain steps,
+    then twice as many after each try that did not pay, up to MOST_WAIT; one try that pays brings the short wait
+    back, and enough of them the every-step asking. Calls that pay (lookup, greedy) never stop it."""
+    v = DraftValue()
+    plain = 1.0
+    for _ in range(DraftValue.WINDOW):
+        assert v.ask(plain)
+        v.add(0, 0.1, plain)
+    waits = []
+    for _ in range(6):
+        steps = 0
+        while not v.ask(plain):
+            steps += 1
+        waits.append(steps)
+        v.add(0, 0.1, plain)
+    assert waits[0] >= DraftValue.EXPLORE and waits == sorted(waits) and max(waits) <= DraftValue.MOST_WAIT
+    assert waits[-1] == DraftValue.MOST_WAIT
+    while not v.ask(plain):
+        pass
+    v.add(1, 0.1, plain)  # this try paid: the short wait again
+    steps = 0
+    while not v.ask(plain):
+        steps += 1
+    assert steps == DraftValue.EXPLORE
+    v.add(3, 0.1, plain)  # now the window's calls pay for themselves: asked at every step
+    assert all(v.ask(plain) for _ in range(5))
+    busy = DraftValue()
+    for i in range(10 * DraftValue.WINDOW):
+        assert busy.ask(plain)
+        busy.add(int(i % 4 == 0), 0.2, plain)  # one token every 4th call: 0.25 a step's time a call, for 0.2
+
+
+def test_a_drafter_that_proposes_nothing_is_asked_now_and_then():
+    """With auto budget, a drafter whose proposals are always empty (sampled text it never predicts) is asked at a
+    few steps only, not at each one, and the output is the target's."""
+    model = make_model("llama", 4)
+    target = Target(model)
+    prompt = [7, 8, 9, 10]
+    reference = hf_greedy(model, prompt, 80)
+
+    class Empty(OracleDrafter):
+        calls = 0
+
+        def propose(self, context, budget):
+            Empty.calls += 1
+            return DraftTree.root_only(context[-1])
+
+    engine = Engine(target, Empty(reference, len(prompt), 96, 0.0, 0), budget=16, auto_budget=True)
+    out, events = run_engine(engine, prompt, StopCheck(80))
+    assert out == reference
+    steps = len(events) - 1
+    assert Empty.calls < DraftValue.WINDOW + steps / DraftValue.EXPLORE
+    # the same drafter proposing the target's own next tokens is asked at every step
+
+    class Right(OracleDrafter):
+        calls = 0
+
+        def propose(self, context, budget):
+            Right.calls += 1
+            return super().propose(context, budget)
+
+    engine = Engine(target, Right(reference, len(prompt), 96, 1.0, 0), budget=16, auto_budget=True)
+    out, events = run_engine(engine, prompt, StopCheck(80))
+    assert out == reference and Right.calls == len(events) - 1 and sum(e.accepted for e in events) > 40
 
 
 def test_sampling_is_reproducible_with_a_seed():
