@@ -483,7 +483,7 @@ class Engine:
     """
 
     def __init__(self, target: Target, drafter, budget: int = 32, auto_budget: bool = True, costs=None,
-                 learn_acceptance: bool = True):
+                 learn_acceptance: bool = True, skip_unpaid: bool = True):
         self.target = target
         self.drafter = drafter
         self.budget = budget
@@ -496,7 +496,9 @@ class Engine:
         # costs of every size measured together, which untimed sizes follow (or None)
         self.costs = costs
         self.context: list[int] = []  # exactly the tokens in the target's KV cache
-        self.values: dict = {}  # sampling mode -> DraftValue, kept across replies
+        # sampling mode -> DraftValue, kept across replies; None: the drafter is asked at every step the cost model
+        # allows (an ablation measuring the trees themselves)
+        self.values: dict | None = {} if skip_unpaid else None
 
     def use_verify_costs(self, table: dict[int, float], padded: bool = False):
         """Size trees from these verify costs from now on (the step changed, e.g. the compiled one came in)."""
@@ -609,7 +611,8 @@ class Engine:
             self.drafter.curve = curve
         if hasattr(self.drafter, "sampling"):  # a drafter that samples its candidates at temperature > 0
             self.drafter.sampling = sampling
-        value = self.values.setdefault(mode, DraftValue()) if self.cost is not None else None
+        value = (self.values.setdefault(mode, DraftValue())
+                 if self.cost is not None and self.values is not None else None)
         idle = 0  # steps in a row where no drafted node was worth verifying
         while finish is None:
             t0 = time.perf_counter()
@@ -655,9 +658,9 @@ class Engine:
                 self.cost.observe_step(len(accepted) + 1, t2 - t0)
                 if len(tree) > 1:
                     self.cost.observe(sum(tree.scores[1:]), len(accepted), t1 - t0)
-                if asked:  # what the verified tree costs beyond a plain step, best_budget has weighed already
-                    value.add(len(accepted), t1 - t0, self.cost.verify(1))
-                elif len(tree) == 1:
+                if value is not None and asked:  # what the tree's verify costs beyond a plain step, best_budget
+                    value.add(len(accepted), t1 - t0, self.cost.verify(1))  # has weighed already
+                elif value is not None and len(tree) == 1:
                     value.plain_step(t2 - t0)
 
             out, out_depths = [], []

@@ -58,8 +58,10 @@ def main():
                     "mcsd + early stop, sampled candidates (q-aware)": dict(tree="mcsd", sample=True),
                     "chain, fixed top candidates": dict(tree="chain", sample=False),
                     "chain, sampled candidates (q-aware)": dict(tree="chain", sample=True)}
-    engines = {name: Engine(s.target, NoDrafter(), budget=bs.budget, auto_budget=bs.auto, costs=s.engine.costs)
-               for name in variants}
+    # skip_unpaid=False: every variant drafts at each step the cost model allows, as the trees themselves are compared
+    # here (`clover bench`'s rows stop asking a draft whose calls do not pay: engine.DraftValue)
+    engines = {name: Engine(s.target, NoDrafter(), budget=bs.budget, auto_budget=bs.auto, costs=s.engine.costs,
+                            skip_unpaid=False) for name in variants}
     every = [s.encode_chat(p["messages"]) for p in load_prompts(None, None)]
     prompts = every[:args.limit] if args.limit else every
     # what the learned early stop is fitted on before timing: prompts outside the timed ones where there are some

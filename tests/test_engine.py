@@ -286,6 +286,11 @@ def test_a_drafter_that_proposes_nothing_is_asked_now_and_then():
     assert out == reference
     steps = len(events) - 1
     assert Empty.calls < DraftValue.WINDOW + steps / DraftValue.EXPLORE
+    Empty.calls = 0  # an ablation measuring the trees themselves asks at every step
+    engine = Engine(target, Empty(reference, len(prompt), 96, 0.0, 0), budget=16, auto_budget=True,
+                    skip_unpaid=False)
+    out, events = run_engine(engine, prompt, StopCheck(80))
+    assert out == reference and Empty.calls == len(events) - 1
     # the same drafter proposing the target's own next tokens is asked at every step
 
     class Right(OracleDrafter):
