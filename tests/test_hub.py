@@ -1,6 +1,6 @@
 """The Hub path, end to end, against a real Hub-compatible server (olah) on loopback serving local git mirrors.
 
-The server mirrors four repositories, all built here:
+The server mirrors these repositories, all built here:
   org/model    branch v1: tiny Llama (seed 1) + a pickled pytorch_model.bin that must never be downloaded;
                main (one commit later): a different tiny Llama (seed 2, one layer)
   org/heads    Clover-2 heads (random) for that target
@@ -11,6 +11,7 @@ The server mirrors four repositories, all built here:
   lmsys/vicuna-7b-v1.3 + yuhuili/EAGLE-Vicuna-7B-v1.3 + FasterDecoding/medusa-vicuna-7b-v1.3   the
                `vicuna-7b-v1.3` alias: heads in EAGLE's and Medusa's layouts, pickled only (pytorch_model.bin,
                medusa_lm_head.pt: read tensors-only)
+  double7/vicuna-68m   the Vicuna aliases' draft model: a one-layer Llama with the same tokenizer
 
 `clover` runs as a subprocess with HF_ENDPOINT / HF_HOME in its environment (huggingface_hub reads them at import),
 exactly as a user runs it. Commands that import torch cost ~5 s each, so there are only four of them.
@@ -168,6 +169,13 @@ def hub(tmp_path_factory):
             torch.save(load_file(str(repo / "model.safetensors")), repo / "pytorch_model.bin")
         _git(repo, "init", "-q", "-b", "main")
         _commit(repo, "published heads stand-in")
+
+    from conftest import small_draft
+
+    draft = models / "double7" / "vicuna-68m"  # the Vicuna aliases' draft model: a one-layer stand-in
+    small_draft(draft, refs["v1"])
+    _git(draft, "init", "-q", "-b", "main")
+    _commit(draft, "draft model stand-in")
 
     for url in olah_server(root, "org/model"):
         yield Hub(root, url, refs, commits)
@@ -345,6 +353,22 @@ def test_alias_downloads_the_published_heads(hub, prompt_file, local_text, alias
         assert "model.safetensors" in names and "pytorch_model.bin" not in names
     else:
         assert names & {"medusa_lm_head.pt", "pytorch_model.bin"}
+
+
+def test_download_fetches_the_alias_draft_model(hub, prompt_file, local_text):
+    """`clover download ALIAS` fetches the alias's draft model too, which `--draft model` then uses with no
+    --draft-model, offline, and exactly (the target's own greedy text)."""
+    code, out, err = hub.run("download", "vicuna-7b")
+    assert code == 0, err
+    assert "draft model:" in out and "models--double7--vicuna-68m" in out
+    names = {Path(f).name for f in hub.cache_files("double7/vicuna-68m")}
+    assert {"config.json", "model.safetensors"} <= names
+    code, out, err = hub.run("generate", "vicuna-7b", "--draft", "model", "--prompt", str(prompt_file), "--json",
+                             "-n", "12", "--stats-file", "off", HF_HUB_OFFLINE="1",
+                             HF_ENDPOINT="http://127.0.0.1:9")  # nothing listens there: all of it was fetched
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["draft"] == "model" and result["text"] == local_text["v1"]
 
 
 def test_models_lists_every_published_drafter(hub):
