@@ -62,8 +62,10 @@ def main():
         s.compiler.ready_heads(d, str(BUNDLED / "heads"))
         return auto_drafter(d, policies[name], s.ngram_prior)
 
+    # skip_unpaid=False: each row drafts at every step the cost model allows, so that the rows differ only in when
+    # the heads run (engine.DraftValue would also skip whole proposals where the heads do not pay)
     engines = {name: Engine(s.target, make(name), budget=s.engine.budget, auto_budget=s.engine.auto_budget,
-                            costs=s.engine.costs) for name in policies}
+                            costs=s.engine.costs, skip_unpaid=False) for name in policies}
     totals = {name: [0.0, 0, 0, 0] for name in policies}  # decode seconds, tokens, steps, steps with the heads
     heads_steps = {"n": 0}
     propose = MergedDrafter.propose
