@@ -34,6 +34,7 @@ session, each (rows, span) on its first use, and the heads' per-step modules lik
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
@@ -42,6 +43,7 @@ import subprocess
 import sys
 import time
 import warnings
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -458,7 +460,11 @@ def register_blocking(blocking: tuple[int, int] | None):
 
 
 class Program:
-    """A compiled package: called with its flat tensor inputs, returns its flat outputs."""
+    """A compiled package: called with its flat tensor inputs, returns its flat outputs.
+
+    Loading unpacks the package into a directory of its own under TMPDIR (aotinductor_XXXXXX: its library, 2-47 MB
+    a program), which the loader removes when it is destroyed. `clover` leaves with os._exit (cli._leave), where
+    no destructor runs: every process left ~0.3 GB behind, until release_programs (at exit) destroyed them first."""
 
     def __init__(self, path: Path):
         self.name = Path(path).name
@@ -467,9 +473,27 @@ class Program:
         # The CPU's own flags answer it here: the package key already names the CPU's capability.
         with torch._inductor.config.patch({"cpp.vec_isa_ok": True}):
             self.loader = torch._inductor.aoti_load_package(str(path)).loader
+        _LOADED.add(self)
 
     def __call__(self, *inputs):
+        if self.loader is None:
+            raise RuntimeError(f"compiled program {self.name} was released")
         return self.loader.boxed_run(list(inputs))
+
+    def release(self) -> None:
+        """Destroy the loader now (its unpacked directory goes with it)."""
+        self.loader = None
+
+
+_LOADED: "weakref.WeakSet[Program]" = weakref.WeakSet()
+
+
+@atexit.register
+def release_programs() -> None:
+    """Destroy every loaded program's loader, so that its unpacked directory is removed even when the process then
+    leaves without running destructors (os._exit)."""
+    for program in list(_LOADED):
+        program.release()
 
 
 @contextmanager

@@ -398,6 +398,21 @@ def test_background_build_swaps_in_and_the_cli_reuses_it(llama_dir, tmp_path, mo
     assert results["auto"]["text"] == results["off"]["text"]
     for r in results.values():
         assert r["tokens_per_s_e2e"] > 0 and r["decode_s"] >= 0 and r["load_s"] > 0
+    # run as a program, `clover` leaves with os._exit, where no destructor runs: the loaded programs' unpacked
+    # libraries (a directory each under TMPDIR, ~0.3 GB a process for the bundled model) must not stay behind
+    import os
+    import subprocess
+
+    from helpers import clover_command
+
+    tmpdir = tmp_path / "tmpdir"
+    tmpdir.mkdir()
+    p = subprocess.run([*clover_command(), "generate", str(llama_dir), "--prompt", str(prompt_file), "-n", "8",
+                        "--json", "--compile", "on", "--stats-file", "off"], env=dict(os.environ, TMPDIR=str(tmpdir)),
+                       capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["compiled"] is True
+    assert not list(tmpdir.glob("aotinductor_*")), sorted(tmpdir.iterdir())
 
     # --draft model: the draft model's own step is compiled too (after the target's); the output does not change
     from test_draft_model import small_draft
