@@ -101,7 +101,10 @@ def sample(p: torch.Tensor, rng: torch.Generator) -> int:
     8k entries on a CPU (one exponential draw per entry) against ~30 us for this: it took an eighth of a sampled
     step of the bundled model (docs/BENCHMARKS.md)."""
     c = p.double().cumsum(0)
-    u = torch.rand((), generator=rng, dtype=torch.float64).item() * c[-1].item()
+    total = c[-1].item()
+    if not 0.0 < total < float("inf"):  # NaN, negative or no mass: no distribution to draw from
+        raise ValueError(f"cannot sample from probabilities summing to {total}")
+    u = torch.rand((), generator=rng, dtype=torch.float64).item() * total
     i = int(torch.searchsorted(c, torch.tensor([u], dtype=torch.float64, device=c.device), right=True)[0])
     if i >= c.numel():  # u rounded up to the total: the last token with any probability
         i = int(torch.nonzero(p > 0)[-1, 0])
@@ -342,54 +345,72 @@ class CostModel:
 
 class DraftValue:
     """Whether asking the drafter pays at all, from its last WINDOW calls: the tokens they got accepted, each worth
-    a plain step's time (what the target would have spent producing it alone), against the time they took to draft
-    (what verifying a tree costs beyond a plain step, the cost model weighs when it sizes the tree). While they do
-    not pay, the drafter is asked only now and
-    then: after EXPLORE plain steps, twice as many after each such try that did not pay for itself (up to
-    MOST_WAIT), EXPLORE again after one that did.
+    a plain step's time (what the target would have spent producing it alone), against the time they took to draft.
+    While they do not pay, the drafter is asked only now and then: after EXPLORE plain steps, twice as many after
+    each such try that did not pay for itself (up to MOST_WAIT), EXPLORE again after one that did.
+
+    Lenient on purpose: what verifying a tree costs beyond a plain step is left out (the cost model weighs it when
+    it sizes the tree; sampled-candidate trees are verified whole), so a drafter whose tokens come in bursts (lookup
+    copying a passage) keeps being asked through a dry spell; counting the verify too stopped greedy lookup in such
+    spells and lost the passages after them (docs/BENCHMARKS.md). And a try is charged at most what a call made at
+    consecutive steps costs: after skipped steps a drafter first catches up on the tokens it did not see (the heads'
+    augmenting block, a draft model's forward), work that asking at every step spreads over those steps.
 
     Sampling at temperature 0.8, the bundled model's drafts are almost never accepted (n-gram lookup: ~0.01 tokens a
     call), an empty proposal never reaches the cost model's `idle` rule, and every step paid for a proposal: lookup
-    ran at 0.90-0.97x plain decoding, the default drafter at 0.84-0.96x, the draft model at 0.44-0.64x
+    ran at 0.90-0.97x plain decoding, the default drafter at 0.83-0.96x, the draft model at 0.44-0.64x
     (docs/BENCHMARKS.md). Greedy, lookup's calls are worth ~10x their time and this rule does not fire. Kept per
-    sampling mode."""
+    sampling mode (temperature and penalty, as the cost model's calibration)."""
 
     WINDOW = 16
     EXPLORE = 8
     MOST_WAIT = 64
 
     def __init__(self):
-        self.calls: list[tuple[int, float]] = []  # (accepted tokens, seconds) of the last WINDOW calls
-        self.plain_s = 0.0  # a plain step's time, from the steps without a tree (0: not measured yet)
-        self.waited = 0  # plain steps since the drafter was last asked, while its calls do not pay
-        self.wait = self.EXPLORE  # plain steps before the next try
+        self.calls: list[tuple[int, float]] = []  # (accepted tokens, seconds charged) of the last WINDOW calls
+        self.plain_s = 0.0  # a plain step's time, without drafting (0: not measured yet)
+        self.fallback_s = 0.0  # the same, estimated (the target's forward of one token), until it is measured
+        self.step_cost = 0.0  # the drafting time of a call made right after another (0: not measured yet)
+        self.waited = 0  # plain steps since the drafter was last asked (0 while asked at every step)
+        self.wait = self.EXPLORE  # plain steps before the next try, while the calls do not pay
 
-    def pays(self, plain_s: float) -> bool:
+    def pays(self) -> bool:
         if len(self.calls) < self.WINDOW:
             return True
-        worth = sum(a for a, _ in self.calls) * (self.plain_s or plain_s)
+        worth = sum(a for a, _ in self.calls) * (self.plain_s or self.fallback_s)
         return worth >= sum(c for _, c in self.calls)
 
     def ask(self, plain_s: float) -> bool:
         """Whether to ask the drafter at this step (plain_s: a plain step's time if none was measured yet)."""
-        if self.pays(plain_s):
-            self.waited, self.wait = 0, self.EXPLORE
+        self.fallback_s = plain_s
+        if self.pays() or self.waited >= self.wait:
             return True
         self.waited += 1
-        if self.waited > self.wait:
-            self.waited = 0
-            return True
         return False
 
-    def add(self, accepted: int, seconds: float, plain_s: float) -> None:
+    def skipped(self) -> None:
+        """A step that did not ask the drafter for another reason (the cost model's idle back-off)."""
+        self.waited += 1
+
+    def add(self, accepted: int, seconds: float) -> None:
         """A call's accepted tokens and its drafting time."""
+        tried = self.waited > 0
+        if not tried:
+            self.step_cost = seconds if self.step_cost == 0.0 else 0.9 * self.step_cost + 0.1 * seconds
+        elif self.step_cost > 0.0:
+            seconds = min(seconds, self.step_cost)
         self.calls.append((accepted, seconds))
         del self.calls[:-self.WINDOW]
-        paid = accepted * (self.plain_s or plain_s) >= seconds
-        self.wait = self.EXPLORE if paid else min(2 * self.wait, self.MOST_WAIT)
+        self.waited = 0
+        if tried and not self.pays():
+            paid = accepted * (self.plain_s or self.fallback_s) >= seconds
+            self.wait = self.EXPLORE if paid else min(2 * self.wait, self.MOST_WAIT)
+        elif not tried:
+            self.wait = self.EXPLORE
 
     def plain_step(self, seconds: float) -> None:
-        self.plain_s = seconds if self.plain_s == 0.0 else 0.9 * self.plain_s + 0.1 * seconds
+        if seconds > 0.0:
+            self.plain_s = seconds if self.plain_s == 0.0 else 0.9 * self.plain_s + 0.1 * seconds
 
 
 class AcceptanceCurve:
@@ -621,6 +642,8 @@ class Engine:
             if self.cost is not None and idle >= 3 and idle % 8:
                 tree = DraftTree.root_only(root)  # drafting does not pay here: plain steps, retrying now and then
                 idle += 1
+                if value is not None:
+                    value.skipped()
             elif value is not None and not value.ask(self.cost.verify(1)):
                 tree = DraftTree.root_only(root)  # nor do this drafter's calls lately (DraftValue)
             else:
@@ -630,8 +653,10 @@ class Engine:
                     self.drafter.min_score = self.cost.min_score()
                 tree = self.drafter.propose(self.context + [root], min(self.budget, room))
             t1 = time.perf_counter()
+            judged = asked and room > 0  # a call the context left no room for says nothing of the drafter
             if tree.proposals and len(tree) - 1 > room:
                 tree = DraftTree.root_only(root)  # sampled candidates are verified all or none (see accept)
+                judged = False
             if self.cost is not None and len(tree) > 1 and not tree.proposals:
                 # a retry verifies a few nodes even when the estimate says no: only verified drafts teach the
                 # calibration, which could otherwise stay too low for good
@@ -658,10 +683,13 @@ class Engine:
                 self.cost.observe_step(len(accepted) + 1, t2 - t0)
                 if len(tree) > 1:
                     self.cost.observe(sum(tree.scores[1:]), len(accepted), t1 - t0)
-                if value is not None and asked:  # what the tree's verify costs beyond a plain step, best_budget
-                    value.add(len(accepted), t1 - t0, self.cost.verify(1))  # has weighed already
-                elif value is not None and len(tree) == 1:
-                    value.plain_step(t2 - t0)
+                if value is not None:
+                    # a plain step's time: a step without a tree, or what a step with one took besides drafting and
+                    # its tree's verify beyond the root's (the sampling, acceptance and bookkeeping of every step)
+                    extra = self.cost.verify(len(tree)) - self.cost.verify(1) if len(tree) > 1 else 0.0
+                    value.plain_step(t2 - t0 if not asked else t2 - t1 - extra)
+                    if judged:
+                        value.add(len(accepted), t1 - t0)
 
             out, out_depths = [], []
             for depth, tok in enumerate(accepted + [bonus], 1):

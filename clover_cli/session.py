@@ -177,6 +177,8 @@ class Session:
         self.drafter = self._drafter(opts)
         self.opts = opts
         self.engine.drafter = self.drafter
+        if self.engine.values is not None:
+            self.engine.values = {}  # what the last drafter's calls were worth says nothing of this one's
         self.engine.reset()
         self.compiler.use_drafter(self.drafter, self.heads_path, self._draft_path())
         self._pack_if_eager()

@@ -231,39 +231,52 @@ def test_sample_draws_each_token_with_its_share_of_the_mass():
     one = torch.zeros(50_000)
     one[-1] = 1e-30  # a single token with any mass, at the very end
     assert {sample(one, gen) for _ in range(50)} == {49_999}
+    for bad in (torch.zeros(4), torch.tensor([0.5, float("nan")]), torch.tensor([0.2, -0.5])):
+        with pytest.raises(ValueError, match="cannot sample"):
+            sample(bad, gen)
 
 
 def test_draft_value_stops_asking_a_drafter_whose_calls_do_not_pay_and_comes_back():
     """Calls that get nothing accepted: after a full window the drafter is asked only after EXPLORE plain steps,
-    then twice as many after each try that did not pay, up to MOST_WAIT; one try that pays brings the short wait
-    back, and enough of them the every-step asking. Calls that pay (lookup, greedy) never stop it."""
+    then twice as many after each try that did not pay for itself, up to MOST_WAIT; a try that paid brings the short
+    wait back, and enough of them the every-step asking. A try is charged at most what a call at consecutive steps
+    costs (a catch-up on the skipped steps is not the drafter's per-step price). Calls that pay are never refused."""
     v = DraftValue()
-    plain = 1.0
+    v.plain_step(1.0)
     for _ in range(DraftValue.WINDOW):
-        assert v.ask(plain)
-        v.add(0, 0.1, plain)
+        assert v.ask(1.0)
+        v.add(0, 0.1)
     waits = []
     for _ in range(6):
         steps = 0
-        while not v.ask(plain):
+        while not v.ask(1.0):
             steps += 1
         waits.append(steps)
-        v.add(0, 0.1, plain)
-    assert waits[0] >= DraftValue.EXPLORE and waits == sorted(waits) and max(waits) <= DraftValue.MOST_WAIT
-    assert waits[-1] == DraftValue.MOST_WAIT
-    while not v.ask(plain):
+        v.add(0, 5.0)  # a try: charged as a call at consecutive steps (0.1), not its 5.0
+    assert waits == [8, 16, 32, 64, 64, 64]
+    assert all(c == pytest.approx(0.1) for _, c in v.calls)
+    while not v.ask(1.0):
         pass
-    v.add(1, 0.1, plain)  # this try paid: the short wait again
+    v.add(1, 0.1)  # this try paid for itself: the short wait again
     steps = 0
-    while not v.ask(plain):
+    while not v.ask(1.0):
         steps += 1
     assert steps == DraftValue.EXPLORE
-    v.add(3, 0.1, plain)  # now the window's calls pay for themselves: asked at every step
-    assert all(v.ask(plain) for _ in range(5))
+    v.add(1, 0.1)  # now the window's calls pay for their drafting: asked at every step
+    assert all(v.ask(1.0) for _ in range(5))
     busy = DraftValue()
+    busy.plain_step(1.0)
     for i in range(10 * DraftValue.WINDOW):
-        assert busy.ask(plain)
-        busy.add(int(i % 4 == 0), 0.2, plain)  # one token every 4th call: 0.25 a step's time a call, for 0.2
+        assert busy.ask(1.0)
+        busy.add(int(i % 4 == 0), 0.2)  # one token every 4th call: 0.25 of a step's time a call, for 0.2
+    idle = DraftValue()  # steps the cost model's idle rule skipped count towards the wait
+    idle.plain_step(1.0)
+    for _ in range(DraftValue.WINDOW):
+        idle.ask(1.0)
+        idle.add(0, 0.1)
+    for _ in range(DraftValue.EXPLORE):
+        idle.skipped()
+    assert idle.ask(1.0)
 
 
 def test_a_drafter_that_proposes_nothing_is_asked_now_and_then():
