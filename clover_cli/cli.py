@@ -65,6 +65,10 @@ class Common:
                         "or static (a fixed shape of 24 nodes, cut to --tree-budget when given); with --draft model "
                         "or self, dynamic = the MCSD tree, static = the draft's plain top-1 chain. With --draft auto "
                         "the n-gram matches are merged in either way.")
+    early_stop = typer.Option("fixed", "--early-stop", help="Where a branch of --draft model's or self's tree "
+                              "ends: fixed = where the draft gives its next token under 0.3; learned = where a "
+                              "logistic model of acceptance, fitted as the session runs (and for --draft model kept "
+                              "on disk for the next run), gives it under 0.3.")
     tree_budget = typer.Option("auto", "--tree-budget", help="Most draft nodes verified per step, or auto: "
                                                              "sized each step from the measured cost on this device.")
     load_in_8bit = typer.Option(False, "--load-in-8bit", help="Load the target in 8 bits (bitsandbytes).")
@@ -140,16 +144,19 @@ def read_prompt(path: str, keep_newline: bool = False) -> str:
 
 
 def _options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, device, dtype, trust_remote_code,
-             allow_pickle, compile=None, load_in_4bit=False, device_map=None, max_memory=None, draft_model=None):
-    from .options import Options, compile_mode
+             allow_pickle, compile=None, load_in_4bit=False, device_map=None, max_memory=None, draft_model=None,
+             early_stop="fixed"):
+    from .options import EARLY_STOPS, Options, compile_mode
 
     # bad values fail here, before anything loads
     if compile_mode(compile) == "on" and device_map is not None:
         raise CloverError("the compiled step runs a model on one device: --compile on cannot serve a --device-map")
+    if early_stop not in EARLY_STOPS:
+        raise CloverError(f"--early-stop must be {' or '.join(EARLY_STOPS)}, not {early_stop!r}")
     return Options(model=model, revision=revision, heads=heads, draft=draft, tree=tree, tree_budget=tree_budget,
                    load_in_8bit=load_in_8bit, load_in_4bit=load_in_4bit, device=device, device_map=device_map,
                    max_memory=max_memory, dtype=dtype, trust_remote_code=trust_remote_code,
-                   allow_pickle=allow_pickle, compile=compile, draft_model=draft_model)
+                   allow_pickle=allow_pickle, compile=compile, draft_model=draft_model, early_stop=early_stop)
 
 
 @app.command()
@@ -224,7 +231,7 @@ def generate(
                                       "(by default one trailing newline is dropped, as a typed message has none)."),
     system: Optional[str] = typer.Option(None, "--system", help="System message for the chat template."),
     draft: str = Common.draft, draft_model: Optional[str] = Common.draft_model,
-    heads: Optional[str] = Common.heads, tree: str = Common.tree,
+    heads: Optional[str] = Common.heads, tree: str = Common.tree, early_stop: str = Common.early_stop,
     tree_budget: str = Common.tree_budget, load_in_8bit: bool = Common.load_in_8bit,
     load_in_4bit: bool = Common.load_in_4bit, device: str = Common.device,
     device_map: Optional[str] = Common.device_map, max_memory: Optional[str] = Common.max_memory,
@@ -246,7 +253,7 @@ def generate(
     t_start = time.perf_counter()
     session = Session(_options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, device, dtype,
                                trust_remote_code, allow_pickle, compile, load_in_4bit, device_map, max_memory,
-                               draft_model),
+                               draft_model, early_stop),
                       quiet=json_out)
     session.compiler.start(background=False)  # --compile on: built now if needed; auto: a cached one or eager
     load_s = time.perf_counter() - t_start
@@ -321,7 +328,7 @@ def chat(
     top_p: float = Common.top_p, seed: Optional[int] = Common.seed,
     repetition_penalty: float = Common.repetition_penalty,
     draft: str = Common.draft, draft_model: Optional[str] = Common.draft_model,
-    heads: Optional[str] = Common.heads, tree: str = Common.tree,
+    heads: Optional[str] = Common.heads, tree: str = Common.tree, early_stop: str = Common.early_stop,
     tree_budget: str = Common.tree_budget, load_in_8bit: bool = Common.load_in_8bit,
     load_in_4bit: bool = Common.load_in_4bit, device: str = Common.device,
     device_map: Optional[str] = Common.device_map, max_memory: Optional[str] = Common.max_memory,
@@ -343,7 +350,8 @@ def chat(
 
     check_sampling(max_new_tokens, temperature, top_p, seed, repetition_penalty)
     run_chat(_options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, device, dtype,
-                      trust_remote_code, allow_pickle, compile, load_in_4bit, device_map, max_memory, draft_model),
+                      trust_remote_code, allow_pickle, compile, load_in_4bit, device_map, max_memory, draft_model,
+                      early_stop),
              system=system, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
              history_file=history_file, stats_file=stats_file, no_color=no_color,
              repetition_penalty=repetition_penalty)
@@ -360,7 +368,7 @@ def serve(
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="Reply length when a request sets "
                                                                          "no max_tokens."),
     draft: str = Common.draft, draft_model: Optional[str] = Common.draft_model,
-    heads: Optional[str] = Common.heads, tree: str = Common.tree,
+    heads: Optional[str] = Common.heads, tree: str = Common.tree, early_stop: str = Common.early_stop,
     tree_budget: str = Common.tree_budget, load_in_8bit: bool = Common.load_in_8bit,
     load_in_4bit: bool = Common.load_in_4bit, device: str = Common.device,
     device_map: Optional[str] = Common.device_map, max_memory: Optional[str] = Common.max_memory,
@@ -387,7 +395,7 @@ def serve(
         raise CloverError(f"--port must be between 0 and 65535, not {port}")
     check_sampling(max_new_tokens, 0.0, 1.0)
     opts = _options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, device, dtype, trust_remote_code,
-                    allow_pickle, compile, load_in_4bit, device_map, max_memory, draft_model)
+                    allow_pickle, compile, load_in_4bit, device_map, max_memory, draft_model, early_stop)
     sock = listen(host, port)  # a port in use fails now, before loading
     t0 = time.perf_counter()
     session = Session(opts)

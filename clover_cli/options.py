@@ -11,6 +11,7 @@ from .errors import CloverError
 MODES = ("auto", "on", "off")  # --compile, see clover_cli/compiled.py
 # self: the target with layers skipped as its own draft (clover_cli/drafters/self_draft.py)
 DRAFTS = ("auto", "clover", "medusa", "eagle", "eagle3", "ngram", "model", "self", "none")
+EARLY_STOPS = ("fixed", "learned")  # --early-stop: how a draft model's branches end (drafters/early_stop.py)
 HEADS_DRAFTS = {"clover": "clover2", "medusa": "medusa", "eagle": "eagle",
                 "eagle3": "eagle3"}  # drafter -> the heads it runs
 
@@ -23,6 +24,7 @@ class Options:
     draft: str = "auto"
     draft_model: str | None = None  # --draft model's draft model: an alias, a Hub repo id or a directory
     tree: str = "dynamic"
+    early_stop: str = "fixed"  # fixed or learned (--draft model and self)
     tree_budget: str = "auto"
     load_in_8bit: bool = False
     load_in_4bit: bool = False

@@ -18,7 +18,7 @@ from .drafters.registry import resolve_heads
 from .hub import looks_like_repo, resolve_model
 from .loading import keep_loaded, load
 from .target import Target, check_exact
-from .options import DRAFTS, HEADS_DRAFTS, Options, parse_budget  # noqa: F401 - importable from here too
+from .options import DRAFTS, EARLY_STOPS, HEADS_DRAFTS, Options, parse_budget  # noqa: F401 - importable here too
 from .packed import finish_packing
 from .templates import STOP_STRINGS, chat_template, render
 
@@ -28,6 +28,11 @@ class Session:
             raise CloverError(f"unknown drafter {opts.draft!r}; choose one of {', '.join(DRAFTS)}")
         if opts.tree not in ("dynamic", "static"):
             raise CloverError(f"--tree must be dynamic or static, not {opts.tree!r}")
+        if opts.early_stop not in EARLY_STOPS:
+            raise CloverError(f"--early-stop must be {' or '.join(EARLY_STOPS)}, not {opts.early_stop!r}")
+        if opts.early_stop == "learned" and opts.tree == "static":
+            raise CloverError("--tree static drafts a fixed chain with no early stop: --early-stop learned needs "
+                              "--tree dynamic")
         budget, auto = parse_budget(opts.tree_budget)
         if opts.tree == "static" and opts.draft not in ("model", "self"):  # a draft model's static tree: its chain
             from .drafters.common import STATIC_TREE
@@ -151,6 +156,11 @@ class Session:
                                                 self.model, self.tokenizer, opts.trust_remote_code)
         if opts.tree == "static":
             return ModelDrafter(self.draft_model, self.target, tree="chain", stop_below=0.0)
+        if opts.early_stop == "learned":
+            from .drafters.early_stop import store_path
+
+            return ModelDrafter(self.draft_model, self.target, learned_stop=True,
+                                stop_file=store_path(self.resolved.path, self.draft_model_path, self.dtype))
         return ModelDrafter(self.draft_model, self.target)
 
     def _self_drafter(self, opts: Options):
@@ -159,8 +169,9 @@ class Session:
 
         log = None if self.quiet else self._warn
         where = cache_path(self.resolved.path, self.device, self.dtype)
-        return SelfDrafter(self.target, tree="chain" if opts.tree == "static" else "mcsd", cache=where, log=log,
-                           **({"stop_below": 0.0} if opts.tree == "static" else {}))
+        if opts.tree == "static":
+            return SelfDrafter(self.target, tree="chain", cache=where, log=log, stop_below=0.0)
+        return SelfDrafter(self.target, cache=where, log=log, learned_stop=opts.early_stop == "learned")
 
     def switch_draft(self, name: str):
         """Use another drafter from now on (the next reply re-reads the conversation into it)."""
@@ -244,6 +255,9 @@ class Session:
         finally:
             if stored is not None:
                 self.engine.costs.save_choices(*stored)
+            save = getattr(self.engine.drafter, "save_learning", None)
+            if save is not None:
+                save()  # the learned early stop of --draft model
 
     def _stored_choices(self, repetition_penalty: float = 1.0):
         """(the default drafter's learned choice, its file), restored from the store when the drafter is new or the

@@ -1,13 +1,27 @@
-"""The draft-model drafter's ablation (issue #16 item 7): the plain top-1 chain, then multi-candidate at the root
-(MCSD) with branches up to 8 deep, then with per-branch early stop (the dynamic lengths `--draft model` uses; every
-variant also stops a branch where a node would not pay for its verification, the engine's cost floor), then with the
-learned early stop (drafters/early_stop.py, fitted online during the warm-up and the runs); and
-under sampling, fixed top-token candidates against sampled ones verified q-aware. Same target, draft, prompts and
-cost model as `clover bench`, interleaved prompt by prompt after a warm-up; greedy outputs checked against plain
+"""The draft-model drafter's ablation (issue #16 item 7), in the steps of improved MCSD's (arXiv 2409.10644):
+
+    chain, 8 deep                          the draft's top-1 token at each depth (classic speculative decoding)
+    mcsd k=3, equal lengths (8 deep)       the draft's 3 best tokens at the root, each branch drafted 8 deep: the
+                                           MCSD baseline, whose candidates are equal-length sequences
+    + branches end on their own            per-branch lengths, each ending where the draft gives its next token
+      (dynamic mask, --draft model)        under 0.3: what the paper's dynamic, topology-aware mask allows (here
+                                           every tree is verified through a tree mask, so the mask is the same
+                                           code for both; what changes is that branches may differ in length)
+    + learned early stop                   each branch ends where a logistic model of acceptance, fitted online
+                                           (drafters/early_stop.py; fitted during the warm-up before timing), says
+                                           under 0.3: the paper's decision models
+    chain + early stop, chain + learned early stop: the same stops on the chain
+
+The paper's "target-initialised" candidates are, in this engine, every step's root (the target's own token): see
+drafters/draft_model.py. With `--tree-budget N` (no cost model) a tree is verified as drafted, up to N nodes, as in
+the paper's setting; with `auto` (clover's default) the engine also cuts every tree to the nodes that pay for their
+verification on this device, which blurs the first steps (equal lengths no longer reach the verify). Under
+sampling: fixed top-token candidates against sampled ones verified q-aware. Same target, draft, prompts and cost
+model as `clover bench`, interleaved prompt by prompt after a warm-up; greedy outputs checked against plain
 decoding.
 
     python scripts/draft_ablation.py --draft-model DIR [--temperature 0.8] [--limit N] [-n 128] [--tree-budget N]
-        [--json OUT]
+        [--compile auto|on|off] [--json OUT]
 """
 
 from __future__ import annotations
@@ -30,10 +44,10 @@ VARIANTS = {
     "plain": None,
     "chain, 8 deep (--tree static)": dict(tree="chain", stop_below=0.0),
     "chain + early stop": dict(tree="chain"),
-    "mcsd k=3, 8 deep": dict(tree="mcsd", stop_below=0.0),
-    "mcsd k=3 + early stop (--draft model)": dict(tree="mcsd"),
+    "mcsd k=3, equal lengths (8 deep)": dict(tree="mcsd", stop_below=0.0),
+    "mcsd k=3 + branches end on their own (dynamic mask; --draft model)": dict(tree="mcsd"),
     "chain + learned early stop": dict(tree="chain", learned_stop=True),
-    "mcsd k=3 + learned early stop": dict(tree="mcsd", learned_stop=True),
+    "mcsd k=3 + dynamic mask + learned early stop (--early-stop learned)": dict(tree="mcsd", learned_stop=True),
 }
 
 
@@ -45,10 +59,11 @@ def main():
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("-n", "--max-new-tokens", type=int, default=128)
     ap.add_argument("--tree-budget", default="auto", help="auto (sized per step by measured cost) or N nodes")
+    ap.add_argument("--compile", default=None, help="auto, on or off (default: $CLOVER_COMPILE, else auto)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     cfg = BenchConfig(model=args.model, draft_model=args.draft_model, methods="plain", json_out=True,
-                      tree_budget=args.tree_budget)
+                      tree_budget=args.tree_budget, compile=args.compile)
     bs = BenchSession(cfg)
     s = bs.session
     variants = dict(VARIANTS)

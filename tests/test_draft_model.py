@@ -145,6 +145,42 @@ def test_learned_early_stop_fits_and_stays_lossless():
         out, _ = run_engine(engine, prompt, StopCheck(40))
         assert out == hf_greedy(model, prompt, 40)
 
+def test_learned_early_stop_is_kept_on_disk(tmp_path):
+    """state()/restore() round trip: the restored model predicts as the saved one and keeps its labels for the next
+    fit; a missing, damaged or foreign file leaves the model as it was."""
+    import json
+
+    from clover_cli.drafters.early_stop import EarlyStop
+
+    g = torch.Generator().manual_seed(1)
+    stop = EarlyStop()
+    for p in torch.rand(300, generator=g).tolist():
+        stop._add(stop.features(p, 0.5, 3), bool(torch.rand((), generator=g).item() < p))
+    stop.fit()
+    path = tmp_path / "stop.json"
+    stop.save(path)
+    again = EarlyStop()
+    assert again.load(path) and again.ready
+    rows = [stop.features(p, 0.5, d) for p, d in ((0.05, 1), (0.4, 2), (0.9, 5))]
+    assert again.predict(rows) == pytest.approx(stop.predict(rows), abs=1e-9)
+    assert again.y == stop.y and again.recent == stop.recent and len(again.x) == 300
+
+    state = json.loads(path.read_text())
+    bad = {"garbage": "{not json", "nan": json.dumps({**state, "w": [float("nan")] * 6}),
+           "features": json.dumps({**state, "features": ["bias", "p"]}),
+           "labels": json.dumps({**state, "y": state["y"][:-1]}), "missing": None}
+    for name, text in bad.items():
+        f = tmp_path / f"{name}.json"
+        if text is not None:
+            f.write_text(text)
+        fresh = EarlyStop()
+        assert not fresh.load(f), name
+        assert fresh.w is None and fresh.y == [], name
+        assert not again.load(f) and again.ready and len(again.y) == 300, name  # what it had is kept
+    EarlyStop().save(tmp_path / "empty.json")  # nothing learned: nothing written
+    assert not (tmp_path / "empty.json").exists()
+
+
 def test_tree_shapes_and_one_batched_forward_per_depth():
     """MCSD: up to root_k candidates at the root, each a branch of its own length; one draft forward per depth
     (the root's included), however many branches."""
@@ -404,6 +440,36 @@ def test_generate_with_a_draft_model(run_cli, llama_dir, drafts, tmp_path):
         runs[draft] = json.loads(out)
     assert runs["model"]["draft"] == "model" and runs["model"]["draft_model"] == str(drafts["good"])
     assert runs["model"]["text"] == runs["none"]["text"]
+
+
+def test_generate_keeps_the_learned_early_stop_for_the_next_run(run_cli, llama_dir, drafts, tmp_path, monkeypatch):
+    """--early-stop learned: the output is the target's own; the labels a run learned are on disk after it, and the
+    next run starts from them (its file then holds both runs' labels); bad uses are one-line errors."""
+    import json
+
+    monkeypatch.setenv("CLOVER_COMPILE_CACHE", str(tmp_path / "cache"))
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("Hello! How can I help you today?")
+    common = ["generate", str(llama_dir), "-p", str(prompt), "-n", "40", "--json", "--stats-file", "off",
+              "--draft-model", str(drafts["good"])]
+    code, out, err = run_cli(*common, "--draft", "none")
+    assert code == 0, err
+    plain = json.loads(out)["text"]
+    labels = []
+    for _ in range(2):
+        code, out, err = run_cli(*common, "--draft", "model", "--early-stop", "learned")
+        assert code == 0, err
+        assert json.loads(out)["text"] == plain
+        files = list((tmp_path / "cache" / "early_stop").glob("*.json"))
+        assert len(files) == 1
+        labels.append(len(json.loads(files[0].read_text())["y"]))
+    assert 0 < labels[0] < labels[1]  # the second run went on from the first run's labels
+
+    for extra, needle in ((["--early-stop", "sometimes"], "--early-stop must be fixed or learned"),
+                          (["--early-stop", "learned", "--tree", "static"], "--early-stop learned needs")):
+        code, out, err = run_cli(*common, "--draft", "model", *extra)
+        lines = [line for line in err.strip().splitlines() if line.strip()]
+        assert code != 0 and len(lines) == 1 and needle in lines[0], err
 
 
 @pytest.mark.parametrize("case,needle", [

@@ -80,3 +80,21 @@ def test_serve_bench_small_run():
     assert [(r["requests"], r["errors"], r["complete"], r["identical_to_serial"]) for r in many["rounds"]] \
         == [(6, 0, 6, 6)] * 2
     assert len(many["rss_mib_after_serial_then_each_round"]) == 3
+
+
+def test_draft_ablation_small_run(tmp_path):
+    """scripts/draft_ablation.py on the bundled target and draft, one prompt, eager: every variant's row, each
+    greedy output identical to plain decoding; the equal-length MCSD baseline verifies more nodes than its chain."""
+    out = tmp_path / "ablation.json"
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "draft_ablation.py"), "--draft-model",
+                        str(ROOT / "clover_cli" / "bundled" / "tiny" / "draft"), "--limit", "1", "-n", "16",
+                        "--tree-budget", "24", "--compile", "off", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    report = json.loads(out.read_text())
+    rows = {r["variant"]: r for r in report["rows"]}
+    assert len(rows) == 7 and report["prompts"] == 1 and report["step"].startswith("eager")
+    assert all(r["identical_to_plain"] is True for r in rows.values())
+    assert all(r["tau"] >= 1 and r["tokens_per_s"] > 0 for r in rows.values())
+    mcsd, chain = rows["mcsd k=3, equal lengths (8 deep)"], rows["chain, 8 deep (--tree static)"]
+    assert mcsd["nodes_per_step"] > chain["nodes_per_step"]

@@ -167,7 +167,7 @@ class ModelDrafter:
 
     def __init__(self, draft_model, target: Target, tree: str = "mcsd", root_k: int = ROOT_K,
                  max_depth: int = MAX_DEPTH, stop_below: float = STOP_BELOW, root_min: float = ROOT_MIN,
-                 sample: bool = True, learned_stop: bool = False):
+                 sample: bool = True, learned_stop: bool = False, stop_file: Path | None = None):
         if tree not in TREES:
             raise CloverError(f"unknown draft-model tree {tree!r}; choose one of {', '.join(TREES)}")
         self.tree = tree
@@ -191,8 +191,10 @@ class ModelDrafter:
         self._rng: torch.Generator | None = None
         self._seeded_for = None
         # learned_stop: a branch ends where the learned chance of acceptance (drafters/early_stop.py, fitted online
-        # and kept with the draft model's runner) falls below stop_below, instead of the draft's probability
+        # and kept with the draft model's runner) falls below stop_below, instead of the draft's probability;
+        # stop_file: where it is kept between processes (early_stop.store_path), read when the runner has none yet
         self.learned_stop = learned_stop
+        self.stop_file = stop_file
 
     def _early_stop(self, context):
         """The learned early stop (after labelling the last proposal from `context`), or None for the fixed rule."""
@@ -203,8 +205,15 @@ class ModelDrafter:
         stop = getattr(self.draft, "_clover_early_stop", None)
         if stop is None:
             stop = self.draft._clover_early_stop = EarlyStop()
+            stop.load(self.stop_file)
         stop.learn(context)
         return stop
+
+    def save_learning(self) -> None:
+        """Keep the learned early stop on disk (stop_file), for the next process; nothing for the fixed rule."""
+        stop = getattr(self.draft, "_clover_early_stop", None)
+        if self.learned_stop and stop is not None:
+            stop.save(self.stop_file)
 
     @staticmethod
     def _entropy(probs: torch.Tensor) -> list[float]:

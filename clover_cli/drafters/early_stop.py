@@ -19,11 +19,16 @@ tokens committed since (the accepted path and the next token), and every drafted
 accepted path gets a label: accepted or not. After every REFIT new labels the weights are refitted (Newton steps on a
 window of the last WINDOW labels, a little L2). Until MIN_FIT labels have been seen the fixed rule is used. The
 model belongs to the draft model (its runner): the drafters a session or a benchmark makes afresh keep learning it.
+A session also keeps it on disk (`store_path`: per target and draft model, by their files), so the next process
+starts from what the last one learned instead of the fixed rule.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+from pathlib import Path
 
 import torch
 
@@ -95,6 +100,51 @@ class EarlyStop:
         self.recent = 0.95 * self.recent + 0.05 * (1.0 if hit else 0.0)
         self._new += 1
 
+    def state(self) -> dict:
+        """What has been learned, as JSON-able data: the weights, the running acceptance and the label window."""
+        return {"features": list(FEATURES), "threshold": self.threshold,
+                "w": None if self.w is None else self.w.tolist(), "recent": self.recent,
+                "x": [[round(v, 6) for v in row] for row in self.x], "y": self.y}
+
+    def restore(self, state: dict) -> None:
+        """Start from `state` (from state()); ValueError, with nothing changed, when it is not one."""
+        try:
+            if list(state["features"]) != list(FEATURES):
+                raise ValueError("other features")
+            w = None if state["w"] is None else torch.tensor([float(v) for v in state["w"]], dtype=torch.float64)
+            x = [[float(v) for v in row] for row in state["x"]][-self.WINDOW:]
+            y = [float(v) for v in state["y"]][-self.WINDOW:]
+            recent = float(state["recent"])
+            if (w is not None and (w.numel() != len(FEATURES) or not torch.isfinite(w).all())
+                    or len(x) != len(y) or any(len(row) != len(FEATURES) for row in x)
+                    or not all(math.isfinite(v) for row in x for v in row) or any(v not in (0.0, 1.0) for v in y)
+                    or not 0.0 <= recent <= 1.0):
+                raise ValueError("values out of range")
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            raise ValueError(f"not an EarlyStop state: {e}") from None
+        self.w, self.x, self.y, self.recent = w, x, y, recent
+        self._new, self._last = 0, None
+
+    def load(self, path: Path | None) -> bool:
+        """Restore from `path` when it holds a state (a missing or damaged file leaves this as it is)."""
+        if path is None:
+            return False
+        try:
+            self.restore(json.loads(Path(path).read_text()))
+        except (OSError, ValueError):
+            return False
+        return True
+
+    def save(self, path: Path | None) -> None:
+        if path is None or not self.y:
+            return
+        from .. import atomic
+
+        try:
+            atomic.write_text(Path(path), json.dumps(self.state()))
+        except OSError:
+            pass  # a cache that cannot be written only costs the next process its learning
+
     def fit(self, steps: int = 8) -> None:
         """Logistic regression by Newton's method (float64, L2 on all but the bias)."""
         x = torch.tensor(self.x, dtype=torch.float64)
@@ -110,3 +160,12 @@ class EarlyStop:
         if torch.isfinite(w).all():
             self.w = w
         self._new = 0
+
+
+def store_path(target_path, draft_path, dtype) -> Path:
+    """Where a session keeps the learned early stop of this target and draft model (both by path and files)."""
+    from ..compiled import _fingerprint_files, cache_root
+
+    key = [(str(Path(p).resolve()), _fingerprint_files(Path(p))) for p in (target_path, draft_path)]
+    digest = hashlib.sha256(json.dumps([key, str(dtype)]).encode()).hexdigest()[:20]
+    return cache_root() / "early_stop" / f"{Path(draft_path).name[:40]}-{digest}.json"
