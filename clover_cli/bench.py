@@ -278,7 +278,8 @@ class BenchSession:
         self.budget, self.auto = parse_budget(cfg.tree_budget)
         self.engines = {}
         self.choices = {}  # method -> (ChoiceStats of its merged drafters, the file it is kept in)
-        self.repetition_penalty = cfg.repetition_penalty  # the learned choice is kept per penalty
+        self.repetition_penalty = cfg.repetition_penalty  # the learned choice is kept per penalty and temperature
+        self.temperature = cfg.temperature
         self.quiet = cfg.json_out
         self.llama_runners, self.llama_ctx, self.llama_gguf, self.llama_draft_gguf = {}, s.max_context, None, None
         self.llama_threads = torch.get_num_threads()
@@ -358,8 +359,8 @@ class BenchSession:
                 # exactly what --draft auto runs; what it learns about when the heads pay carries over between runs,
                 # as in a chat session, and starts from what earlier processes stored, as a session's does
                 if method not in self.choices:
-                    self.choices[method] = ChoiceStats(), s.engine.costs.choices_path(self.clover_path,
-                                                                                      self.repetition_penalty)
+                    self.choices[method] = ChoiceStats(), s.engine.costs.choices_path(
+                        self.clover_path, self.repetition_penalty, self.temperature)
                     s.engine.costs.load_choices(*self.choices[method])
                 drafter = auto_drafter(drafter, self.choices[method][0], s.ngram_prior)
         if method in ("medusa", "clover", "clover+ngram"):  # the heads' compiled programs, when the step is

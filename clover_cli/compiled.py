@@ -1320,15 +1320,16 @@ class StepCosts:
         except OSError:
             pass  # a cache that cannot be written only costs the next process a measurement
 
-    def choices_path(self, heads_path: Path, repetition_penalty: float = 1.0) -> Path:
+    def choices_path(self, heads_path: Path, repetition_penalty: float = 1.0, temperature: float = 0.0) -> Path:
         """Where the default drafter's learned choice (drafters.ChoiceStats: when a step pays for running the heads)
         is kept: beside this table, per heads directory and its files, as it depends on both step costs and heads,
-        and per repetition penalty (drafts fare far worse against a penalised target)."""
+        and per temperature and repetition penalty (drafts fare far worse against a sampled or penalised target)."""
         heads = hashlib.sha256(repr((str(Path(heads_path).resolve()), _fingerprint_files(Path(heads_path))))
                                .encode()).hexdigest()[:10]
         table = self._path()
-        penalty = "" if repetition_penalty == 1.0 else f"-penalty{repetition_penalty:g}"
-        return table.with_name(f"{table.stem}-choice-{heads}{penalty}.json")
+        mode = "" if temperature == 0.0 else f"-t{temperature:g}"
+        mode += "" if repetition_penalty == 1.0 else f"-penalty{repetition_penalty:g}"
+        return table.with_name(f"{table.stem}-choice-{heads}{mode}.json")
 
     @staticmethod
     def load_choices(choices, path: Path) -> None:

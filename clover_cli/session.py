@@ -244,7 +244,7 @@ class Session:
         room = self.check_fits(prompt, max_new_tokens)
         stop = StopCheck(room, self.eos_ids, self.stop_strings if stop_strings is None else stop_strings,
                          self.decode)
-        stored = self._stored_choices(sampling.repetition_penalty)
+        stored = self._stored_choices(sampling.temperature, sampling.repetition_penalty)
         try:
             for ev in self.engine.generate(prompt, stop, sampling):
                 yield ev
@@ -259,17 +259,18 @@ class Session:
             if save is not None:
                 save()  # the learned early stop of --draft model
 
-    def _stored_choices(self, repetition_penalty: float = 1.0):
+    def _stored_choices(self, temperature: float = 0.0, repetition_penalty: float = 1.0):
         """(the default drafter's learned choice, its file), restored from the store when the drafter is new or the
         step changed kind (the compiled one came in), so that a new process does not pay to learn it again: a
-        one-shot reply is too short to (docs/BENCHMARKS.md); None for other drafters. One choice per repetition
-        penalty: the heads pay far less often against a penalised target, and a chat's penalty must not teach
-        an unpenalised `clover generate` otherwise."""
+        one-shot reply is too short to (docs/BENCHMARKS.md); None for other drafters. One choice per temperature
+        and repetition penalty, as the engine keeps its cost model: the heads pay far less often against a
+        penalised or sampled target, and a sampled chat must not teach a greedy `clover generate` otherwise."""
         if getattr(self.drafter, "choices", None) is None or self.heads_path is None or self.engine.costs is None:
             return None
-        by_penalty = self.drafter.__dict__.setdefault("choices_by_penalty", {1.0: self.drafter.choices})
-        choices = self.drafter.choices = by_penalty.setdefault(repetition_penalty, type(self.drafter.choices)())
-        path = self.engine.costs.choices_path(self.heads_path, repetition_penalty)
+        by_mode = self.drafter.__dict__.setdefault("choices_by_mode", {(0.0, 1.0): self.drafter.choices})
+        choices = self.drafter.choices = by_mode.setdefault((temperature, repetition_penalty),
+                                                            type(self.drafter.choices)())
+        path = self.engine.costs.choices_path(self.heads_path, repetition_penalty, temperature)
         if self._choices_from != (choices, path):  # ChoiceStats compares by identity
             self.engine.costs.load_choices(choices, path)
             self._choices_from = (choices, path)

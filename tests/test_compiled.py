@@ -823,3 +823,11 @@ def test_the_default_drafters_choice_is_kept_between_processes(llama_dir, tmp_pa
     assert sum(third.drafter.choices.state()["decisions"].values()) >= 1
     list(third.generate(prompt, 24, Sampling()))
     assert third.drafter.choices is unpenalised and json.loads(stored.read_text()) == unpenalised.state()
+    # and a sampled reply likewise: a temperature's choice is its own
+    before = json.loads(stored.read_text())
+    list(third.generate(prompt, 24, Sampling(temperature=0.8, seed=1)))
+    sampled = third.engine.costs.choices_path(third.heads_path, 1.0, 0.8)
+    assert sampled not in (stored, penalised) and json.loads(stored.read_text()) == before
+    assert json.loads(sampled.read_text()) == third.drafter.choices.state() and third.drafter.choices is not unpenalised
+    list(third.generate(prompt, 24, Sampling()))
+    assert third.drafter.choices is unpenalised

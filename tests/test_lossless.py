@@ -347,7 +347,7 @@ def _chain_drafter(n, score=0.3):
 
 def test_merged_drafter_learns_when_its_first_drafter_pays(monkeypatch):
     """With ChoiceStats the merged drafter runs its first drafter where steps with it gave more tokens per second,
-    timed from one proposal to the next, and notices when that changes."""
+    each step timed from its proposal to the end of its verification, and notices when that changes."""
     import time as time_module
 
     from clover_cli.drafters import ChoiceStats
@@ -373,6 +373,35 @@ def test_merged_drafter_learns_when_its_first_drafter_pays(monkeypatch):
     assert ran[:2] == [True, False] and sum(ran[10:]) <= 30 // ChoiceStats.EXPLORE_FAR + 1  # 2x slower: rarely
     ran = run(250, ([5, 6, 7, 8, 9], 1.0), ([5], 1.0))  # now it pays (6 vs 2 tokens/s): soon it runs
     assert sum(ran[-30:]) >= 30 - 30 // ChoiceStats.EXPLORE - 1
+
+
+def test_merged_drafter_times_only_each_proposals_own_step(monkeypatch):
+    """After a step whose tree is empty the engine may make plain steps without asking the drafter (its idle rule,
+    DraftValue). Those are not the proposal's: counted in, a step without the first drafter looked (1 + the plain
+    steps) times slower than it was, and the first drafter ran wherever the second had nothing. Here the first
+    drafter adds nothing and costs 1.5x a step, and each step without it is followed by 7 plain steps: it must
+    soon be left out."""
+    import time as time_module
+
+    from clover_cli.drafters import ChoiceStats
+
+    clock = {"t": 0.0}
+    monkeypatch.setattr(time_module, "perf_counter", lambda: clock["t"])
+    choices = ChoiceStats()
+    merged = MergedDrafter(_chain_drafter(5), _chain_drafter(1), enough=3.0, choices=choices)
+    ran = []
+    for _ in range(200):
+        tree = merged.propose([1, 2], 16)
+        first = len(tree) > 2
+        ran.append(first)
+        clock["t"] += 1.5 if first else 1.0
+        merged.observe(None, torch.tensor([5, 0]))  # the second's one token, accepted either way
+        if not first:
+            for _ in range(7):  # the engine's plain steps before it asks again
+                clock["t"] += 1.0
+                merged.observe(None, torch.tensor([0]))
+    assert sum(ran[20:]) <= 180 // ChoiceStats.EXPLORE + 1, sum(ran[20:])
+    assert all(v == [1.0] * len(v) for (b, way), v in choices.seconds.items() if not way)
 
 
 def test_merged_drafter_credits_its_first_drafter_only_with_what_it_adds(monkeypatch):

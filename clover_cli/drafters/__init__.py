@@ -58,10 +58,16 @@ class ChoiceStats:
     the second alone would have given (the accepted path's prefix inside the second's own tree, plus the target's
     next token), so the first drafter's gain is measured on the very same steps, and the tokens the second alone
     gives are averaged over every step of the bin whichever way it went. Per bin, decayed means of those tokens and
-    of the gain, and the median seconds of the last SECONDS_WINDOW steps each way (from one proposal to the next: a
-    median, because a rare pause of the process, hundreds of times a step, would otherwise hold a bin on the other
-    way for hundreds of decisions). Kept apart from the drafter so that it outlives one (clover bench makes a fresh
-    drafter every run)."""
+    of the gain, and the median seconds of the last SECONDS_WINDOW steps each way (a median, because a rare pause of
+    the process, hundreds of times a step, would otherwise hold a bin on the other way for hundreds of decisions).
+    A step is timed from its proposal to the end of its verification (the drafters' observe), and only that step
+    counts: the engine may make plain steps before it asks again (its idle rule, DraftValue), and those, counted in,
+    made a proposal with nothing to verify look many times slower than one with a tree (the bundled model, CPU: 96
+    ms against 3.9 ms, so the heads ran at every step where lookup had nothing, for 0.38 tokens; the default drafter
+    fell to 0.89x lookup alone; docs/BENCHMARKS.md). Kept apart from the drafter so that it outlives one (clover
+    bench makes a fresh drafter every run)."""
+
+    VERSION = 2  # of state(): a state measured another way is not restored
 
     BINS = (0.5, 1.0, 2.0, 4.0)
     DECAY = 0.9
@@ -90,8 +96,7 @@ class ChoiceStats:
         return s[0] / s[1] if s else None
 
     def add(self, where: tuple[int, bool], tokens: int, seconds: float, alone: float | None = None) -> None:
-        """A step (or the steps up to the next proposal) made `tokens` in `seconds`, running the first drafter or
-        not (`where`: bin, way); `alone`: what the second drafter alone would have given (a step without the first:
+        """A step made `tokens` in `seconds`, running the first drafter or not (`where`: bin, way); `alone`: what the second drafter alone would have given (a step without the first:
         `tokens`)."""
         b, ran = where
         alone = tokens if alone is None or not ran else alone
@@ -112,13 +117,15 @@ class ChoiceStats:
 
     def state(self) -> dict:
         """What has been learned, as JSON-able data (kept on disk between processes: compiled.StepCosts.choices_path)."""
-        return {"sums": {f"{kind}/{b}": v for (kind, b), v in self.sums.items()},
+        return {"version": self.VERSION, "sums": {f"{kind}/{b}": v for (kind, b), v in self.sums.items()},
                 "seconds": {f"{b}/{int(way)}": v for (b, way), v in self.seconds.items()},
                 "decisions": {str(b): n for b, n in self.decisions.items()}}
 
     def restore(self, state: dict) -> None:
         """Start from `state` (from state()); raises ValueError (nothing changed) when it is not one."""
         try:
+            if state.get("version") != self.VERSION:
+                raise ValueError(f"version {state.get('version')}, not {self.VERSION}")
             sums = {}
             for key, (total, count) in state["sums"].items():
                 kind, b = key.split("/")
@@ -161,8 +168,6 @@ class _Proposal:
     ran_first: bool
     since: float  # when it was made (perf_counter)
     second_tree: DraftTree | None  # the second drafter's own tree, kept when the first ran
-    tokens: int = 0  # committed since
-    alone: int | None = None  # what the second alone would have given (known once the step is verified)
 
 
 class MergedDrafter:
@@ -171,8 +176,8 @@ class MergedDrafter:
     The heads predict what comes next from the target's hidden state; lookup copies long stretches that already
     occurred in the conversation. Each node keeps the better of the two scores. Whether a step runs the first
     drafter at all (it costs a draft step; lookup is nearly free) is learned when `choices` is given: by what the
-    second tree alone expects, the way that gave more tokens per second so far, timed from one proposal to the
-    next (ChoiceStats). Otherwise, and before anything is learned, the first is skipped when the second alone
+    second tree alone expects, the way that gave more tokens per second so far, each step timed from its proposal
+    to the end of its verification (ChoiceStats). Otherwise, and before anything is learned, the first is skipped when the second alone
     expects `enough` accepted tokens.
     """
 
@@ -207,21 +212,20 @@ class MergedDrafter:
     def reset(self, length: int) -> None:
         self.first.reset(length)
         self.second.reset(length)
-        self._open = None  # the time to the next proposal includes a prefill: not a step's
+        self._open = None  # a proposal cut off by a reset (an interrupted reply) teaches nothing
 
     def observe(self, hidden, next_tokens) -> None:
+        from time import perf_counter
+
         self.first.observe(hidden, next_tokens)
         self.second.observe(hidden, next_tokens)
-        if self._open is not None:
-            p = self._open
-            if p.second_tree is not None and p.tokens == 0:
-                # the verified step of a proposal that ran both: the second alone would have had the accepted path's
-                # prefix inside its own tree, then the target's next token (exact when greedy, an estimate when
-                # sampling)
-                p.alone = 1 + _accepted_in(p.second_tree, next_tokens[:-1].tolist())
-            elif p.alone is not None:
-                p.alone += next_tokens.numel()  # plain steps after it (the engine's) count the same either way
-            p.tokens += next_tokens.numel()
+        p, self._open = self._open, None
+        if p is not None and self.choices is not None:
+            tokens = next_tokens.numel()
+            # a step that ran both: the second alone would have had the accepted path's prefix inside its own tree,
+            # then the target's next token (exact when greedy, an estimate when sampling)
+            alone = None if p.second_tree is None else 1 + _accepted_in(p.second_tree, next_tokens[:-1].tolist())
+            self.choices.add((p.bin, p.ran_first), tokens, perf_counter() - p.since, alone)
 
     def propose(self, context, budget) -> DraftTree:
         from time import perf_counter
@@ -229,9 +233,6 @@ class MergedDrafter:
         from ..tree import merge_trees
 
         now = perf_counter()
-        p = self._open
-        if p is not None and p.tokens and self.choices is not None:
-            self.choices.add((p.bin, p.ran_first), p.tokens, now - p.since, p.alone)
         second = self.second.propose(context, budget)
         expected = sum(second.scores[1:])
         prior = self.enough is None or expected < self.enough
