@@ -347,7 +347,11 @@ class DraftValue:
     """Whether asking the drafter pays at all, from its last WINDOW calls: the tokens they got accepted, each worth
     a plain step's time (what the target would have spent producing it alone), against the time they took to draft.
     While they do not pay, the drafter is asked only now and then: after EXPLORE plain steps, twice as many after
-    each such try that did not pay for itself (up to MOST_WAIT), EXPLORE again after one that did.
+    each such try that did not pay for itself, EXPLORE again after one that did. The wait grows to MOST_WAIT steps,
+    or further (up to LONGEST_WAIT) where a try costs so much that tries that often would take more than
+    EXPLORE_SHARE of the decoding time: a try after a long wait pays a catch-up on the skipped tokens (the bundled
+    model's Clover-2 heads, CPU, sampling: ~3.3 ms, two plain steps' time), so 64 steps apart the tries still cost
+    the default drafter ~3% against plain decoding (docs/BENCHMARKS.md).
 
     Lenient on purpose: what verifying a tree costs beyond a plain step is left out (the cost model weighs it when
     it sizes the tree; sampled-candidate trees are verified whole), so a drafter whose tokens come in bursts (lookup
@@ -365,6 +369,8 @@ class DraftValue:
     WINDOW = 16
     EXPLORE = 8
     MOST_WAIT = 64
+    LONGEST_WAIT = 512
+    EXPLORE_SHARE = 0.01
 
     def __init__(self):
         self.calls: list[tuple[int, float]] = []  # (accepted tokens, seconds charged) of the last WINDOW calls
@@ -373,6 +379,7 @@ class DraftValue:
         self.step_cost = 0.0  # the drafting time of a call made right after another (0: not measured yet)
         self.waited = 0  # plain steps since the drafter was last asked (0 while asked at every step)
         self.wait = self.EXPLORE  # plain steps before the next try, while the calls do not pay
+        self.try_s = 0.0  # what the last try took, its catch-up included
 
     def pays(self) -> bool:
         if len(self.calls) < self.WINDOW:
@@ -397,16 +404,26 @@ class DraftValue:
         tried = self.waited > 0
         if not tried:
             self.step_cost = seconds if self.step_cost == 0.0 else 0.9 * self.step_cost + 0.1 * seconds
-        elif self.step_cost > 0.0:
-            seconds = min(seconds, self.step_cost)
+        else:
+            self.try_s = seconds
+            if self.step_cost > 0.0:
+                seconds = min(seconds, self.step_cost)
         self.calls.append((accepted, seconds))
         del self.calls[:-self.WINDOW]
         self.waited = 0
         if tried and not self.pays():
             paid = accepted * (self.plain_s or self.fallback_s) >= seconds
-            self.wait = self.EXPLORE if paid else min(2 * self.wait, self.MOST_WAIT)
+            self.wait = self.EXPLORE if paid else min(2 * self.wait, self.most_wait())
         elif not tried:
             self.wait = self.EXPLORE
+
+    def most_wait(self) -> int:
+        """The longest wait between tries: MOST_WAIT, or as many plain steps as keep the last try's cost within
+        EXPLORE_SHARE of their time (at most LONGEST_WAIT)."""
+        plain = self.plain_s or self.fallback_s
+        if plain <= 0.0:
+            return self.MOST_WAIT
+        return int(min(self.LONGEST_WAIT, max(self.MOST_WAIT, self.try_s / (self.EXPLORE_SHARE * plain))))
 
     def plain_step(self, seconds: float) -> None:
         if seconds > 0.0:

@@ -238,22 +238,32 @@ def test_sample_draws_each_token_with_its_share_of_the_mass():
 
 def test_draft_value_stops_asking_a_drafter_whose_calls_do_not_pay_and_comes_back():
     """Calls that get nothing accepted: after a full window the drafter is asked only after EXPLORE plain steps,
-    then twice as many after each try that did not pay for itself, up to MOST_WAIT; a try that paid brings the short
-    wait back, and enough of them the every-step asking. A try is charged at most what a call at consecutive steps
-    costs (a catch-up on the skipped steps is not the drafter's per-step price). Calls that pay are never refused."""
-    v = DraftValue()
-    v.plain_step(1.0)
-    for _ in range(DraftValue.WINDOW):
-        assert v.ask(1.0)
-        v.add(0, 0.1)
-    waits = []
-    for _ in range(6):
-        steps = 0
-        while not v.ask(1.0):
-            steps += 1
-        waits.append(steps)
-        v.add(0, 5.0)  # a try: charged as a call at consecutive steps (0.1), not its 5.0
+    then twice as many after each try that did not pay for itself, up to MOST_WAIT, or further where tries that
+    often would cost more than EXPLORE_SHARE of the time (up to LONGEST_WAIT); a try that paid brings the short wait
+    back, and enough of them the every-step asking. A try is charged at most what a call at consecutive steps costs
+    (a catch-up on the skipped steps is not the drafter's per-step price). Calls that pay are never refused."""
+    def waits_of(try_s, tries):
+        v = DraftValue()
+        v.plain_step(1.0)
+        for _ in range(DraftValue.WINDOW):
+            assert v.ask(1.0)
+            v.add(0, 0.1)
+        waits = []
+        for _ in range(tries):
+            steps = 0
+            while not v.ask(1.0):
+                steps += 1
+            waits.append(steps)
+            v.add(0, try_s)  # a try: charged as a call at consecutive steps (0.1), not its try_s
+        return v, waits
+
+    v, waits = waits_of(0.3, 6)  # a try costs 0.3 plain steps: 64 apart, tries take 0.5% of the time
     assert waits == [8, 16, 32, 64, 64, 64]
+    _, waits = waits_of(2.0, 8)  # 2 steps' time: 200 apart keeps them to 1%
+    assert waits == [8, 16, 32, 64, 128, 200, 200, 200]
+    _, waits = waits_of(50.0, 9)  # and never more than LONGEST_WAIT apart
+    assert waits == [8, 16, 32, 64, 128, 256, 512, 512, 512] and DraftValue.LONGEST_WAIT == 512
+    v, waits = waits_of(5.0, 6)
     assert all(c == pytest.approx(0.1) for _, c in v.calls)
     while not v.ask(1.0):
         pass
