@@ -273,13 +273,14 @@ class BenchSession:
             self.assistant = load(assistant_path, device=str(s.device),
                                   dtype=str(s.dtype).replace("torch.", "")).model
             self.assistant.set_attn_implementation("sdpa")
+        from .drafters import choice_temperature
         from .session import parse_budget
 
         self.budget, self.auto = parse_budget(cfg.tree_budget)
         self.engines = {}
         self.choices = {}  # method -> (ChoiceStats of its merged drafters, the file it is kept in)
         self.repetition_penalty = cfg.repetition_penalty  # the learned choice is kept per penalty and temperature
-        self.temperature = cfg.temperature
+        self.temperature = choice_temperature(cfg.temperature)
         self.quiet = cfg.json_out
         self.llama_runners, self.llama_ctx, self.llama_gguf, self.llama_draft_gguf = {}, s.max_context, None, None
         self.llama_threads = torch.get_num_threads()

@@ -66,9 +66,10 @@ class Common:
                         "or self, dynamic = the MCSD tree, static = the draft's plain top-1 chain. With --draft auto "
                         "the n-gram matches are merged in either way.")
     early_stop = typer.Option("fixed", "--early-stop", help="Where a branch of --draft model's or self's tree "
-                              "ends: fixed = where the draft gives its next token under 0.3; learned = where a "
-                              "logistic model of acceptance, fitted as the session runs (and for --draft model kept "
-                              "on disk for the next run), gives it under 0.3.")
+                              "ends, greedy: fixed = where the draft gives its next token under 0.3; learned = where "
+                              "a logistic model of acceptance, fitted as the session runs (and for --draft model kept "
+                              "on disk for the next run), gives it under 0.3. Sampled candidates (a temperature) "
+                              "always end by the fixed rule.")
     tree_budget = typer.Option("auto", "--tree-budget", help="Most draft nodes verified per step, or auto: "
                                                              "sized each step from the measured cost on this device.")
     load_in_8bit = typer.Option(False, "--load-in-8bit", help="Load the target in 8 bits (bitsandbytes).")
@@ -146,13 +147,15 @@ def read_prompt(path: str, keep_newline: bool = False) -> str:
 def _options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, device, dtype, trust_remote_code,
              allow_pickle, compile=None, load_in_4bit=False, device_map=None, max_memory=None, draft_model=None,
              early_stop="fixed"):
-    from .options import EARLY_STOPS, Options, compile_mode
+    from .options import EARLY_STOPS, STATIC_NO_EARLY_STOP, Options, compile_mode
 
     # bad values fail here, before anything loads
     if compile_mode(compile) == "on" and device_map is not None:
         raise CloverError("the compiled step runs a model on one device: --compile on cannot serve a --device-map")
     if early_stop not in EARLY_STOPS:
         raise CloverError(f"--early-stop must be {' or '.join(EARLY_STOPS)}, not {early_stop!r}")
+    if early_stop == "learned" and tree == "static":
+        raise CloverError(STATIC_NO_EARLY_STOP)
     return Options(model=model, revision=revision, heads=heads, draft=draft, tree=tree, tree_budget=tree_budget,
                    load_in_8bit=load_in_8bit, load_in_4bit=load_in_4bit, device=device, device_map=device_map,
                    max_memory=max_memory, dtype=dtype, trust_remote_code=trust_remote_code,

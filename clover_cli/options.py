@@ -12,6 +12,7 @@ MODES = ("auto", "on", "off")  # --compile, see clover_cli/compiled.py
 # self: the target with layers skipped as its own draft (clover_cli/drafters/self_draft.py)
 DRAFTS = ("auto", "clover", "medusa", "eagle", "eagle3", "ngram", "model", "self", "none")
 EARLY_STOPS = ("fixed", "learned")  # --early-stop: how a draft model's branches end (drafters/early_stop.py)
+STATIC_NO_EARLY_STOP = "--tree static drafts a fixed chain with no early stop: --early-stop learned needs --tree dynamic"
 HEADS_DRAFTS = {"clover": "clover2", "medusa": "medusa", "eagle": "eagle",
                 "eagle3": "eagle3"}  # drafter -> the heads it runs
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .drafters import MergedDrafter, NoDrafter
+from .drafters import MergedDrafter, NoDrafter, choice_temperature
 from .compiled import StepCompiler, StepCosts, compile_mode
 from .engine import Engine, Sampling, StepEvent, StopCheck
 from .errors import CloverError
@@ -18,7 +18,8 @@ from .drafters.registry import resolve_heads
 from .hub import looks_like_repo, resolve_model
 from .loading import keep_loaded, load
 from .target import Target, check_exact
-from .options import DRAFTS, EARLY_STOPS, HEADS_DRAFTS, Options, parse_budget  # noqa: F401 - importable here too
+from .options import (DRAFTS, EARLY_STOPS, HEADS_DRAFTS, STATIC_NO_EARLY_STOP, Options,  # noqa: F401 - importable
+                      parse_budget)
 from .packed import finish_packing
 from .templates import STOP_STRINGS, chat_template, render
 
@@ -31,8 +32,7 @@ class Session:
         if opts.early_stop not in EARLY_STOPS:
             raise CloverError(f"--early-stop must be {' or '.join(EARLY_STOPS)}, not {opts.early_stop!r}")
         if opts.early_stop == "learned" and opts.tree == "static":
-            raise CloverError("--tree static drafts a fixed chain with no early stop: --early-stop learned needs "
-                              "--tree dynamic")
+            raise CloverError(STATIC_NO_EARLY_STOP)
         budget, auto = parse_budget(opts.tree_budget)
         if opts.tree == "static" and opts.draft not in ("model", "self"):  # a draft model's static tree: its chain
             from .drafters.common import STATIC_TREE
@@ -267,6 +267,7 @@ class Session:
         penalised or sampled target, and a sampled chat must not teach a greedy `clover generate` otherwise."""
         if getattr(self.drafter, "choices", None) is None or self.heads_path is None or self.engine.costs is None:
             return None
+        temperature = choice_temperature(temperature)
         by_mode = self.drafter.__dict__.setdefault("choices_by_mode", {(0.0, 1.0): self.drafter.choices})
         choices = self.drafter.choices = by_mode.setdefault((temperature, repetition_penalty),
                                                             type(self.drafter.choices)())

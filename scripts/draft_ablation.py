@@ -8,8 +8,10 @@
                                            every tree is verified through a tree mask, so the mask is the same
                                            code for both; what changes is that branches may differ in length)
     + learned early stop                   each branch ends where a logistic model of acceptance, fitted online
-                                           (drafters/early_stop.py; fitted during the warm-up before timing), says
-                                           under 0.3: the paper's decision models
+                                           (drafters/early_stop.py), says under 0.3: the paper's decision models.
+                                           The model belongs to the draft model, so the two learned rows share it:
+                                           fitted on prompts outside the timed ones first, it goes on learning from
+                                           both rows during the timed runs
     chain + early stop, chain + learned early stop: the same stops on the chain
 
 The paper's "target-initialised" candidates are, in this engine, every step's root (the target's own token): see

@@ -829,5 +829,8 @@ def test_the_default_drafters_choice_is_kept_between_processes(llama_dir, tmp_pa
     sampled = third.engine.costs.choices_path(third.heads_path, 1.0, 0.8)
     assert sampled not in (stored, penalised) and json.loads(stored.read_text()) == before
     assert json.loads(sampled.read_text()) == third.drafter.choices.state() and third.drafter.choices is not unpenalised
+    at_08 = third.drafter.choices
+    list(third.generate(prompt, 24, Sampling(temperature=0.80000001, seed=1)))  # the same choice, to two decimals
+    assert third.drafter.choices is at_08 and json.loads(sampled.read_text()) == at_08.state()
     list(third.generate(prompt, 24, Sampling()))
     assert third.drafter.choices is unpenalised

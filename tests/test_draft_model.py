@@ -179,6 +179,13 @@ def test_learned_early_stop_is_kept_on_disk(tmp_path):
         assert not again.load(f) and again.ready and len(again.y) == 300, name  # what it had is kept
     EarlyStop().save(tmp_path / "empty.json")  # nothing learned: nothing written
     assert not (tmp_path / "empty.json").exists()
+    fresh = EarlyStop()
+    assert fresh.load(path)
+    fresh.save(tmp_path / "same.json")  # nothing learned since it was read: nothing written
+    assert not (tmp_path / "same.json").exists()
+    fresh._add(fresh.features(0.5, 0.5, 1), True)
+    fresh.save(tmp_path / "same.json")
+    assert len(json.loads((tmp_path / "same.json").read_text())["y"]) == 301
 
 
 def test_tree_shapes_and_one_batched_forward_per_depth():

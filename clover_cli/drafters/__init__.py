@@ -96,8 +96,8 @@ class ChoiceStats:
         return s[0] / s[1] if s else None
 
     def add(self, where: tuple[int, bool], tokens: int, seconds: float, alone: float | None = None) -> None:
-        """A step made `tokens` in `seconds`, running the first drafter or not (`where`: bin, way); `alone`: what the second drafter alone would have given (a step without the first:
-        `tokens`)."""
+        """A step made `tokens` in `seconds`, running the first drafter or not (`where`: bin, way); `alone`: what
+        the second drafter alone would have given (a step without the first: `tokens`)."""
         b, ran = where
         alone = tokens if alone is None or not ran else alone
         self._add(("alone", b), alone)
@@ -160,9 +160,16 @@ class ChoiceStats:
         return (not best) if n % every == 0 else best
 
 
+def choice_temperature(temperature: float) -> float:
+    """The temperature a learned choice is kept under: to two decimals, so that a server's requests at 0.8 and
+    0.80000001 share one (and a near-zero temperature, which samples the argmax, greedy decoding's)."""
+    return round(float(temperature), 2)
+
+
 @dataclass
 class _Proposal:
-    """A MergedDrafter's last proposal, until the next one: what ChoiceStats learns from."""
+    """A MergedDrafter's last proposal, until its step is verified (the next observe): what ChoiceStats learns
+    from."""
 
     bin: int
     ran_first: bool

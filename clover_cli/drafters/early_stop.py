@@ -49,6 +49,7 @@ class EarlyStop:
         self.recent = 0.5  # running acceptance of labelled nodes
         self._new = 0  # labels since the last fit
         self._last = None  # what the last proposal drafted (see remember)
+        self._unsaved = False  # labels added since the last load or save
 
     @property
     def ready(self) -> bool:
@@ -99,6 +100,7 @@ class EarlyStop:
         del self.x[:-self.WINDOW], self.y[:-self.WINDOW]
         self.recent = 0.95 * self.recent + 0.05 * (1.0 if hit else 0.0)
         self._new += 1
+        self._unsaved = True
 
     def state(self) -> dict:
         """What has been learned, as JSON-able data: the weights, the running acceptance and the label window."""
@@ -123,7 +125,7 @@ class EarlyStop:
         except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise ValueError(f"not an EarlyStop state: {e}") from None
         self.w, self.x, self.y, self.recent = w, x, y, recent
-        self._new, self._last = 0, None
+        self._new, self._last, self._unsaved = 0, None, False
 
     def load(self, path: Path | None) -> bool:
         """Restore from `path` when it holds a state (a missing or damaged file leaves this as it is)."""
@@ -136,12 +138,15 @@ class EarlyStop:
         return True
 
     def save(self, path: Path | None) -> None:
-        if path is None or not self.y:
+        """Write the state to `path` when labels were added since it was loaded or last saved (a reply that
+        learned nothing, a sampled one, writes nothing)."""
+        if path is None or not self._unsaved:
             return
         from .. import atomic
 
         try:
             atomic.write_text(Path(path), json.dumps(self.state()))
+            self._unsaved = False
         except OSError:
             pass  # a cache that cannot be written only costs the next process its learning
 
