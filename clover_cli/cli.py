@@ -147,19 +147,17 @@ def read_prompt(path: str, keep_newline: bool = False) -> str:
 def _options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, device, dtype, trust_remote_code,
              allow_pickle, compile=None, load_in_4bit=False, device_map=None, max_memory=None, draft_model=None,
              early_stop="fixed"):
-    from .options import EARLY_STOPS, STATIC_NO_EARLY_STOP, Options, compile_mode
+    from .options import Options, check_options, compile_mode
 
     # bad values fail here, before anything loads
     if compile_mode(compile) == "on" and device_map is not None:
         raise CloverError("the compiled step runs a model on one device: --compile on cannot serve a --device-map")
-    if early_stop not in EARLY_STOPS:
-        raise CloverError(f"--early-stop must be {' or '.join(EARLY_STOPS)}, not {early_stop!r}")
-    if early_stop == "learned" and tree == "static":
-        raise CloverError(STATIC_NO_EARLY_STOP)
-    return Options(model=model, revision=revision, heads=heads, draft=draft, tree=tree, tree_budget=tree_budget,
+    opts = Options(model=model, revision=revision, heads=heads, draft=draft, tree=tree, tree_budget=tree_budget,
                    load_in_8bit=load_in_8bit, load_in_4bit=load_in_4bit, device=device, device_map=device_map,
                    max_memory=max_memory, dtype=dtype, trust_remote_code=trust_remote_code,
                    allow_pickle=allow_pickle, compile=compile, draft_model=draft_model, early_stop=early_stop)
+    check_options(opts)
+    return opts
 
 
 @app.command()

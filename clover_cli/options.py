@@ -12,7 +12,6 @@ MODES = ("auto", "on", "off")  # --compile, see clover_cli/compiled.py
 # self: the target with layers skipped as its own draft (clover_cli/drafters/self_draft.py)
 DRAFTS = ("auto", "clover", "medusa", "eagle", "eagle3", "ngram", "model", "self", "none")
 EARLY_STOPS = ("fixed", "learned")  # --early-stop: how a draft model's branches end (drafters/early_stop.py)
-STATIC_NO_EARLY_STOP = "--tree static drafts a fixed chain with no early stop: --early-stop learned needs --tree dynamic"
 HEADS_DRAFTS = {"clover": "clover2", "medusa": "medusa", "eagle": "eagle",
                 "eagle3": "eagle3"}  # drafter -> the heads it runs
 
@@ -37,6 +36,24 @@ class Options:
     allow_pickle: bool = False
     max_context: int | None = None
     compile: str | None = None  # auto, on or off (None: CLOVER_COMPILE, else auto); see clover_cli/compiled.py
+
+
+def check_options(opts: Options) -> None:
+    """The drafting options' values and combinations, in one line each: checked before anything loads (an
+    interactive chat shows its prompt before the model is there)."""
+    if opts.draft not in DRAFTS:
+        raise CloverError(f"unknown drafter {opts.draft!r}; choose one of {', '.join(DRAFTS)}")
+    if opts.tree not in ("dynamic", "static"):
+        raise CloverError(f"--tree must be dynamic or static, not {opts.tree!r}")
+    if opts.early_stop not in EARLY_STOPS:
+        raise CloverError(f"--early-stop must be {' or '.join(EARLY_STOPS)}, not {opts.early_stop!r}")
+    if opts.early_stop == "learned" and opts.tree == "static":
+        raise CloverError("--tree static drafts a fixed chain with no early stop: --early-stop learned needs "
+                          "--tree dynamic")
+    if opts.tree == "static" and opts.draft == "ngram":
+        raise CloverError("--tree static is the heads' fixed tree shape; the ngram drafter has none "
+                          "(use --tree dynamic)")
+    parse_budget(opts.tree_budget)
 
 
 def parse_budget(text: str) -> tuple[int, bool]:

@@ -18,28 +18,17 @@ from .drafters.registry import resolve_heads
 from .hub import looks_like_repo, resolve_model
 from .loading import keep_loaded, load
 from .target import Target, check_exact
-from .options import (DRAFTS, EARLY_STOPS, HEADS_DRAFTS, STATIC_NO_EARLY_STOP, Options,  # noqa: F401 - importable
-                      parse_budget)
+from .options import DRAFTS, HEADS_DRAFTS, Options, check_options, parse_budget  # noqa: F401 - importable here too
 from .packed import finish_packing
 from .templates import STOP_STRINGS, chat_template, render
 
 class Session:
     def __init__(self, opts: Options, quiet: bool = False):
-        if opts.draft not in DRAFTS:
-            raise CloverError(f"unknown drafter {opts.draft!r}; choose one of {', '.join(DRAFTS)}")
-        if opts.tree not in ("dynamic", "static"):
-            raise CloverError(f"--tree must be dynamic or static, not {opts.tree!r}")
-        if opts.early_stop not in EARLY_STOPS:
-            raise CloverError(f"--early-stop must be {' or '.join(EARLY_STOPS)}, not {opts.early_stop!r}")
-        if opts.early_stop == "learned" and opts.tree == "static":
-            raise CloverError(STATIC_NO_EARLY_STOP)
+        check_options(opts)
         budget, auto = parse_budget(opts.tree_budget)
         if opts.tree == "static" and opts.draft not in ("model", "self"):  # a draft model's static tree: its chain
             from .drafters.common import STATIC_TREE
 
-            if opts.draft == "ngram":
-                raise CloverError("--tree static is the heads' fixed tree shape; the ngram drafter has none "
-                                  "(use --tree dynamic)")
             # the fixed shape, cut to --tree-budget when one is given (auto sizing would reshape it)
             budget, auto = (len(STATIC_TREE) if auto else min(budget, len(STATIC_TREE))), False
         self.opts = opts

@@ -276,6 +276,23 @@ def test_bad_drafter_choices(run_cli, llama_dir, prompt_path, isolated):
                           tmp=isolated)
 
 
+@pytest.mark.parametrize("args, needle", [
+    (["--draft", "eagle9"], "unknown drafter"), (["--tree", "bushy"], "--tree must be"),
+    (["--tree-budget", "lots"], "--tree-budget must be"), (["--tree", "static", "--draft", "ngram"], "has none"),
+    (["--early-stop", "often"], "--early-stop must be"),
+    (["--draft", "model", "--tree", "static", "--early-stop", "learned"], "--early-stop learned needs"),
+])
+def test_drafting_options_are_refused_before_the_chat_starts(run_cli, monkeypatch, args, needle):
+    """An interactive chat shows its prompt before the model loads: a bad drafting option must end the command
+    before that, not the prompt the user is typing into."""
+    import clover_cli.chat
+
+    monkeypatch.setattr(clover_cli.chat, "run_chat", lambda *a, **k: pytest.fail("the chat started"))
+    code, out, err = run_cli("chat", "tiny", *args)
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and needle in lines[0], err
+
+
 # --- bad sampling settings ------------------------------------------------------------------------------------
 
 
