@@ -164,6 +164,11 @@ def test_learned_early_stop_is_kept_on_disk(tmp_path):
     rows = [stop.features(p, 0.5, d) for p, d in ((0.05, 1), (0.4, 2), (0.9, 5))]
     assert again.predict(rows) == pytest.approx(stop.predict(rows), abs=1e-9)
     assert again.y == stop.y and again.recent == stop.recent and len(again.x) == 300
+    for p in torch.rand(2000, generator=g).tolist():  # more than the file keeps: the last STORED labels
+        stop._add(stop.features(p, 0.5, 3), bool(torch.rand((), generator=g).item() < p))
+    stop.save(tmp_path / "long.json")
+    longer = EarlyStop()
+    assert longer.load(tmp_path / "long.json") and longer.y == stop.y[-EarlyStop.STORED:]
 
     state = json.loads(path.read_text())
     bad = {"garbage": "{not json", "nan": json.dumps({**state, "w": [float("nan")] * 6}),

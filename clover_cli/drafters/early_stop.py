@@ -40,6 +40,7 @@ class EarlyStop:
     REFIT = 64  # new labels between two fits
     MIN_FIT = 128  # labels before the fitted model replaces the fixed rule
     L2 = 1e-2
+    STORED = 1024  # labels kept on disk (a quarter of the window: a file of ~60 KB, written after each reply)
 
     def __init__(self, threshold: float = 0.3):
         self.threshold = threshold
@@ -106,7 +107,7 @@ class EarlyStop:
         """What has been learned, as JSON-able data: the weights, the running acceptance and the label window."""
         return {"features": list(FEATURES), "threshold": self.threshold,
                 "w": None if self.w is None else self.w.tolist(), "recent": self.recent,
-                "x": [[round(v, 6) for v in row] for row in self.x], "y": self.y}
+                "x": [[round(v, 6) for v in row] for row in self.x[-self.STORED:]], "y": self.y[-self.STORED:]}
 
     def restore(self, state: dict) -> None:
         """Start from `state` (from state()); ValueError, with nothing changed, when it is not one."""
