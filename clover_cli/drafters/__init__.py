@@ -184,8 +184,8 @@ class MergedDrafter:
     occurred in the conversation. Each node keeps the better of the two scores. Whether a step runs the first
     drafter at all (it costs a draft step; lookup is nearly free) is learned when `choices` is given: by what the
     second tree alone expects, the way that gave more tokens per second so far, each step timed from its proposal
-    to the end of its verification (ChoiceStats). Otherwise, and before anything is learned, the first is skipped when the second alone
-    expects `enough` accepted tokens.
+    to the end of its verification (ChoiceStats). Otherwise, and before anything is learned, the first is skipped
+    when the second alone expects `enough` accepted tokens.
     """
 
     def __init__(self, first, second, enough: float | None = None, choices: ChoiceStats | None = None):
