@@ -673,14 +673,20 @@ class CompiledStep:
         # whose least and most rows are the same is static: it takes exactly that many and makes all their logits
         self.programs = sorted(((*ranges[name]["n"], *ranges[name]["past"], Program(self.path / name))
                                 for name in ranges), key=lambda program: program[:4])
-        self._inputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._inputs: dict[int, tuple] = {}
         self._past: dict[int, torch.Tensor] = {}
         self._tril = torch.ones(SIZES[-1], SIZES[-1], dtype=torch.bool).tril()
+        self._tril_np = self._tril.numpy()
         self._first = torch.zeros(1, dtype=torch.long)
         self._static = {id(program) for lo, hi, *_, program in self.programs if lo == hi}
+        self._routed = (-1, -1, None)  # (n, past, route) of the last fits(): the call that follows runs it
 
     def fits(self, cache, n: int) -> bool:
-        return fits(self.capacity, cache, n) and self._route(n, cache.length) is not None
+        if not fits(self.capacity, cache, n):
+            return False
+        route = self._route(n, cache.length)
+        self._routed = (n, cache.length, route)
+        return route is not None
 
     @staticmethod
     def pieces(n: int) -> list[int]:
@@ -709,15 +715,20 @@ class CompiledStep:
         return torch.ones(n, n, dtype=torch.bool).tril()
 
     def _scratch(self, size: int):
-        """Input buffers of one padded size: tokens, positions, tree mask, rows (made once, reused)."""
+        """Input buffers of one padded size: tokens, positions, tree mask, rows (made once, reused), and numpy views
+        of the first three, through which a step writes its inputs: right after the last step's forward has
+        flushed the CPU's caches, a numpy copy costs a fraction of a torch one (docs/BENCHMARKS.md)."""
         bufs = self._inputs.get(size)
         if bufs is None:
-            bufs = self._inputs[size] = (torch.zeros(size, dtype=torch.long), torch.zeros(size, dtype=torch.long),
-                                         torch.ones(size, size, dtype=torch.bool).tril(), torch.arange(size))
+            tensors = (torch.zeros(size, dtype=torch.long), torch.zeros(size, dtype=torch.long),
+                       torch.ones(size, size, dtype=torch.bool).tril(), torch.arange(size))
+            bufs = self._inputs[size] = (*tensors, *(t.numpy() for t in tensors[:3]))
         return bufs
 
-    @torch.inference_mode()
     def __call__(self, cache, tokens, positions, tree_mask, logits_for):
+        if not torch.is_inference_mode_enabled():  # Target.forward enters it: not again (a step's every us counts)
+            with torch.inference_mode():
+                return self(cache, tokens, positions, tree_mask, logits_for)
         n = tokens.numel()
         if tree_mask is None and n > SIZES[-1]:
             wanted = None if logits_for is None else torch.arange(n)[logits_for]
@@ -743,19 +754,27 @@ class CompiledStep:
 
     def _run(self, cache, tokens, positions, tree_mask, logits_for, past):
         n = tokens.numel()
-        size, run = self._route(n, past)
-        tok, pos, tree, rows = self._scratch(size)
-        tok[:n] = tokens
-        pos[:n] = positions
+        routed_n, routed_past, route = self._routed
+        size, run = route if routed_n == n and routed_past == past and route is not None else self._route(n, past)
+        tok, pos, tree, rows, tok_np, pos_np, tree_np = self._scratch(size)
+        tok_np[:n] = tokens.numpy()
+        pos_np[:n] = positions.numpy()
         # Rows of real tokens: their tree, nothing of the padding. Padding rows keep whatever they hold (valid token
         # ids, positions and masks of an earlier step): they see the committed tokens, so nothing is NaN, and nothing
         # reads their outputs or the keys they write after the committed ones.
-        tree[:n].zero_()
-        tree[:n, :n] = tree_mask if tree_mask is not None else self._causal(n)
+        tree_np[:n] = False
+        if tree_mask is not None:
+            tree_np[:n, :n] = tree_mask.numpy()
+        elif n <= SIZES[-1]:
+            tree_np[:n, :n] = self._tril_np[:n, :n]
+        else:
+            tree[:n, :n] = self._causal(n)
         keys, values = cache.buffers()
         if id(run) in self._static:  # the logits of all its rows: the wanted ones are picked here
             pre, logits = run(tok, pos, tree, rows, _marker(past, self._past), *keys, *values)
-            return pre[:n], (logits[:n] if logits_for is None else logits[:n][logits_for])
+            if n < size:
+                pre, logits = pre[:n], logits[:n]
+            return pre, (logits if logits_for is None else logits[logits_for])
         rows = rows[:n] if logits_for is None else rows[:n][logits_for]
         pre, logits = run(tok, pos, tree, rows, _marker(past, self._past), *keys, *values)
         return pre[:n], logits

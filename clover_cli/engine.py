@@ -115,7 +115,7 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
     """Each row's argmax (the first of equal maxima, as torch.argmax and transformers' greedy search pick). On a CPU
     through numpy: torch's reduction over the last dimension costs ~30 us for a few rows of 8k logits, numpy's ~5."""
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64, torch.float16):
-        return logits.detach().numpy().argmax(-1).tolist()
+        return (logits.detach() if logits.requires_grad else logits).numpy().argmax(-1).tolist()
     return logits.argmax(-1).tolist()
 
 
@@ -136,11 +136,17 @@ def accept(tree: DraftTree, logits: torch.Tensor, s: Sampling, rng: torch.Genera
     kids = tree.children()
     node, path = 0, [0]
     if s.greedy:
-        choice = argmax_rows(logits)
+        if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64, torch.float16):
+            # only the rows the walk reaches: a 16-node tree is mostly left at depth 3 or 4
+            rows = (logits.detach() if logits.requires_grad else logits).numpy()
+            choice = lambda i: int(rows[i].argmax())  # noqa: E731 - the first of equal maxima, as torch.argmax
+        else:
+            choice = argmax_rows(logits).__getitem__  # one transfer from the device
         while True:
-            nxt = next((c for c in kids[node] if tree.tokens[c] == choice[node]), None)
+            best = choice(node)
+            nxt = next((c for c in kids[node] if tree.tokens[c] == best), None)
             if nxt is None:
-                return path, choice[node]
+                return path, best
             path.append(nxt)
             node = nxt
     proposals = tree.proposals or {}
@@ -172,6 +178,14 @@ def accept(tree: DraftTree, logits: torch.Tensor, s: Sampling, rng: torch.Genera
             return path, sample(p, rng)
         path.append(chosen)
         node = chosen
+
+
+def long_tensor(values: list[int], device: torch.device) -> torch.Tensor:
+    """A 1-D int64 tensor of `values` on `device`; on a CPU made through numpy, which right after a forward (the
+    CPU's caches flushed by its weights) costs a fraction of torch.tensor() of the list."""
+    if device.type == "cpu":
+        return torch.from_numpy(np.array(values, dtype=np.int64))
+    return torch.tensor(values, dtype=torch.long, device=device)
 
 
 class StopCheck:
@@ -630,7 +644,9 @@ class Engine:
         self.context = list(prompt)
         first = DraftTree.root_only(prompt[-1])
         _, root = accept(first, penalize(logits, first, prompt[:-1], sampling.repetition_penalty), sampling, rng)
-        self.drafter.observe(hidden, torch.tensor(prompt[keep + 1:] + [root], dtype=torch.long, device=device))
+        observes = getattr(self.drafter, "observes", True)
+        if observes:
+            self.drafter.observe(hidden, long_tensor(prompt[keep + 1:] + [root], device))
         finish = stop.push(root)
         self._device_sync()
         yield StepEvent([root], [0], elapsed_s=time.perf_counter() - t0, prefill=True, finish=finish)
@@ -681,9 +697,9 @@ class Engine:
                 tree = tree.prune(n if n or not probe else PROBE_NODES)
                 idle = 0 if n else idle + 1
             tree = tree.prune(room)
-            tokens, depths, mask = tree.tensors(device)
+            tokens, positions, mask = tree.tensors(device, self.target.length)
             tv = time.perf_counter()
-            hidden, logits = self.target.forward(tokens, self.target.length + depths, mask)
+            hidden, logits = self.target.forward(tokens, positions, mask)
             if self.costs is not None and self.cost is not None and device.type == "cpu":
                 # keeps the stored table current (a GPU forward returns before it is done: not timed there)
                 self.cost.refresh(len(tree), time.perf_counter() - tv)
@@ -692,7 +708,9 @@ class Engine:
                 curve.observe(tree, path)
             self.target.cache.commit(path)
             accepted = [tree.tokens[i] for i in path[1:]]
-            self.drafter.observe(hidden[path], torch.tensor(accepted + [bonus], dtype=torch.long, device=device))
+            if observes:  # the accepted path is most often the tree's first nodes: then a view, not a gather
+                rows = hidden[:len(path)] if path[-1] == len(path) - 1 else hidden[path]
+                self.drafter.observe(rows, long_tensor(accepted + [bonus], device))
             self.context += [root] + accepted
             self._device_sync()
             t2 = time.perf_counter()

@@ -54,13 +54,22 @@ class DraftTree:
             mask[i, i] = True
         return mask
 
-    def tensors(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(tokens, depth offsets, ancestor mask or None for a single chain) on `device`."""
-        tokens = torch.tensor(self.tokens, dtype=torch.long, device=device)
-        depths = torch.tensor(self.depths(), dtype=torch.long, device=device)
-        is_chain = all(p == i - 1 for i, p in enumerate(self.parents))
-        mask = None if is_chain else torch.from_numpy(self.ancestor_mask()).to(device)
-        return tokens, depths, mask
+    def tensors(self, device, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(tokens, positions = offset + depth, ancestor mask or None for a single chain) on `device`.
+
+        Made as numpy arrays, then tensors over their memory: the engine calls this where the last forward has
+        flushed the CPU's caches, and there torch.tensor() of a list costs several times as much
+        (docs/BENCHMARKS.md)."""
+        depths = self.depths()
+        n = len(depths)
+        tokens = torch.from_numpy(np.array(self.tokens, dtype=np.int64))
+        positions = torch.from_numpy(np.array(depths, dtype=np.int64) + offset if offset else
+                                     np.array(depths, dtype=np.int64))
+        mask = None if depths[-1] == n - 1 else torch.from_numpy(self.ancestor_mask())  # as deep as long: a chain
+        if getattr(device, "type", device) != "cpu":
+            tokens, positions = tokens.to(device), positions.to(device)
+            mask = None if mask is None else mask.to(device)
+        return tokens, positions, mask
 
     def prune(self, budget: int) -> "DraftTree":
         """Keep the root and the `budget` best-scoring nodes whose ancestors are all kept.

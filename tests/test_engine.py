@@ -30,6 +30,47 @@ def path_scores(tree: DraftTree) -> dict[tuple, float]:
     return out
 
 
+class RecordingOracle(OracleDrafter):
+    """An oracle that keeps what the engine tells it (observes = True) or says it reads nothing and fails if told."""
+
+    def __init__(self, *args, observes: bool = True, **kw):
+        super().__init__(*args, **kw)
+        self.observes, self.seen = observes, []
+
+    def observe(self, hidden, next_tokens):
+        assert self.observes, "asked to observe although it said it reads nothing"
+        self.seen.append((hidden.clone(), next_tokens.tolist()))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_drafter_observes_the_target_states_of_exactly_the_accepted_positions(seed):
+    """What observe() gets, over a reply, is the target's own pre-norm hidden state at every committed position and
+    the token after it, whether the accepted path was the tree's first nodes (the engine hands a view) or another
+    branch (a gather); a drafter that says it reads nothing (observes = False) is not told, and the output is the
+    same."""
+    model = make_model("llama", seed)
+    prompt = [random.Random(seed).randrange(3, 96) for _ in range(9)]
+    reference = hf_greedy(model, prompt, 60)  # past the 40 kept: a last step may accept beyond the stop
+    target = Target(model)
+    drafter = RecordingOracle(reference, len(prompt), 96, 0.7, seed)
+    engine = Engine(target, drafter, budget=8, auto_budget=False)
+    out, events = run_engine(engine, prompt, StopCheck(40))
+    assert out == reference[:40]
+    prefix_paths = sum(1 for h, tokens in drafter.seen[1:] if len(tokens) > 1)
+    assert prefix_paths and len(drafter.seen) - 1 - prefix_paths  # long paths, and steps that took none
+    hidden = torch.cat([h for h, _ in drafter.seen])
+    nexts = [t for _, tokens in drafter.seen for t in tokens]
+    sequence = prompt + reference
+    assert len(nexts) >= len(prompt) + 39 and nexts == sequence[1:len(nexts) + 1]
+    with torch.inference_mode():
+        own, _ = Target(model).forward(torch.tensor(sequence[:len(nexts)]))
+    torch.testing.assert_close(hidden, own, atol=1e-4, rtol=1e-4)
+
+    quiet = Engine(Target(model), RecordingOracle(reference, len(prompt), 96, 0.7, seed, observes=False), budget=8,
+                   auto_budget=False)
+    assert run_engine(quiet, prompt, StopCheck(40))[0] == reference[:40] and not quiet.drafter.seen
+
+
 # ------------------------------------------------------------------------------------------------ KV cache
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

@@ -165,6 +165,8 @@ def runner(draft_model, target: Target) -> Target:
 class ModelDrafter:
     """A draft model proposing a chain or an MCSD tree (see the module docstring)."""
 
+    observes = False  # it runs its own model over the context: nothing of the target's is read
+
     def __init__(self, draft_model, target: Target, tree: str = "mcsd", root_k: int = ROOT_K,
                  max_depth: int = MAX_DEPTH, stop_below: float = STOP_BELOW, root_min: float = ROOT_MIN,
                  sample: bool = True, learned_stop: bool = False, stop_file: Path | None = None):

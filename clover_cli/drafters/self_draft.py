@@ -294,6 +294,8 @@ class SelfDrafter(ModelDrafter):
     prefill, else the first proposal's context) unless the choice is cached on disk at `cache`. Until then the
     draft model is a provisional set (every other middle layer)."""
 
+    observes = True  # the prompt's tokens, at its prefill, are what it calibrates on
+
     def __init__(self, target: Target, tree: str = "mcsd", skip=None, cache: Path | None = None,
                  log=None, **kw):
         n = check_skippable(target.model)
