@@ -198,6 +198,7 @@ class TreeKVCache(Cache):
         self.capacity = capacity
         self.max_capacity = max_capacity
         self._pointer_table = None  # K/V buffer addresses for the one-launch Triton commit
+        self._buffers = None  # (capacity, buffers()) once every layer's exist
 
     @classmethod
     def over(cls, keys: list[torch.Tensor], values: list[torch.Tensor], length) -> "TreeKVCache":
@@ -232,10 +233,15 @@ class TreeKVCache(Cache):
                                                 torch.empty(shape, dtype=dtype, device=device))
 
     def buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
-        """Every layer's key and value buffers, or None before the first forward allocates them."""
+        """Every layer's key and value buffers, or None before the first forward allocates them. Kept once all
+        exist, until the capacity changes (growing is the only thing that replaces them): asked at every step."""
+        if self._buffers is not None and self._buffers[0] == self.capacity:
+            return self._buffers[1]
         if not all(layer.is_initialized for layer in self.layers):
             return None
-        return [layer.keys for layer in self.layers], [layer.values for layer in self.layers]
+        out = [layer.keys for layer in self.layers], [layer.values for layer in self.layers]
+        self._buffers = (self.capacity, out)
+        return out
 
     def reserve(self, n_new: int):
         """Make room for n_new more tokens, growing the buffers (doubling) up to the model's context."""
