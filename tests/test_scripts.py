@@ -98,3 +98,22 @@ def test_draft_ablation_small_run(tmp_path):
     assert all(r["tau"] >= 1 and r["tokens_per_s"] > 0 for r in rows.values())
     mcsd, chain = rows["mcsd k=3, equal lengths (8 deep)"], rows["chain, 8 deep (--tree static)"]
     assert mcsd["nodes_per_step"] > chain["nodes_per_step"]
+
+
+def test_ab_bench_alternates_the_first_side_and_pairs_rounds():
+    """scripts/ab_bench.py: the side that runs first alternates (a fixed order read the machine's second-run bonus
+    as a gain), and each method is summarised over the rounds both sides ran."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ab_bench", ROOT / "scripts" / "ab_bench.py")
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    assert [ab.first_side(r)[0] for r in range(4)] == ["old", "new", "old", "new"]
+    runs = [{"side": "old", "round": 0, "rows": {"plain": 100.0, "ngram": 200.0}},
+            {"side": "new", "round": 0, "rows": {"plain": 110.0, "ngram": 190.0}},
+            {"side": "new", "round": 1, "rows": {"plain": 130.0, "ngram": 210.0}},
+            {"side": "old", "round": 1, "rows": {"plain": 100.0, "ngram": 200.0}},
+            {"side": "old", "round": 2, "rows": {"plain": 999.0}}]  # a round new did not run: left out
+    s = ab.summarize(runs)
+    assert s["plain"] == {"old": 100.0, "new": 120.0, "ratio": 1.2, "paired_median": 1.2, "new_ahead": 2, "rounds": 2}
+    assert s["ngram"]["ratio"] == 1.0 and s["ngram"]["new_ahead"] == 1

@@ -1,0 +1,95 @@
+"""Two checkouts of clover against each other: `clover bench` run from each in turn, the side that goes first
+alternating from round to round (ABBA), and per method the mean tokens/s, the ratio, the median of the paired
+ratios and how many rounds each side won.
+
+    git worktree add /tmp/old HEAD~1
+    python scripts/ab_bench.py /tmp/old . --rounds 8 -- --methods plain,ngram,clover+ngram --limit 10
+
+Everything after `--` goes to `clover bench` as it is (--json is added). Both sides run the same model directory
+(default: the new side's bundled `tiny`, or --model), so they share its compiled package and stored costs. On the
+project's 2-core machine the second run of a pair was a few percent faster whatever it ran (the same code on both
+sides, the old side always first: 1.035-1.065x; docs/BENCHMARKS.md, 2026-11-27): an order kept fixed reads that as
+a gain. Prints one JSON object (--json) or a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+
+def first_side(round_index: int) -> tuple[str, str]:
+    """The order of the two sides in round `round_index` (0-based): old first in even rounds, new first in odd."""
+    return ("old", "new") if round_index % 2 == 0 else ("new", "old")
+
+
+def summarize(runs: list[dict]) -> dict:
+    """runs: one {"side": "old" | "new", "round": r, "rows": {method: tokens/s}} per bench run. Per method: mean
+    tokens/s of each side, new / old of the means, the median of the per-round ratios, and the rounds new won."""
+    out = {}
+    methods = dict.fromkeys(m for run in runs for m in run["rows"])
+    for m in methods:
+        by_round = {}
+        for run in runs:
+            if m in run["rows"]:
+                by_round.setdefault(run["round"], {})[run["side"]] = run["rows"][m]
+        pairs = [(r["old"], r["new"]) for r in by_round.values() if "old" in r and "new" in r]
+        if not pairs:
+            continue
+        old = statistics.mean(a for a, _ in pairs)
+        new = statistics.mean(b for _, b in pairs)
+        out[m] = {"old": round(old, 1), "new": round(new, 1), "ratio": round(new / old, 3),
+                  "paired_median": round(statistics.median(b / a for a, b in pairs), 3),
+                  "new_ahead": sum(b > a for a, b in pairs), "rounds": len(pairs)}
+    return out
+
+
+def bench(checkout: Path, model: str, args: list[str]) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(checkout))
+    cmd = [sys.executable, "-m", "clover_cli.cli", "bench", model, "--json", *args]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd="/")
+    if done.returncode:
+        raise SystemExit(f"ab_bench: clover bench from {checkout} failed: {done.stderr.strip().splitlines()[-1:]}")
+    report = json.loads(done.stdout)
+    return {row["method"]: row["tokens_per_s"] for row in report["methods"]}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("old", type=Path, help="The old checkout (its directory holds clover_cli/).")
+    ap.add_argument("new", type=Path, help="The new checkout.")
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--model", default=None, help="Model for both sides (default: the new side's bundled tiny).")
+    ap.add_argument("--json", action="store_true")
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)  # after it: clover bench's own options
+    a, rest = ap.parse_args(argv[:cut]), argv[cut + 1:]
+    checkouts = {"old": a.old.resolve(), "new": a.new.resolve()}
+    for side, path in checkouts.items():
+        if not (path / "clover_cli" / "__init__.py").is_file():
+            raise SystemExit(f"ab_bench: {path} is not a clover checkout (no clover_cli/ in it)")
+    model = a.model or str(checkouts["new"] / "clover_cli" / "bundled" / "tiny")
+    runs = []
+    for r in range(a.rounds):
+        for side in first_side(r):
+            rows = bench(checkouts[side], model, rest)
+            runs.append({"side": side, "round": r, "rows": rows})
+            if not a.json:
+                print(f"round {r + 1} {side}: " + ", ".join(f"{m} {v:.1f}" for m, v in rows.items()), flush=True)
+    summary = summarize(runs)
+    if a.json:
+        print(json.dumps({"runs": runs, "summary": summary}))
+        return
+    print("| method | old tok/s | new tok/s | new / old | paired median | rounds new ahead |")
+    print("|---|---|---|---|---|---|")
+    for m, s in summary.items():
+        print(f"| {m} | {s['old']} | {s['new']} | {s['ratio']}x | {s['paired_median']}x | {s['new_ahead']} / {s['rounds']} |")
+
+
+if __name__ == "__main__":
+    main()
