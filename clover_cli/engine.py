@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from .target import Target
-from .tree import DraftTree
+from .tree import DraftTree, long_tensor
 
 
 @dataclass
@@ -111,12 +111,18 @@ def sample(p: torch.Tensor, rng: torch.Generator) -> int:
     return i
 
 
+def cpu_rows(logits: torch.Tensor) -> np.ndarray | None:
+    """The logits as a numpy array over their memory when they are on the CPU in a type numpy has, else None."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64, torch.float16):
+        return (logits.detach() if logits.requires_grad else logits).numpy()
+    return None
+
+
 def argmax_rows(logits: torch.Tensor) -> list[int]:
     """Each row's argmax (the first of equal maxima, as torch.argmax and transformers' greedy search pick). On a CPU
     through numpy: torch's reduction over the last dimension costs ~30 us for a few rows of 8k logits, numpy's ~5."""
-    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64, torch.float16):
-        return (logits.detach() if logits.requires_grad else logits).numpy().argmax(-1).tolist()
-    return logits.argmax(-1).tolist()
+    rows = cpu_rows(logits)
+    return (logits if rows is None else rows).argmax(-1).tolist()
 
 
 def accept(tree: DraftTree, logits: torch.Tensor, s: Sampling, rng: torch.Generator) -> tuple[list[int], int]:
@@ -136,9 +142,8 @@ def accept(tree: DraftTree, logits: torch.Tensor, s: Sampling, rng: torch.Genera
     kids = tree.children()
     node, path = 0, [0]
     if s.greedy:
-        if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64, torch.float16):
-            # only the rows the walk reaches: a 16-node tree is mostly left at depth 3 or 4
-            rows = (logits.detach() if logits.requires_grad else logits).numpy()
+        rows = cpu_rows(logits)
+        if rows is not None:  # only the rows the walk reaches: a 16-node tree is mostly left at depth 3 or 4
             choice = lambda i: int(rows[i].argmax())  # noqa: E731 - the first of equal maxima, as torch.argmax
         else:
             choice = argmax_rows(logits).__getitem__  # one transfer from the device
@@ -178,14 +183,6 @@ def accept(tree: DraftTree, logits: torch.Tensor, s: Sampling, rng: torch.Genera
             return path, sample(p, rng)
         path.append(chosen)
         node = chosen
-
-
-def long_tensor(values: list[int], device: torch.device) -> torch.Tensor:
-    """A 1-D int64 tensor of `values` on `device`; on a CPU made through numpy, which right after a forward (the
-    CPU's caches flushed by its weights) costs a fraction of torch.tensor() of the list."""
-    if device.type == "cpu":
-        return torch.from_numpy(np.array(values, dtype=np.int64))
-    return torch.tensor(values, dtype=torch.long, device=device)
 
 
 class StopCheck:

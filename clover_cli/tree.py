@@ -12,6 +12,15 @@ import numpy as np
 import torch
 
 
+def long_tensor(values: list[int], device) -> torch.Tensor:
+    """A 1-D int64 tensor of `values` on `device` (a torch.device or its name). On a CPU made through numpy: the
+    engine makes these right after a forward whose weights have flushed the CPU's caches, and there torch.tensor()
+    of a list costs several times as much (docs/BENCHMARKS.md, "The step's glue")."""
+    if getattr(device, "type", device) == "cpu":
+        return torch.from_numpy(np.array(values, dtype=np.int64))
+    return torch.tensor(values, dtype=torch.long, device=device)
+
+
 @dataclass
 class DraftTree:
     tokens: list[int]
@@ -55,21 +64,13 @@ class DraftTree:
         return mask
 
     def tensors(self, device, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(tokens, positions = offset + depth, ancestor mask or None for a single chain) on `device`.
-
-        Made as numpy arrays, then tensors over their memory: the engine calls this where the last forward has
-        flushed the CPU's caches, and there torch.tensor() of a list costs several times as much
-        (docs/BENCHMARKS.md)."""
+        """(tokens, positions = offset + depth, ancestor mask or None for a single chain) on `device`."""
         depths = self.depths()
-        n = len(depths)
-        tokens = torch.from_numpy(np.array(self.tokens, dtype=np.int64))
-        positions = torch.from_numpy(np.array(depths, dtype=np.int64) + offset if offset else
-                                     np.array(depths, dtype=np.int64))
-        mask = None if depths[-1] == n - 1 else torch.from_numpy(self.ancestor_mask())  # as deep as long: a chain
-        if getattr(device, "type", device) != "cpu":
-            tokens, positions = tokens.to(device), positions.to(device)
-            mask = None if mask is None else mask.to(device)
-        return tokens, positions, mask
+        tokens = long_tensor(self.tokens, device)
+        positions = long_tensor([offset + d for d in depths] if offset else depths, device)
+        if depths[-1] == len(depths) - 1:  # as deep as it has nodes: a single chain, causal
+            return tokens, positions, None
+        return tokens, positions, torch.from_numpy(self.ancestor_mask()).to(device)
 
     def prune(self, budget: int) -> "DraftTree":
         """Keep the root and the `budget` best-scoring nodes whose ancestors are all kept.
