@@ -48,6 +48,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from . import atomic
@@ -675,8 +676,7 @@ class CompiledStep:
                                 for name in ranges), key=lambda program: program[:4])
         self._inputs: dict[int, tuple] = {}
         self._past: dict[int, torch.Tensor] = {}
-        self._tril = torch.ones(SIZES[-1], SIZES[-1], dtype=torch.bool).tril()
-        self._tril_np = self._tril.numpy()
+        self._tril = np.tril(np.ones((SIZES[-1], SIZES[-1]), dtype=bool))
         self._first = torch.zeros(1, dtype=torch.long)
         self._static = {id(program) for lo, hi, *_, program in self.programs if lo == hi}
         self._routed = (-1, -1, None)  # (n, past, route) of the last fits(): the call that follows runs it
@@ -709,10 +709,10 @@ class CompiledStep:
                         return size, program
         return None
 
-    def _causal(self, n: int) -> torch.Tensor:
+    def _causal(self, n: int) -> np.ndarray:
         if n <= SIZES[-1]:
             return self._tril[:n, :n]
-        return torch.ones(n, n, dtype=torch.bool).tril()
+        return np.tril(np.ones((n, n), dtype=bool))
 
     def _scratch(self, size: int):
         """Input buffers of one padded size: tokens, positions, tree mask, rows (made once, reused), and numpy views
@@ -763,12 +763,7 @@ class CompiledStep:
         # ids, positions and masks of an earlier step): they see the committed tokens, so nothing is NaN, and nothing
         # reads their outputs or the keys they write after the committed ones.
         tree_np[:n] = False
-        if tree_mask is not None:
-            tree_np[:n, :n] = tree_mask.numpy()
-        elif n <= SIZES[-1]:
-            tree_np[:n, :n] = self._tril_np[:n, :n]
-        else:
-            tree[:n, :n] = self._causal(n)
+        tree_np[:n, :n] = tree_mask.numpy() if tree_mask is not None else self._causal(n)
         keys, values = cache.buffers()
         if id(run) in self._static:  # the logits of all its rows: the wanted ones are picked here
             pre, logits = run(tok, pos, tree, rows, _marker(past, self._past), *keys, *values)
