@@ -477,6 +477,8 @@ class AcceptanceCurve:
     def __call__(self, p: float, rank: int = 0) -> float:
         values = self.values[min(rank, self.RANKS - 1)]
         x = p * self.BINS - 0.5  # in bin centres
+        if x != x:  # NaN: a drafter's score gone wrong is worth nothing
+            return 0.0
         if x <= 0.0:  # below the first centre: from 0 at p = 0
             return values[0] * max(x + 0.5, 0.0) * 2.0
         j = int(x)

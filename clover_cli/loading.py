@@ -17,6 +17,8 @@ import torch
 from . import torchload
 from .errors import CloverError
 
+# the files a tokenizer is made from (any one of them may be enough)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "tiktoken.model")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -219,9 +221,11 @@ def load(path: Path, device: str = "auto", dtype: str = "auto", load_in_8bit: bo
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as e:
-        raise CloverError(f"cannot load the tokenizer from {path}: {_first_line(e)}")
+        if Path(path).is_dir() and not any(Path(path, name).is_file() for name in TOKENIZER_FILES):
+            raise CloverError(f"cannot load the tokenizer from {path}: it holds none of {', '.join(TOKENIZER_FILES)}")
+        raise CloverError(f"cannot load the tokenizer from {path}: {_first_line(e, 500)}")
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), LoadReport() as report:
             warnings.simplefilter("ignore")
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
         if "device_map" not in kwargs:
@@ -237,11 +241,12 @@ def load(path: Path, device: str = "auto", dtype: str = "auto", load_in_8bit: bo
         raise CloverError(f"cannot load the model from {path}: its safetensors weights are damaged or incomplete "
                           f"({_first_line(e)}); fetch them again")
     except (OSError, ValueError, KeyError, RuntimeError) as e:
-        msg = _first_line(e)
+        msg = report.mismatch() or _first_line(e)
         if "trust_remote_code" in msg:
             msg = "it needs custom code from its repository; pass --trust-remote-code if you trust it"
         raise CloverError(f"cannot load the model from {path}: {msg}")
     model.eval()
+    check_vocabulary(tokenizer, model, path)
     model.generation_config.pad_token_id = model.generation_config.pad_token_id or tokenizer.pad_token_id
     if placed is not None:
         from .target import input_device
@@ -250,9 +255,66 @@ def load(path: Path, device: str = "auto", dtype: str = "auto", load_in_8bit: bo
     return Loaded(model, tokenizer, dev, dt, load_in_8bit, load_in_4bit, offload)
 
 
+class LoadReport:
+    """Keeps transformers' loading report while a model loads (it is logged, and the error raised after it only says
+    "look at the above report!", which the user never sees: clover keeps transformers' logs quiet)."""
+
+    NAME = "transformers.modeling_utils"  # the logger from_pretrained hands the report to
+
+    def __enter__(self):
+        import logging
+
+        self.lines: list[str] = []
+        self.logger = logging.getLogger(self.NAME)
+        self.saved = self.logger.level, self.logger.propagate, self.logger.handlers[:]
+        handler = logging.Handler()
+        handler.emit = self._keep
+        self.logger.handlers, self.logger.propagate = [handler], False
+        self.logger.setLevel(logging.WARNING)
+        return self
+
+    def _keep(self, record) -> None:
+        import logging
+
+        self.lines.extend(str(record.getMessage()).splitlines())
+        if record.levelno >= logging.ERROR:  # shown as before this capture (warnings stay quiet, as clover keeps them)
+            logging.getLogger("transformers").handle(record)
+
+    def __exit__(self, *exc):
+        level, self.logger.propagate, self.logger.handlers = self.saved
+        self.logger.setLevel(level)  # (clears the logger's cache of enabled levels; assigning .level would not)
+        return False
+
+    def mismatch(self) -> str | None:
+        """The first weight whose shape differs between the checkpoint and the config, in one line; None if none."""
+        import re
+
+        for line in self.lines:
+            m = re.match(r"\s*(\S+)\s*\|\s*MISMATCH\s*\|.*ckpt: torch\.Size\((\[[^]]*\])\) vs model: ?"
+                         r"torch\.Size\((\[[^]]*\])\)", line)
+            if m:
+                more = sum("MISMATCH |" in ln for ln in self.lines) - 1
+                return (f"its weights do not fit its config.json: {m.group(1)} is {m.group(2)} in the weights but "
+                        f"{m.group(3)} by the config" + (f" (and {more} more)" if more > 0 else ""))
+        return None
+
+
+def check_vocabulary(tokenizer, model, path) -> None:
+    """Refuse a tokenizer that can make token ids the model has no embedding for (one that makes fewer is usual: the
+    embedding is often padded). Without this a prompt holding such a token failed in the middle of the first step."""
+    rows = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) > rows:
+        raise CloverError(f"the tokenizer in {path} has {len(tokenizer)} tokens but the model embeds only {rows}: "
+                          f"they do not belong together")
+
+
 def _first_line(e: Exception, limit: int = 300) -> str:
-    text = str(e).strip()
-    line = text.splitlines()[0] if text else type(e).__name__
+    """The message's first line, or its first lines joined where that line ends in a colon (a sentence going on
+    below it), cut at `limit` characters."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    line = lines[0] if lines else type(e).__name__
+    if line.endswith(":") and len(lines) > 1:
+        line = " ".join(lines)
     return line if len(line) <= limit else line[:limit - 1].rstrip(" ,") + "…"  # e.g. every parameter a map missed
 
 

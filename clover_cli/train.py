@@ -318,6 +318,14 @@ def encode(conversations, tokenizer, template: str, max_len: int):
     return ids, masks
 
 
+def nothing_to_train(cfg, conversations, tokenizer, template) -> CloverError:
+    """The error for data that gave no assistant token to train on, saying whether --max-len cut them off."""
+    if encode(conversations[:64], tokenizer, template, 1 << 30)[0]:
+        return CloverError(f"{cfg.data}: no assistant tokens within --max-len {cfg.max_len} (the template and the "
+                           f"first turns take it all); raise --max-len")
+    return CloverError(f"{cfg.data}: no assistant tokens to train on")
+
+
 def _read_jsonl(path: Path, repair: bool = True) -> list:
     """The complete rows of a JSONL file we append to; a row cut short by a crash is dropped (from the file too,
     with repair)."""
@@ -686,7 +694,10 @@ def evaluate(heads, cfg, model, tokenizer, template, held_ids, held_masks, held_
             stats.add(ev)
     engine.reset()
     heads.train()
-    return {"accuracy": accuracy, "tau": stats.tau, "accept_by_depth": stats.accept_by_depth}
+    if not any(n for _, n in agree):  # nothing held out (or nothing of it fits --max-len): nothing measured
+        return None
+    return {"accuracy": accuracy, "tau": stats.tau if stats.steps else None,
+            "accept_by_depth": stats.accept_by_depth}
 
 
 # ----------------------------------------------------------------------------------------------------- main
@@ -768,7 +779,7 @@ def run_training(cfg: TrainConfig):
     if not cfg.regenerate:
         ids, masks = encode(train_msgs, tokenizer, template, cfg.max_len)
         if not ids:
-            raise CloverError(f"{cfg.data}: no assistant tokens to train on")
+            raise nothing_to_train(cfg, train_msgs, tokenizer, template)
 
     out = Path(cfg.out)
     barrier()  # every process has checked --out before the main one writes there
@@ -803,7 +814,7 @@ def _train(cfg, accelerator, device, log, resuming, resolved, model, tokenizer, 
         ids, masks = encoded
     held_ids, held_masks = encode(held_msgs, tokenizer, template, cfg.max_len)
     if not ids:
-        raise CloverError(f"{cfg.data}: no assistant tokens to train on")
+        raise nothing_to_train(cfg, train_msgs, tokenizer, template)
     n_tokens = sum(len(i) for i in ids)
     log(f"{len(ids)} training conversations ({n_tokens} tokens), {len(held_ids)} held out"
         + (f"; {world} processes, each on its own 1/{world} of every epoch's batches" if world > 1 else ""))
@@ -885,14 +896,14 @@ def _train(cfg, accelerator, device, log, resuming, resolved, model, tokenizer, 
                                         f"a smaller --batch-tokens (now {cfg.batch_tokens}) or --max-len"):
                         ev = evaluate(accelerator.unwrap_model(heads), cfg, model, tokenizer, template, held_ids,
                                       held_masks, held_msgs, device, target_box)
-                    rec = {"step": step, "train_loss": round(last["loss"], 4),
-                           "heldout_accuracy": [round(a, 4) for a in ev["accuracy"]],
-                           "heldout_tau": round(ev["tau"], 3),
-                           "accept_by_depth": [round(a, 3) for a in ev["accept_by_depth"]],
-                           "elapsed_s": round(time.time() - t_start, 1)}
+                    rec = {"step": step, "train_loss": round(last["loss"], 4), "heldout_accuracy": None,
+                           "heldout_tau": None, "elapsed_s": round(time.time() - t_start, 1)}
+                    if ev is not None:
+                        rec.update(heldout_accuracy=[round(a, 4) for a in ev["accuracy"]],
+                                   heldout_tau=None if ev["tau"] is None else round(ev["tau"], 3),
+                                   accept_by_depth=[round(a, 3) for a in ev["accept_by_depth"]])
                     history.append(rec)
-                    progress.note(f"eval step {step}: held-out top-1 {rec['heldout_accuracy']} "
-                                  f"τ {rec['heldout_tau']}")
+                    progress.note(f"eval step {step}: " + heldout_text(rec))
                     _save_checkpoint(out, accelerator.unwrap_model(heads), opt, sched, step, history)
                 barrier()
     except (MemoryError, RuntimeError) as e:
@@ -925,18 +936,27 @@ def _train(cfg, accelerator, device, log, resuming, resolved, model, tokenizer, 
         if world > 1:
             unwrapped.cfg.training["processes"] = world
         save_heads(unwrapped, out, model_card(unwrapped.cfg, resolved.name, history, resolved.repo))
-        log(f"heads written to {out} (held-out τ {final.get('heldout_tau')}, top-1 "
-            f"{final.get('heldout_accuracy')})")
+        log(f"heads written to {out} ({heldout_text(final)})")
         if cfg.push_to_hub:
             push(out, cfg.push_to_hub)
             log(f"pushed to {cfg.push_to_hub}")
+
+
+def heldout_text(rec: dict) -> str:
+    """What an evaluation measured, in words: its τ and top-1 agreement, or that nothing was held out to measure."""
+    if rec.get("heldout_accuracy") is None:
+        return "nothing held out to measure on: no held-out τ"
+    tau = rec.get("heldout_tau")
+    return (f"held-out τ {tau}" if tau is not None else "no held-out prompt fit for τ") + \
+        f", top-1 {rec['heldout_accuracy']}"
 
 
 def model_card(hcfg, target_name: str, history: list[dict], repo: str | None = None) -> str:
     t = hcfg.training
     arch = {"clover2": "Clover-2", "medusa": "Medusa-1", "eagle": "EAGLE", "eagle3": "EAGLE-3"}[hcfg.architecture]
     one_model = hcfg.architecture in ("eagle", "eagle3")
-    rows = "\n".join(f"| {h['step']} | {h['train_loss']} | {h['heldout_accuracy']} | {h['heldout_tau']} |"
+    rows = "\n".join(f"| {h['step']} | {h['train_loss']} | {h['heldout_accuracy'] or '–'} | "
+                     f"{'–' if h['heldout_tau'] is None else h['heldout_tau']} |"
                      for h in history)
     meta = "---\nlibrary_name: clover\ntags:\n- speculative-decoding\n- " + arch.lower() + "\n"
     meta += (f"base_model: {repo}\n" if repo else "") + "---\n\n"  # the Hub warns about a card without metadata

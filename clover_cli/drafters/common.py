@@ -200,6 +200,8 @@ class TreeGrower:
         children, curve = [], self.curve
         for row, parent in enumerate(level):
             base, best, mass = builder.scores[parent], top_p[row][0], 0.0
+            if not best > 0.0:  # nothing this row proposes is worth verifying (an all-zero row: see top_tokens)
+                continue
             for rank, (p, tok) in enumerate(zip(top_p[row], top_i[row])):
                 chance = p if curve is None else curve(p, rank)
                 if self.static is not None:
@@ -237,7 +239,9 @@ class GrowsTree:
 def top_tokens(logits: torch.Tensor, k: int, token_ids: torch.Tensor | None = None):
     """(probabilities, token ids) of the k most likely tokens of each row of `logits` [r, V], best first.
     token_ids maps logit columns to token ids when the heads draft from a shortlist of the vocabulary."""
-    probs = torch.softmax(logits.float(), dim=-1)
+    # heads gone wrong (NaN or infinite weights) give NaN scores: they count as 0, so such rows draft nothing and the
+    # target, which verifies every token, goes on alone
+    probs = torch.softmax(logits.float(), dim=-1).nan_to_num_(0.0, 0.0, 0.0)
     top_p, top_i = probs.topk(min(k, probs.shape[-1]), dim=-1)
     if token_ids is not None:
         top_i = token_ids[top_i]
