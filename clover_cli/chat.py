@@ -21,6 +21,7 @@ from pathlib import Path
 
 from . import atomic
 from .errors import CloverError
+from .render import visible
 
 HELP_KEYS = [
     ("Enter", "send the message"),
@@ -260,10 +261,12 @@ class Out:
         self.stream.flush()
 
     def note(self, text: str, style: str = "dim"):
-        self.console.print(text, style=style if self.colour else None)
+        """A note, inert: what a user, a file or a model wrote in it (a system message, a path) cannot act on the
+        terminal."""
+        self.console.print(visible(text), style=style if self.colour else None)
 
     def error(self, text: str):
-        self.console.print(f"error: {text}", style="red" if self.colour else None)
+        self.console.print(f"error: {visible(text)}", style="red" if self.colour else None)
 
 
 def _fmt_pct(x) -> str:
@@ -592,16 +595,6 @@ class Chat:
         if self.stats_path:
             lines.append(f"stream: {self.stats_path} (session {self.sid}; live view: clover stats)")
         self.out.note("\n".join(lines), "")
-
-
-_CONTROL = {c: f"^{chr(c + 64)}" for c in range(32) if chr(c) not in "\n\t"}
-_CONTROL.update({0x7F: "^?", **{c: "\ufffd" for c in range(0x80, 0xA0)}})
-
-
-def visible(text: str) -> str:
-    """Model output made safe for a terminal: control characters (escape sequences, carriage returns) are
-    shown as ^X instead of acting on the terminal."""
-    return text.translate(_CONTROL)
 
 
 class ReplyPrinter:

@@ -16,6 +16,7 @@ import typer
 
 from . import __version__
 from .errors import CloverError
+from .render import visible
 
 app = typer.Typer(
     name="clover",
@@ -679,7 +680,7 @@ def _fail(message: str, code: int = 2):
     message = " ".join(line.strip() for line in str(message).splitlines() if line.strip()) or "failed"
     if _state["debug"] or os.environ.get("CLOVER_DEBUG", "") not in ("", "0"):
         traceback.print_exc()
-    sys.stderr.write(f"clover: error: {message}\n")
+    sys.stderr.write(f"clover: error: {visible(message)}\n")  # a path or a file's content in it stays inert
     sys.stderr.flush()
     raise SystemExit(code)
 

@@ -20,6 +20,19 @@ def use_colour(no_colour_flag: bool, stream=sys.stdout) -> bool:
     return hasattr(stream, "isatty") and stream.isatty()
 
 
+# Control characters as text: ^X for C0 and DEL (an escape sequence, a bell, a carriage return), U+FFFD for C1 (a
+# single-byte CSI); newlines and tabs stay.
+_CONTROL = {c: f"^{chr(c + 64)}" for c in range(32) if chr(c) not in "\n\t"}
+_CONTROL.update({0x7F: "^?", **{c: "\ufffd" for c in range(0x80, 0xA0)}})
+
+
+def visible(text: str) -> str:
+    """Text made safe for a terminal: control characters (escape sequences, carriage returns, bells) are shown as
+    ^X instead of acting on the terminal. Everything clover shows that a model, a user or a file wrote goes through
+    here: replies in a terminal, and every note and error (a system message, a file name, a file's content)."""
+    return text.translate(_CONTROL)
+
+
 def legend(max_depth: int = 5) -> str:
     parts = [f"{colour_code(d)}depth {d}{RESET}" for d in range(1, max_depth + 1)]
     return "accepted draft tokens: " + " ".join(parts) + "  · plain: the target's own token"

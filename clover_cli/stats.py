@@ -559,10 +559,12 @@ def render(snap: dict, waiting: str | None = None, max_sessions: int = 12, width
     from rich.table import Table
     from rich.text import Text
 
+    from .render import visible
+
     now = time.time()
     head = Text()
     head.append("clover stats", style="bold")
-    head.append(f" · {snap['stats_file']} · {snap['sessions']} session(s) · {snap['lines']} lines")
+    head.append(f" · {visible(str(snap['stats_file']))} · {snap['sessions']} session(s) · {snap['lines']} lines")
     if snap["skipped_lines"]:
         head.append(f" · {snap['skipped_lines']} skipped (truncated or foreign)", style="yellow")
     parts = [head]
@@ -609,7 +611,7 @@ def render(snap: dict, waiting: str | None = None, max_sessions: int = 12, width
     bars.add_row(Text("hit rate by draft depth", style="bold"), Text("accepted tokens per step", style="bold"))
     bars.add_row(depth, hist)
     parts.append(Panel(Group(figures, Text(""), bars), expand=False, title="overall" if snap["sessions"] != 1 else
-                       f"session {snap['by_session'][0]['session']}", title_align="left"))
+                       f"session {visible(str(snap['by_session'][0]['session']))}", title_align="left"))
 
     sessions = snap["by_session"][-max_sessions:]
     if sessions:
@@ -629,7 +631,7 @@ def render(snap: dict, waiting: str | None = None, max_sessions: int = 12, width
             ("accepted lengths", "left", lambda s: _spark([float(c) for c in s["accepted_hist"]])),
             ("model", "left", lambda s: s["model"] or "?"),
         ]
-        rows = [[cell(s) for _, _, cell in columns] for s in sessions]
+        rows = [[visible(cell(s)) for _, _, cell in columns] for s in sessions]  # a file's strings, shown inert
         keep, used = 0, 0
         for i, (title, _, _) in enumerate(columns):  # as many whole columns as fit, in order of importance
             need = max([len(title)] + [len(r[i]) for r in rows]) + 3
