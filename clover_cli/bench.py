@@ -449,6 +449,10 @@ def run_bench(cfg: BenchConfig):
         except ImportError:
             raise CloverError("--plot needs matplotlib: pip install 'clover-cli[plot]'")
         _plot_format(cfg.plot)  # before the runs, not after them
+        try:
+            atomic.check_replace(cfg.plot)  # a FIFO, a device or a symbolic link is not replaced by the plot
+        except OSError as e:
+            raise CloverError(f"cannot write the plot {cfg.plot}: {e.strerror or e}")
     prompts = load_prompts(cfg.prompts, cfg.limit)
     bs = BenchSession(cfg)
     methods = choose_methods(cfg.methods, bs, cfg)

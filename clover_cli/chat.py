@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import sys
 import time
 from pathlib import Path
@@ -172,7 +173,9 @@ class Conversation:
             raise CloverError(f"cannot load {path}: {e}")
 
     def save(self, path: str, model: str | None = None) -> Path:
-        """Write to a temporary file in the same directory, then rename it over `path`: never half a file."""
+        """Write to a temporary file in the same directory, then rename it over `path`: never half a file. Only a
+        new name or a regular file is written (a device, a FIFO or a symbolic link is refused: atomic.check_replace);
+        a new file is private (0600), an existing one keeps its mode."""
         p = Path(path).expanduser()
         if p.is_dir():
             raise CloverError(f"cannot save to {path}: it is a directory")
@@ -713,8 +716,19 @@ def _history(path_arg: str | None):
     from prompt_toolkit.history import FileHistory, InMemoryHistory
 
     class QuietFileHistory(FileHistory):
+        def load_history_strings(self):
+            """The earlier prompts: only a regular file is read back (a FIFO or /dev/null is a sink, and reading a
+            FIFO would wait for a writer)."""
+            try:
+                if not stat.S_ISREG(os.stat(self.filename).st_mode):
+                    return []
+            except OSError:
+                return []
+            return super().load_history_strings()
+
         def store_string(self, string: str) -> None:
-            """prompt-toolkit's format, appended privately (0600, an existing file tightened) in one write."""
+            """prompt-toolkit's format, appended in one write (a file clover creates is private, 0600; an existing
+            one keeps its mode)."""
             import datetime
 
             entry = f"\n# {datetime.datetime.now()}\n" + "".join(f"+{line}\n" for line in string.split("\n"))
@@ -730,7 +744,7 @@ def _history(path_arg: str | None):
         if path.is_dir():
             raise IsADirectoryError(21, "Is a directory")
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.close(atomic.open_append(path, 0o600))  # a history of prompts is private: an existing file too
+        os.close(atomic.open_append(path, 0o600))  # a history of prompts is private: made 0600, never chmodded
     except OSError as e:
         if path_arg:
             raise CloverError(f"cannot use the history file {path}: {e.strerror or e}")
@@ -883,6 +897,7 @@ def run_chat(opts, system=None, max_new_tokens=256, temperature=0.0, top_p=1.0, 
     from .render import use_colour
     from .stats import StatsWriter
 
+    StatsWriter.check(stats_file)  # a --stats-file that cannot be written fails now, not after loading
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
     colour = use_colour(no_color, sys.stdout)
     out = Out(colour)

@@ -251,6 +251,7 @@ def generate(
     from .stats import StatsWriter
 
     check_sampling(max_new_tokens, temperature, top_p, seed, repetition_penalty)
+    StatsWriter.check(stats_file)  # a --stats-file that cannot be written fails now, not after loading
     text = read_prompt(prompt, keep_newline)
     t_start = time.perf_counter()
     session = Session(_options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, device, dtype,
@@ -336,8 +337,9 @@ def chat(
     device_map: Optional[str] = Common.device_map, max_memory: Optional[str] = Common.max_memory,
     dtype: str = Common.dtype, revision: Optional[str] = Common.revision,
     trust_remote_code: bool = Common.trust_remote_code, allow_pickle: bool = Common.allow_pickle,
-    history_file: Optional[str] = typer.Option(None, "--history-file", help="Input history, kept private (mode "
-                                                                            "0600; default: user cache directory)."),
+    history_file: Optional[str] = typer.Option(None, "--history-file", help="Input history (a file it creates is "
+                                                                            "private, mode 0600; /dev/null keeps none; "
+                                                                            "default: user cache directory)."),
     stats_file: Optional[str] = Common.stats_file, no_color: bool = Common.no_color,
     compile: Optional[str] = Common.compile,
 ):
@@ -396,6 +398,7 @@ def serve(
     if not 0 <= port <= 65535:
         raise CloverError(f"--port must be between 0 and 65535, not {port}")
     check_sampling(max_new_tokens, 0.0, 1.0)
+    StatsWriter.check(stats_file)  # a --stats-file that cannot be written fails now, not after loading
     opts = _options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, device, dtype, trust_remote_code,
                     allow_pickle, compile, load_in_4bit, device_map, max_memory, draft_model, early_stop)
     sock = listen(host, port)  # a port in use fails now, before loading

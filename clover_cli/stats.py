@@ -96,7 +96,22 @@ class StatsWriter:
         self.failed = False
 
     @staticmethod
+    def check(arg: str | None) -> None:
+        """Judge a --stats-file before the model loads (a directory, a device, a place where no file can be made
+        fails at once, in one line), creating nothing: `open`, after loading, makes the file, so that a run that
+        fails to start leaves no record. The default location is not judged: it never fails a run."""
+        path = stats_path(arg)
+        if path is None or not arg:
+            return
+        try:
+            atomic.check_append(path)
+        except OSError as e:
+            raise CloverError(f"cannot write the stats file {path}: {e.strerror or e}")
+
+    @staticmethod
     def open(arg: str | None) -> "StatsWriter | None":
+        """The writer of the stream (a regular file, a FIFO or /dev/null; see atomic.open_append), its file
+        created (0600) if it is not there; None for 'off'."""
         path = stats_path(arg)
         if path is None:
             return None
@@ -115,7 +130,7 @@ class StatsWriter:
         return StatsWriter(path)
 
     def _open(self) -> int:
-        return atomic.open_append(self.path, 0o600)  # private, even when someone made it readable
+        return atomic.open_append(self.path, 0o600)  # private when made here; an existing file keeps its mode
 
     def _rotate(self, fd: int) -> int:
         """Move a full file aside to <file>.1 (once, even with several writers) and open the new one."""
@@ -128,7 +143,8 @@ class StatsWriter:
             if fcntl:
                 fcntl.flock(fd, fcntl.LOCK_EX)
             try:
-                if os.stat(self.path).st_ino == st.st_ino:  # nobody rotated it while we waited
+                # nobody rotated it while we waited (lstat: a symbolic link, a FIFO or /dev/null is not rotated)
+                if os.lstat(self.path).st_ino == st.st_ino:
                     os.replace(self.path, self.path.with_name(self.path.name + ".1"))
             except FileNotFoundError:
                 pass

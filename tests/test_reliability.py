@@ -805,19 +805,24 @@ def test_overwrite_refuses_a_directory_that_is_not_clovers(run_cli, llama_dir, d
     assert (mine / "config.json").read_text() == '{"my": "settings"}\n'
 
 
-def test_a_history_file_is_made_private_when_prompts_go_into_it(tmp_path):
-    """An existing --history-file readable by others stayed so while the prompts typed were appended to it."""
+def test_a_history_file_keeps_its_mode_when_prompts_go_into_it(tmp_path):
+    """An existing --history-file was chmodded to 0600 (issue #45: as root every file is "ours", and
+    `--history-file /dev/null` locked other users out of /dev/null). Only a file clover creates is made private;
+    an existing one keeps its mode while the prompts typed are appended to it."""
     from clover_cli.chat import _history
 
     path = tmp_path / "history"
     path.write_text("\n# 2026-01-01 00:00:00\n+an old prompt\n")
     path.chmod(0o644)
     history, shown = _history(str(path))
-    assert shown == path and path.stat().st_mode & 0o777 == 0o600
-    path.chmod(0o644)  # made readable again while the chat runs: the next prompt closes it again
+    assert shown == path and path.stat().st_mode & 0o777 == 0o644
     history.store_string("a secret\nin two lines")
-    assert path.stat().st_mode & 0o777 == 0o600
+    assert path.stat().st_mode & 0o777 == 0o644
     assert list(history.load_history_strings()) == ["a secret\nin two lines", "an old prompt"]
+    new = tmp_path / "new-history"
+    history, _ = _history(str(new))
+    history.store_string("private")
+    assert new.stat().st_mode & 0o777 == 0o600
 
 
 # --- the soak (scripts/soak.py): memory of a long chat stays flat ----------------------------------------------
