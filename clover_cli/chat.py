@@ -772,17 +772,11 @@ def _prompt_session(history, colour: bool):
 
 
 def _may_download(opts) -> bool:
-    from .hub import ALIASES as MODELS, is_cached, looks_like_repo
+    from .hub import ALIASES as MODELS, default_model, is_cached, looks_like_repo, will_fetch
 
-    name = opts.model or "tiny"
+    name = opts.model or default_model()
     spec = MODELS.get(name)
-    if spec is not None:
-        repo = spec.repo
-    elif Path(name).expanduser().exists():
-        repo = None
-    else:
-        repo = name if looks_like_repo(name) else None
-    if repo and not is_cached(repo, opts.revision):
+    if will_fetch(name, opts.revision, opts.dtype):  # a download or a GGUF's conversion
         return True
     if opts.draft == "model":  # --draft model's model: named, else the alias's own
         draft = opts.draft_model or (spec.draft if spec is not None else None)
@@ -797,19 +791,20 @@ def _may_download(opts) -> bool:
 def _check_local(opts):
     """Resolve a model that needs no download (the bundled one, a directory, a name that is none of these): the
     one-line error of a wrong one comes before the prompt. Hub repos and aliases are left to the load."""
-    from .hub import ALIASES, looks_like_repo, resolve_model
+    from .hub import ALIASES, default_model, looks_like_repo, resolve_model
 
-    name = opts.model or "tiny"
+    name = opts.model or default_model()
     spec = ALIASES.get(name)
     if (spec is not None and spec.repo is None) or (spec is None and not looks_like_repo(name)) \
             or Path(name).expanduser().exists():
-        resolve_model(opts.model, opts.revision, opts.allow_pickle, quiet=True)
+        resolve_model(opts.model, opts.revision, opts.allow_pickle, quiet=True, dtype=opts.dtype)
 
 
 def _load(opts, out: Out, show_progress: bool):
+    from .hub import default_model
     from .session import Session
 
-    name = opts.model or "tiny"
+    name = opts.model or default_model()
     t0 = time.perf_counter()
     if show_progress and not _may_download(opts):  # a download draws its own progress bars instead
         from rich.console import Console
@@ -919,7 +914,9 @@ def run_chat(opts, system=None, max_new_tokens=256, temperature=0.0, top_p=1.0, 
     # In a terminal the prompt comes up at once and the model loads behind it (importing torch and transformers is
     # most of a start-up); a download draws progress bars, so it happens before the prompt.
     if interactive and not _may_download(opts):
-        name = opts.model or "tiny"
+        from .hub import default_model
+
+        name = opts.model or default_model()
         _check_local(opts)  # a mistyped name fails at once, not after the libraries have loaded
         out.note(f"clover chat · loading {name} … (type away: your first message waits for it)")
         _repl(Loading(lambda: start(progress=False), out, name), _prompt_session(history, colour))

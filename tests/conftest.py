@@ -25,6 +25,8 @@ os.environ.setdefault("CLOVER_COMPILE_CACHE", tempfile.mkdtemp(prefix="clover-co
 # Fixed-size programs for 1 and 4 new tokens only (a user's build makes 1, 2, 4, 8 and 16): the tests still cover a
 # 1-token program, a tree padded to a static size and the program for any size, in half the build time.
 os.environ.setdefault("CLOVER_COMPILE_SIZES", "1,4")
+# The default model (smollm2, fetched on first use) stays out of tests that do not ask for it: they get the bundled one.
+os.environ.setdefault("CLOVER_MODEL", "tiny")
 # A shell without job control starts a background job (`pytest &`, `nohup .ci/run &`) with Ctrl-C ignored, and
 # every clover the terminal tests spawn would inherit that and never see their Ctrl-C: give them the default.
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -225,6 +226,7 @@ def test_download_fetches_only_safe_files(hub, downloaded):
     assert code == 0, err
     snap = hub.commits["v2"]
     assert out.strip() == f"org/model: {hub.home / 'hub' / 'models--org--model' / 'snapshots' / snap}"
+    assert re.search(r"^source: the Hub \(org/model\), \d+ KiB on disk$", err, re.M), err
     files = hub.cache_files("org/model")
     names = {Path(f).name for f in files}
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
@@ -329,7 +331,7 @@ def test_models_shows_cached(hub):
     code, out, err = hub.run("models")
     assert code == 0, err
     rows = model_rows(out)
-    assert rows["tinyllama"][-1] == "cached"
+    assert re.fullmatch(r"Hub cache, \d+ KiB", " ".join(rows["tinyllama"][-4:])), rows["tinyllama"]  # size on disk
     assert rows["vicuna-7b"][-1] == "-"
 
 

@@ -1,0 +1,280 @@
+"""GGUF files (llama.cpp's format, what llama.cpp, Ollama and LM Studio users have on disk) as models clover runs.
+
+A GGUF is read by transformers' own GGUF support (the `gguf` package dequantizes its tensors), once: the model and
+its tokenizer are saved as an ordinary model directory (safetensors, config, tokenizer) in clover's cache, keyed by
+the file's content (sha256) and the dtype it was dequantized to, so that every later run, and everything that takes
+a model directory (the compiled step, the heads, train, bench), starts from that directory. Which file a content hash
+belongs to is remembered by path, size and modification time, so a later run does not read the file again.
+
+Problems get one line: a file that is not a GGUF, a truncated or damaged one, an architecture or quantization type
+transformers cannot read. A conversion is built in a temporary directory and renamed into place: an interrupted or
+failed one leaves nothing half-written in the cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import atomic
+from .errors import CloverError
+
+MAGIC = b"GGUF"
+SOURCE_FILE = "clover-gguf.json"  # in a converted directory: which file it came from, and how
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def is_gguf_name(name: str) -> bool:
+    return name.lower().endswith(".gguf")
+
+
+def cache_root() -> Path:
+    from .stats import cache_dir
+
+    return Path(os.environ.get("CLOVER_GGUF_CACHE") or cache_dir() / "gguf")
+
+
+@dataclass
+class GGUFInfo:
+    path: Path
+    architecture: str
+    name: str | None
+    types: dict[str, int]  # tensor type name -> how many tensors have it
+    size: int
+
+    def describe(self) -> str:
+        kinds = "/".join(sorted(self.types, key=lambda t: -self.types[t]))
+        return f"{self.architecture}, {kinds}, {self.size / 2**20:.0f} MiB"
+
+
+def inspect(path: Path) -> GGUFInfo:
+    """What a GGUF file holds, read from its header; a one-line CloverError for anything transformers cannot load."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(MAGIC))
+            size = os.fstat(f.fileno()).st_size
+    except FileNotFoundError:
+        raise CloverError(f"{path}: no such file")
+    except OSError as e:
+        raise CloverError(f"cannot read {path}: {e.strerror or e}")
+    if not path.is_file():
+        raise CloverError(f"{path} is not a regular file")
+    if head != MAGIC:
+        raise CloverError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise CloverError("reading a GGUF file needs the gguf package: pip install gguf")
+    try:
+        reader = GGUFReader(str(path))
+        arch = _field(reader, "general.architecture")
+        name = _field(reader, "general.name")
+        types: dict[str, int] = {}
+        end = 0
+        for t in reader.tensors:
+            types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+            end = max(end, int(t.data_offset) + int(t.n_bytes))
+    except CloverError:
+        raise
+    except Exception as e:  # the reader fails in many ways on a cut or damaged file
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise CloverError(f"{path} is a damaged or truncated GGUF file ({first})")
+    if end > size:
+        raise CloverError(f"{path} is a truncated GGUF file: its tensors need {end} bytes, it has {size}")
+    if not arch:
+        raise CloverError(f"{path} is a damaged GGUF file: it names no architecture")
+    supported = _supported_architectures()
+    if arch not in supported and arch.replace("-", "_") not in supported:
+        raise CloverError(f"{path} holds a {arch} model, an architecture transformers cannot read from GGUF "
+                          f"(it reads {', '.join(sorted(supported))})")
+    unknown = sorted(t for t in types if not _can_dequantize(t))
+    if unknown:
+        raise CloverError(f"{path} holds {', '.join(unknown)} tensors, which the gguf package cannot dequantize")
+    return GGUFInfo(path, arch, name, types, size)
+
+
+def _field(reader, key: str) -> str | None:
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    value = field.contents()
+    return value if isinstance(value, str) else None
+
+
+def _supported_architectures() -> set[str]:
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    return set(GGUF_SUPPORTED_ARCHITECTURES)
+
+
+def _can_dequantize(type_name: str) -> bool:
+    """Whether the gguf package dequantizes tensors of this type (float types are read as they are)."""
+    import gguf
+
+    qtype = getattr(gguf.GGMLQuantizationType, type_name, None)
+    if qtype is None:
+        return False
+    if type_name in ("F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64"):
+        return True
+    return qtype in getattr(gguf.quants, "_type_traits", {})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# content keys
+
+
+def content_hash(path: Path) -> str:
+    """The sha256 of the file's bytes, remembered per (path, size, mtime) so that a later run need not read it."""
+    path = Path(path).resolve()
+    st = path.stat()
+    stamp = [st.st_size, st.st_mtime_ns]
+    index_path = cache_root() / "hashes.json"
+    try:
+        index = json.loads(index_path.read_text())
+        known = index.get(str(path)) if isinstance(index, dict) else None
+        if isinstance(known, dict) and known.get("stamp") == stamp and isinstance(known.get("sha256"), str):
+            return known["sha256"]
+    except (OSError, ValueError):
+        index = {}
+    if not isinstance(index, dict):
+        index = {}
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    sha = digest.hexdigest()
+    index[str(path)] = {"stamp": stamp, "sha256": sha}
+    try:
+        atomic.write_text(index_path, json.dumps(index))
+    except OSError:
+        pass  # a cache that cannot be written only costs a hash next time
+    return sha
+
+
+def converted_dir(sha: str, dtype: str) -> Path:
+    return cache_root() / f"{sha[:20]}-{dtype}"
+
+
+def is_converted(directory: Path) -> bool:
+    """A finished conversion: its record names it, and its config and weights are there."""
+    try:
+        record = json.loads((directory / SOURCE_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return (isinstance(record, dict) and (directory / "config.json").is_file()
+            and any(directory.glob("*.safetensors")))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# conversion
+
+
+def convert(path: Path, dtype: str = "float32", quiet: bool = False) -> Path:
+    """The model directory made from the GGUF file `path` with weights in `dtype` (made now, or found in the cache).
+    Raises CloverError in one line."""
+    if dtype not in DTYPES:
+        raise CloverError(f"a GGUF converts to one of {', '.join(DTYPES)}, not {dtype!r}")
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise CloverError(f"{path}: no such file")
+    if not path.is_file():
+        raise CloverError(f"{path} is not a regular file")
+    try:
+        sha = content_hash(path)
+    except OSError as e:
+        raise CloverError(f"cannot read {path}: {e.strerror or e}")
+    out = converted_dir(sha, dtype)
+    if is_converted(out):
+        return out
+    info = inspect(path)
+    say = (lambda text: None) if quiet else (lambda text: print(f"clover: {text}", file=sys.stderr, flush=True))
+    say(f"converting {path.name} ({info.describe()}) to {dtype} for transformers: once per file, cached in {out}")
+    t0 = time.perf_counter()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic.clean_stale(out)
+        tmp = atomic.temp_dir(out)
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            _write_converted(info, sha, dtype, tmp, quiet)
+            if out.exists():  # a damaged earlier conversion (a finished one returned above)
+                shutil.rmtree(out)
+            os.replace(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as e:
+        raise CloverError(f"cannot write the converted model into {out.parent}: {e.strerror or e}")
+    say(f"converted in {time.perf_counter() - t0:.0f} s")
+    return out
+
+
+def _write_converted(info: GGUFInfo, sha: str, dtype: str, tmp: Path, quiet: bool) -> None:
+    import warnings
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()  # its "loading weights" and "writing shards" bars: the dequantizing one is ours
+    folder, name = str(info.path.parent), info.path.name
+    try:
+        with warnings.catch_warnings(), _progress(quiet):
+            warnings.simplefilter("ignore")
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=getattr(torch, dtype))
+    except (MemoryError, KeyboardInterrupt):
+        raise
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:240]
+        raise CloverError(f"transformers cannot load {info.path} ({info.architecture}): {first}")
+    # what transformers records of the GGUF's quantization describes the file, not these dequantized weights, and
+    # save_pretrained refuses a model that claims to be quantized
+    model.config.__dict__.pop("quantization_config", None)
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer = None
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    record = {"gguf": str(info.path.resolve()), "name": info.name, "sha256": sha, "architecture": info.architecture,
+              "tensor_types": info.types, "dtype": dtype, "size": info.size}
+    (tmp / SOURCE_FILE).write_text(json.dumps(record, indent=1) + "\n")
+
+
+class _progress:
+    """transformers reads a GGUF's tensors under a tqdm bar of its own: drawn on a terminal, silent otherwise."""
+
+    def __init__(self, quiet: bool):
+        self.quiet = quiet or not sys.stderr.isatty()
+
+    def __enter__(self):
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+        from tqdm.auto import tqdm
+
+        self.module, self.saved = gguf_utils, gguf_utils.tqdm
+        if self.quiet:
+            gguf_utils.tqdm = lambda iterable, *a, **k: tqdm(iterable, *a, **{**k, "disable": True})
+        else:
+            gguf_utils.tqdm = lambda iterable, *a, **k: tqdm(iterable, *a, **{**k, "desc": "dequantizing",
+                                                                              "leave": False, "file": sys.stderr})
+        return self
+
+    def __exit__(self, *exc):
+        self.module.tqdm = self.saved
+        return False
+
+
+def source_of(directory: Path) -> dict | None:
+    """The record of the GGUF a converted directory was made from, or None for any other directory."""
+    try:
+        record = json.loads((Path(directory) / SOURCE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
