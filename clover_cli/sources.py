@@ -15,6 +15,7 @@ switch for "no network") keeps it from being asked.
 from __future__ import annotations
 
 import hashlib
+import http.client
 import json
 import os
 import re
@@ -212,19 +213,31 @@ def _get(url: str, partial: Path, label: str, quiet: bool) -> None:
     except (urllib.error.URLError, OSError) as e:
         raise SourceUnavailable(f"cannot download {label} ({getattr(e, 'reason', None) or e})")
     with response:
-        resumed = have and response.status == 206
-        total = response.headers.get("Content-Length")
-        total = int(total) + (have if resumed else 0) if total and total.isdigit() else None
-        mode = "ab" if resumed else "wb"
+        # a 206 must continue where the partial file ends; anything else (200: the server ignores ranges) is the whole
+        resumed = bool(have) and response.status == 206
+        if resumed and not (response.headers.get("Content-Range") or "").startswith(f"bytes {have}-"):
+            partial.unlink(missing_ok=True)
+            raise SourceUnavailable(f"the package index sent {label} from another offset than asked; the next try "
+                                    f"starts over")
+        length = response.headers.get("Content-Length")
+        length = int(length) if length and length.isdigit() else None
         done = have if resumed else 0
+        total = None if length is None else done + length
+        mode = "ab" if resumed else "wb"  # the partial file grows across tries: resuming it is the point
         with _Bar(label, total, done, quiet) as bar, open(partial, mode) as f:
             try:
                 for block in iter(lambda: response.read(CHUNK), b""):
                     f.write(block)
+                    done += len(block)
                     bar.advance(len(block))
-            except (urllib.error.URLError, OSError) as e:
-                raise SourceUnavailable(f"the download of {label} broke off ({getattr(e, 'reason', None) or e}); "
-                                        f"the next try resumes it")
+            except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+                why = str(getattr(e, "reason", None) or e) or type(e).__name__
+                raise SourceUnavailable(f"the download of {label} broke off after {done} bytes ({why}); the next try "
+                                        f"resumes it")
+        # http.client ends a body cut short by a closed connection as if it were whole: its length says otherwise
+        if total is not None and done < total:
+            raise SourceUnavailable(f"the download of {label} broke off after {done} of {total} bytes; the next try "
+                                    f"resumes it")
 
 
 class _Bar:
