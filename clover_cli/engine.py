@@ -222,6 +222,12 @@ class StopCheck:
 
 PROBE_NODES = 4  # drafted nodes a retry verifies after drafting has been skipped
 REFRESH_WINDOW = 9  # forwards per tree size whose median refreshes the stored cost table
+# A calibration (no stored costs: the first run of a model, dtype and step without a compiled package, whose build
+# measured them) stops measuring after this long, once it has two sizes: the sizes it did not reach follow the line
+# through the last two it did. Timing 5 forwards of each of up to 8 sizes took about half a second on the bundled
+# model in float32, but ~20 s in bfloat16 on a busy two-core machine (oneDNN's narrow products and their first-use
+# kernels, each forward waiting on a core another process held), for a reply of a few tokens.
+CALIBRATE_S = 1.0
 
 
 @dataclass
@@ -564,7 +570,8 @@ class Engine:
 
     def calibrate(self, root: int):
         """The verify cost of several tree sizes: from the store when it has them, else measured here (about half
-        a second on a CPU) and stored for the next process."""
+        a second on a CPU, CALIBRATE_S at most unless a single forward takes longer) and stored for the next
+        process."""
         stored = self.costs.load() if self.costs is not None else None
         if stored:
             self.cost = CostModel(verify_s=stored, padded=self.costs.padded, shape=self.costs.reference() or {})
@@ -574,6 +581,7 @@ class Engine:
         sizes = sorted({1, 2, 4, 8, 16, 32, 64, 128} & set(range(1, self.budget + 2)) | {self.budget + 1})
         cost = CostModel(partial=sizes[-1] > room)
         sizes = [n for n in sizes if n <= room]
+        start = time.perf_counter()
         for n in sizes:
             tree = DraftTree([root] * n, [-1] + [0] * (n - 1))
             tokens, depths, mask = tree.tensors(self.target.device)
@@ -583,8 +591,15 @@ class Engine:
                 self.target.forward(tokens, self.target.length + depths, mask)  # nothing is committed
                 self._device_sync()
                 times.append(time.perf_counter() - t)
+                if len(times) >= 2 and t + times[-1] - start > CALIBRATE_S:
+                    break
             cost.verify_s[n] = min(times)
             if cost.verify_s[n] > 2.0:  # too slow a device to keep measuring: extrapolate
+                break
+            if len(cost.verify_s) >= 2 and time.perf_counter() - start > CALIBRATE_S:
+                # measured long enough: the sizes not reached follow the last two (and are refreshed as they run)
+                for m in sizes[len(cost.verify_s):]:
+                    cost.verify_s[m] = max(cost.verify(m), cost.verify_s[n])
                 break
         if len(cost.verify_s) == 1:
             cost.verify_s[2] = cost.verify_s[1] * 1.05
