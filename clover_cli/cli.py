@@ -626,20 +626,25 @@ def compile_step(
 
 def _build(job, shown: str) -> float | None:
     """Build what `job` lacks (seconds it took), or None when nothing was missing; one line when it fails."""
-    from .compiled import build_locked, failure_line
+    from . import compiled
 
+    for d, damage, what in ((job.out, compiled.damage, "compiled step"), (job.heads_out, compiled.heads_damage,
+                                                                          "heads")):
+        seen = compiled._fingerprint(d) if d is not None else None
+        why = damage(d) if d is not None else None
+        if why:  # every file checked against its checksum: a damaged package is built again, not "already compiled"
+            typer.echo(f"clover: the {what}'s package {d} is damaged ({why}); building it again", err=True)
+            compiled.discard(d, seen)
     if not any(job.missing()):
         return None
     t0 = time.perf_counter()
-    try:
-        built = build_locked(job, log=lambda text: typer.echo(text, err=True))
+    try:  # another process building it: waited for (one line), then what it did not build is built
+        built = compiled.build_locked(job, log=lambda text: typer.echo(text, err=True), wait=True, name=shown)
     except CloverError:
         raise
     except Exception as e:  # export or compiler failure
-        raise CloverError(failure_line(e))
-    if built is None:
-        raise CloverError(f"another clover process is compiling {shown} right now; try again when it ends")
-    return time.perf_counter() - t0
+        raise CloverError(compiled.failure_line(e))
+    return time.perf_counter() - t0 if built else None
 
 
 def _compile_draft(name: Optional[str], resolved, target_context: int, trust_remote_code: bool, force: bool):
@@ -745,6 +750,10 @@ def _run(argv) -> int:
 def main(argv=None):
     """The `clover` command. Run as a program (argv None), the process ends as soon as the command has: see
     _leave. Called with argv (tests, scripts), it raises SystemExit as a program would exit."""
+    if argv is None:  # SIGTERM and SIGHUP leave as Ctrl-C does: through the same cleanup
+        from .signals import exit_on_signals
+
+        exit_on_signals()
     try:
         _main(argv)
     except SystemExit as e:

@@ -20,8 +20,9 @@ is no Python between the operators, no guard to evaluate and one call into the c
 The heads' programs (HeadsPrograms) are the compiled twins of the modules in drafters/clover2.py and medusa.py:
 Clover-2's augmenting block (with the heads' own cache, the same way) and levels, Medusa's heads.
 
-Building takes one to two minutes on two cores, so it runs in a child process (`python -m clover_cli.compiled`),
-never in front of a reply; the packages land in the user cache keyed by everything they depend on (model and heads
+Building takes one to two minutes on two cores, so it runs in a child process (this module's main() in a Python
+started isolated from the working directory: child_command), never in front of a reply, one process at a time per
+package (build_lock); the packages land in the user cache keyed by everything they depend on (model and heads
 files, dtype, capacity, torch/transformers/clover versions, CPU instruction set) and load in tens of milliseconds
 afterwards. Before a package is written, the builder checks it against the eager modules (logits, hidden states
 and cache writes on random trees; the heads' states and ranked tokens) and times the step per tree size: the engine
@@ -37,13 +38,16 @@ from __future__ import annotations
 import atexit
 import hashlib
 import json
+import math
 import os
+import re
 import shutil
 import subprocess
 import sys
 import time
 import warnings
 import weakref
+import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,7 +60,7 @@ from .errors import CloverError
 from .loading import keep_loaded
 from .options import MODES, compile_mode  # noqa: F401 - importable from here too
 
-PROGRAM_VERSION = 11  # bump when the program's inputs, outputs or semantics change: old packages are not reused
+PROGRAM_VERSION = 12  # bump when the programs or their metadata change (12: file sizes and checksums): not reused
 MAX_CAPACITY = 8192  # KV buffers of the compiled program (tokens); longer contexts run eager past this point
 MAX_WEIGHT_BYTES = 4 << 30  # the package holds a frozen copy of the weights: larger models stay eager
 # Steps of up to 16 new tokens (plain decoding, most drafted trees) run a program built for exactly that many rows:
@@ -272,6 +276,183 @@ def package_dir(model_path: Path, dtype: torch.dtype, capacity: int) -> Path:
     return cache_root() / package_key(model_path, dtype, capacity)
 
 
+# Everything under the cache is untrusted and disposable: what is read from it is checked (types, sizes, checksums)
+# and, when damaged, ignored or discarded and rebuilt with one line; nothing in it can make a command fail.
+_WARNED: set = set()
+
+
+def cache_warning(text: str, key=None) -> None:
+    """One line on stderr about the cache, once per `key` (default: the text) in a process."""
+    key = text if key is None else key
+    if key not in _WARNED:
+        _WARNED.add(key)
+        print(f"clover: {text}", file=sys.stderr)
+
+
+def read_cache_json(path: Path, parse):
+    """parse(the JSON in the cache file `path`), or None: silently when there is no such file, with one line when it
+    is damaged (unreadable, not JSON, or `parse` raises anything: a file of the wrong shape)."""
+    try:
+        text = Path(path).read_text()
+    except (FileNotFoundError, NotADirectoryError):  # none there (or no cache at all: a file where it would be)
+        return None
+    except (OSError, ValueError) as e:
+        why = getattr(e, "strerror", None) or type(e).__name__
+    else:
+        try:
+            return parse(json.loads(text))
+        except Exception as e:  # noqa: BLE001 - any shape of garbage (RecursionError, OverflowError included)
+            why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:80]}"
+    cache_warning(f"ignoring a damaged cache file {path} ({why}); it is made again", key=("file", str(path)))
+    return None
+
+
+def _count(v, least: int = 0, most: int = sys.maxsize) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and least <= v <= most
+
+
+def _seconds(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf
+
+
+STEP_NAME = re.compile(r"step(-[1-9][0-9]{0,3})?\.pt2")
+AUGMENT_NAME = re.compile(r"augment(-[1-9][0-9]{0,3})?\.pt2")
+
+
+def _ranges_problem(ranges, name_pattern) -> str | None:
+    """What is wrong with the programs' size ranges of a package's metadata (name -> {"n": [lo, hi], "past":
+    [lo, hi]}), or None."""
+    if not isinstance(ranges, dict) or not ranges:
+        return "its program list is not a table of programs"
+    for name, r in ranges.items():
+        if not name_pattern.fullmatch(name):
+            return f"it names a program {name[:60]!r}"
+        if not isinstance(r, dict) or not all(isinstance(r.get(k), list) and len(r[k]) == 2 and all(map(_count, r[k]))
+                                              and r[k][0] <= r[k][1] for k in ("n", "past")):
+            return f"the sizes of {name} are not ranges"
+    return None
+
+
+def sums(d: Path, names) -> dict:
+    """{name: {"bytes": size, "crc32": checksum}} of the files `names` in directory `d` (written into a package's
+    metadata when it is built, checked when it is loaded)."""
+    out = {}
+    for name in names:
+        crc, size = 0, 0
+        with open(Path(d) / name, "rb") as f:
+            while chunk := f.read(8 << 20):
+                crc, size = zlib.crc32(chunk, crc), size + len(chunk)
+        out[name] = {"bytes": size, "crc32": crc}
+    return out
+
+
+def _files_problem(d: Path, meta: dict, names, full: bool) -> str | None:
+    """What is wrong with the program files `names` of the package in `d` against its metadata's sizes (and, with
+    `full`, checksums), or None."""
+    files = meta.get("files")
+    if not isinstance(files, dict):
+        return "its metadata lists no file sizes"
+    for name in names:
+        want = files.get(name)
+        if not isinstance(want, dict) or not _count(want.get("bytes")) or not _count(want.get("crc32"), 0, 2**32 - 1):
+            return f"its metadata lists no size for {name}"
+        try:
+            size = (Path(d) / name).stat().st_size
+        except OSError as e:
+            return f"{name}: {e.strerror}"
+        if size != want["bytes"]:
+            return f"{name} has {size} bytes, not {want['bytes']}"
+    if full:
+        try:
+            got = sums(d, names)
+        except OSError as e:
+            return f"cannot read it: {e.strerror}"
+        for name in names:
+            if got[name]["crc32"] != files[name]["crc32"]:
+                return f"{name} does not match its checksum"
+    return None
+
+
+def _read_meta(d: Path):
+    """(the metadata of the package directory `d`, None) or (None, what is wrong); (None, None) when there is no
+    package there."""
+    d = Path(d)
+    try:
+        text = (d / META).read_text()
+    except (FileNotFoundError, NotADirectoryError):
+        return None, ("it has no meta.json" if d.is_dir() else None)
+    except (OSError, ValueError) as e:
+        return None, f"cannot read its meta.json: {getattr(e, 'strerror', None) or type(e).__name__}"
+    try:
+        meta = json.loads(text)
+    except (ValueError, RecursionError):
+        return None, "its meta.json is not JSON"
+    if not isinstance(meta, dict):
+        return None, "its meta.json is not an object"
+    return meta, None
+
+
+def inspect_package(d: Path, full: bool = False):
+    """(Package, None) for a complete step package in `d`, (None, None) when there is none, (None, what is wrong)
+    when it is damaged. Sizes are always checked; `full` also checks every file's checksum (what loading does)."""
+    meta, why = _read_meta(d)
+    if meta is None:
+        return None, why
+    if meta.get("program") != PROGRAM_VERSION:
+        return None, f"it is of program version {str(meta.get('program'))[:20]}, not {PROGRAM_VERSION}"
+    capacity, ranges, verify_s = meta.get("capacity"), meta.get("ranges"), meta.get("verify_s", {})
+    if not _count(capacity, 2, MAX_CAPACITY):
+        return None, "its capacity is not a size"
+    why = _ranges_problem(ranges, STEP_NAME)
+    if why:
+        return None, why
+    if not isinstance(verify_s, dict) or not all(isinstance(k, str) and k.isdigit() and 0 < int(k) <= 1 << 16
+                                                  and _seconds(v) for k, v in verify_s.items()):
+        return None, "its step times are not times"
+    why = _files_problem(d, meta, ranges, full)
+    if why:
+        return None, why
+    return Package(Path(d), capacity, {int(k): float(v) for k, v in verify_s.items()}, ranges), None
+
+
+def damage(d: Path) -> str | None:
+    """What is wrong with the step package in `d` (every file's checksum checked), or None (sound, or absent)."""
+    return inspect_package(d, full=True)[1]
+
+
+def _fingerprint(d: Path):
+    """What identifies the package now in `d` (a rebuilt one has a new meta.json)."""
+    try:
+        st = (Path(d) / META).stat()
+        return st.st_ino, st.st_mtime_ns, st.st_size
+    except OSError:
+        return None
+
+
+def discard(d: Path, seen) -> bool:
+    """Remove the damaged package `d` when no process is building it and it is still the one seen damaged (its
+    _fingerprint then was `seen`): under its build lock, so that a package just built in its place is kept."""
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(f"{d}.lock")
+    try:
+        lock.acquire(timeout=0)
+    except (Timeout, OSError):
+        return False  # being built again right now (or the cache is not ours to lock): left as it is
+    try:
+        if _fingerprint(d) != seen:
+            return False
+        aside = atomic.temp_dir(Path(d))
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(d, aside)  # gone at once from where a process looks; then removed
+        shutil.rmtree(aside, ignore_errors=True)
+        return True
+    except OSError:
+        return False
+    finally:
+        lock.release()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The program and its build
 
@@ -332,9 +513,11 @@ class Job:
     force: bool = False
 
     def argv(self) -> list[str]:
-        args = [str(self.model), "--capacity", str(self.capacity), "--out", str(self.out), "--topk", str(self.topk)]
+        """The child's arguments: every path absolute (it runs from another directory)."""
+        path = os.path.abspath
+        args = [path(self.model), "--capacity", str(self.capacity), "--out", path(self.out), "--topk", str(self.topk)]
         if self.heads is not None:
-            args += ["--heads", str(self.heads), "--heads-out", str(self.heads_out)]
+            args += ["--heads", path(self.heads), "--heads-out", path(self.heads_out)]
         return args + ["--trust-remote-code"] * self.trust_remote_code + ["--allow-pickle"] * self.allow_pickle \
             + ["--force"] * self.force
 
@@ -563,7 +746,7 @@ def build_for(target, out: Path, log=print, static: tuple[int, ...] | None = Non
             check(step, target)
             meta = {"program": PROGRAM_VERSION, "capacity": capacity, "ranges": ranges, "torch": torch.__version__,
                     "threads": torch.get_num_threads(), "narrow": narrowed, "verify_s": measure(step, target),
-                    "build_s": round(time.perf_counter() - t0, 1)}
+                    "build_s": round(time.perf_counter() - t0, 1), "files": sums(tmp, ranges)}
             atomic.write_text(tmp / META, json.dumps(meta, indent=1))
     finally:
         target.cache.truncate(0)
@@ -780,7 +963,7 @@ class CompiledStep:
 
 # The programs every heads package holds; a Clover-2 package also holds the fixed-size augment programs its metadata
 # names (augment_sizes). Bump HEADS_PROGRAM_VERSION when they change: old heads packages are rebuilt, not reused.
-HEADS_PROGRAM_VERSION = 2
+HEADS_PROGRAM_VERSION = 3
 HEADS_PACKAGES = {"clover": ("augment.pt2", "level0.pt2", "level.pt2", "level-small.pt2"),
                   "medusa": ("levels.pt2",)}
 MAX_LEVEL_ROWS = 64  # nodes a Clover level can expand at once in the compiled program
@@ -866,20 +1049,39 @@ class HeadsPrograms:
                        *values)[0][:n]
 
 
-def find_heads(d: Path | None) -> dict | None:
-    """The metadata of complete heads' programs built into `d`, or None."""
+def inspect_heads(d: Path | None, full: bool = False):
+    """(the metadata of complete, sound heads' programs built into `d`, None), (None, None) when there are none,
+    (None, what is wrong) when they are damaged (as inspect_package)."""
     if d is None:
-        return None
-    try:
-        meta = json.loads((Path(d) / META).read_text())
-    except (OSError, ValueError):
-        return None
-    if meta.get("program") != HEADS_PROGRAM_VERSION or meta.get("kind") not in HEADS_PACKAGES:
-        return None
-    names = heads_program_names(meta["kind"], meta.get("augment_ranges"))
-    if not all((Path(d) / n).is_file() for n in names):
-        return None
-    return meta
+        return None, None
+    meta, why = _read_meta(d)
+    if meta is None:
+        return None, why
+    if meta.get("program") != HEADS_PROGRAM_VERSION:
+        return None, f"they are of program version {str(meta.get('program'))[:20]}, not {HEADS_PROGRAM_VERSION}"
+    kind, augment_ranges = meta.get("kind"), meta.get("augment_ranges")
+    if not isinstance(kind, str) or kind not in HEADS_PACKAGES:
+        return None, "their kind is not one of clover's"
+    if not _count(meta.get("capacity"), 2, MAX_CAPACITY) or not _count(meta.get("topk"), 1, 1 << 16):
+        return None, "their capacity or top-k is not a number"
+    if kind == "clover" or augment_ranges is not None:
+        why = _ranges_problem(augment_ranges, AUGMENT_NAME)
+        if why:
+            return None, why
+    why = _files_problem(d, meta, heads_program_names(kind, augment_ranges), full)
+    if why:
+        return None, why
+    return meta, None
+
+
+def find_heads(d: Path | None) -> dict | None:
+    """The metadata of complete, sound heads' programs built into `d`, or None."""
+    return inspect_heads(d)[0]
+
+
+def heads_damage(d: Path | None) -> str | None:
+    """What is wrong with the heads' programs in `d` (every file's checksum checked), or None."""
+    return inspect_heads(d, full=True)[1]
 
 
 def heads_dir(step_dir: Path, heads_path: Path, topk: int) -> Path:
@@ -941,7 +1143,8 @@ def build_heads_for(drafter, capacity: int, out: Path, log=print, autotune: bool
             compile_package(program, tmp / name, autotune and tuned)
         check_heads(HeadsPrograms(tmp, kind, capacity, ranges), drafter)
         meta = {"program": HEADS_PROGRAM_VERSION, "kind": kind, "capacity": capacity, "topk": drafter.grower.topk,
-                "augment_ranges": ranges, "build_s": round(time.perf_counter() - t0, 1)}
+                "augment_ranges": ranges, "build_s": round(time.perf_counter() - t0, 1),
+                "files": sums(tmp, heads_program_names(kind, ranges))}
         atomic.write_text(tmp / META, json.dumps(meta, indent=1))
     drafter.reset(0)
     return meta
@@ -1009,18 +1212,16 @@ class Package:
 
     @staticmethod
     def find(d: Path) -> "Package | None":
-        """The package built into directory `d`, if there is a complete one."""
-        try:
-            meta = json.loads((d / META).read_text())
-        except (OSError, ValueError):
-            return None
-        names = set(meta.get("ranges", {}))
-        if meta.get("program") != PROGRAM_VERSION or not names or not all((d / name).is_file() for name in names):
-            return None
-        return Package(d, int(meta["capacity"]), {int(k): float(v) for k, v in meta.get("verify_s", {}).items()},
-                       meta["ranges"])
+        """The package built into directory `d`, if there is a complete and sound one (metadata and file sizes
+        checked; see inspect_package)."""
+        return inspect_package(d)[0]
 
     def load(self) -> CompiledStep:
+        """The package's programs loaded, after checking every file against its checksum (a file damaged in place,
+        its size unchanged); raises ValueError when one does not match, or whatever loading raises."""
+        why = _files_problem(self.path, _read_meta(self.path)[0] or {}, self.ranges, full=True)
+        if why:
+            raise ValueError(why)
         return CompiledStep(self.path, self.capacity, self.ranges)
 
 
@@ -1054,6 +1255,7 @@ class StepCompiler:
         self.eager_for = None  # a drafter that needs the eager step (EAGLE-3 reads layers the program does not return)
         self._loaded: dict[Path, HeadsPrograms] = {}  # heads' programs loaded so far, by directory
         self._threads = 0  # torch's thread count to restore when a background build ends (0: none changed)
+        self._said_other = False  # said that another process is building this package
         self.out = package_dir(self.model_path, dtype, self.capacity)
         why = None if mode == "off" else unsupported(target.model, device, dtype, load_in_8bit)
         self.state, self.reason = "off", "--compile off"
@@ -1076,8 +1278,8 @@ class StepCompiler:
                 self.graphs.on_failure = self._graphs_failed
         elif mode != "off" and not self._activate():
             self.state, self.reason = "missing", "not built yet"
-            if _lock_holder(self.out) is not None:  # another clover process is building it: use it when it is done
-                self._watch(Builder(self.job()), step=True)
+            if building_elsewhere(self.out):  # another clover process is building it: use it when it is done
+                self._watch(Builder(self.job(), watch=True), step=True)
 
     @property
     def active(self) -> bool:
@@ -1188,18 +1390,37 @@ class StepCompiler:
             step = step and self.state == "missing"
             if not (step or heads) or (self.mode == "auto" and not background):
                 return
-            self._watch(Builder(self.job()), step)
+            builder = self._builder(self.job(), step)
+            if builder is None:
+                return
+            self._watch(builder, step)
         else:
             step = self.state == "building"
         if self.mode == "on":
-            print(f"clover: compiling the {'step' if step else 'heads'} of {self.model_path.name} (once per model and "
-                  f"machine; `clover compile` does it ahead) …", file=sys.stderr)
+            if not getattr(self.builder, "other", False):
+                print(f"clover: compiling the {'step' if step else 'heads'} of {self.model_path.name} (once per model "
+                      f"and machine; `clover compile` does it ahead) …", file=sys.stderr)
             self.builder.wait()
             self.poll()
             self.just_activated = False
 
+    def _builder(self, job: Job, step: bool) -> "Builder | None":
+        """A Builder for `job`, or None (with one warning line: eager) when the compile cache cannot be written."""
+        try:
+            return Builder(job)
+        except OSError as e:
+            where = e.filename or job.out
+            why = f"cannot write the compile cache: {e.strerror or type(e).__name__}: {where}"
+            if step:
+                self.state, self.reason = "failed", why
+                self.warn(f"no compiled step ({why}); running eager")
+            else:
+                self.warn(f"no compiled heads ({why}); they run eager")
+            return None
+
     def _watch(self, builder: Builder, step: bool) -> None:
         self.builder = builder
+        self._say_other()
         if step:
             self.state, self.reason = "building", "building"
         if self.mode == "auto" and not self._threads and torch.get_num_threads() > 1:
@@ -1208,11 +1429,23 @@ class StepCompiler:
             self._threads = torch.get_num_threads()
             torch.set_num_threads(1)
 
+    def _say_other(self) -> None:
+        """One line, once, when the build is another process's (this one runs eager meanwhile and picks its package
+        up when it lands)."""
+        if getattr(self.builder, "other", False) and not self._said_other:
+            self._said_other = True
+            self.warn(f"another process is building the compiled step of {self.model_path.name}; "
+                      + ("waiting for it" if self.mode == "on" else "running eager meanwhile"))
+
     def poll(self) -> bool:
         """Swap in what a finished build made; True when the compiled step just became active."""
         if self.draft is not None:
             self.draft.poll()
-        if self.builder is None or not self.builder.done():
+        if self.builder is None:
+            return False
+        finished = self.builder.done()
+        self._say_other()
+        if not finished:
             return False
         builder, self.builder = self.builder, None
         if self._threads:
@@ -1234,15 +1467,24 @@ class StepCompiler:
         keep_loaded()  # what the build brought in lives as long as the session, as the model does
         return became
 
+    def _discard(self, d: Path, seen, why: str, what: str = "compiled step") -> None:
+        """A damaged package: one line, and removed (a build makes it again: chat's in the background, `clover
+        compile`)."""
+        discard(d, seen)
+        self.warn(f"the {what}'s package {d} is damaged ({why}): discarded; running eager until it is built again")
+
     def _activate(self) -> bool:
-        pkg = Package.find(self.out)
+        seen = _fingerprint(self.out)
+        pkg, why = inspect_package(self.out)
         if pkg is None:
+            if why:
+                self._discard(self.out, seen, why)
             return False
         try:
             step = pkg.load()
-        except Exception as e:  # a package this torch cannot load: eager, and say why
-            self.state, self.reason = "failed", f"cannot load {pkg.path}: {type(e).__name__}"
-            self.warn(f"no compiled step ({self.reason}); running eager")
+        except Exception as e:  # noqa: BLE001 - a package that does not load is damaged: built again
+            self._discard(self.out, seen, (str(e).splitlines() or [""])[0][:200] if isinstance(e, ValueError)
+                          else f"it does not load: {type(e).__name__}")
             return False
         self.target.attach_program(step)
         self.verify_s = pkg.verify_s
@@ -1258,14 +1500,17 @@ class StepCompiler:
         """Attach the heads' programs built into `out` to `drafter` (loaded once per session, shared)."""
         programs = self._loaded.get(out)
         if programs is None:
-            meta = find_heads(out)
+            seen = _fingerprint(out)
+            meta, why = inspect_heads(out, full=True)
+            if why:
+                self._discard(out, seen, why, "heads")
             if meta is None or meta.get("kind") != heads_kind(drafter) or meta.get("topk") != drafter.grower.topk:
                 return False
             try:
-                programs = self._loaded[out] = HeadsPrograms(out, meta["kind"], int(meta["capacity"]),
+                programs = self._loaded[out] = HeadsPrograms(out, meta["kind"], meta["capacity"],
                                                              meta.get("augment_ranges"))
-            except Exception as e:
-                self.warn(f"no compiled heads (cannot load {out}: {type(e).__name__}); they run eager")
+            except Exception as e:  # noqa: BLE001 - programs that do not load are damaged: built again
+                self._discard(out, seen, f"they do not load: {type(e).__name__}", "heads")
                 return False
         drafter.attach_programs(programs)
         return True
@@ -1281,12 +1526,26 @@ class StepCompiler:
         if out not in self._loaded and find_heads(out) is None:
             job = Job(self.model_path, self.out, self.capacity, self.trust_remote_code, self.allow_pickle,
                       Path(heads_path), out, drafter.grower.topk)
-            builder = Builder(job)
+            builder = self._builder(job, step=False)
+            if builder is None:
+                return False
             builder.wait()
             if find_heads(out) is None:
                 self.warn(f"no compiled heads ({builder.error()}); they run eager")
                 return False
         return self._attach_heads(drafter, out)
+
+
+def cost_table(data) -> dict[int, float]:
+    """A stored table of step costs ({"n": seconds}) as {n: seconds}; ValueError when it is not one."""
+    if not isinstance(data, dict):
+        raise ValueError("not a table")
+    table = {}
+    for k, v in data.items():
+        if not (k.isdigit() and 0 < int(k) <= 1 << 16 and _seconds(v)):
+            raise ValueError(f"entry {k[:20]!r}")
+        table[int(k)] = float(v)
+    return table
 
 
 class StepCosts:
@@ -1313,10 +1572,7 @@ class StepCosts:
         return cache_root() / "costs" / f"{name}-{step}-{tag}.json"
 
     def load(self) -> dict[int, float] | None:
-        try:
-            table = {int(k): float(v) for k, v in json.loads(self._path().read_text()).items()}
-        except (OSError, ValueError, AttributeError):
-            table = None
+        table = read_cache_json(self._path(), cost_table)
         if not table and self.compiler is not None and self.compiler.active:
             table = dict(self.compiler.verify_s or {})  # measured by the builder
         return table or None
@@ -1349,10 +1605,12 @@ class StepCosts:
     def load_choices(choices, path: Path) -> None:
         """Restore `choices` from `path` (choices_path) when it holds a state (a missing or damaged file leaves them
         as they are: only the learning starts over)."""
-        try:
-            choices.restore(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            pass
+        def restore(state):
+            if isinstance(state, dict) and state.get("version") != getattr(choices, "VERSION", None):
+                return  # learned by another version of clover: started over, nothing to say
+            choices.restore(state)
+
+        read_cache_json(path, restore)
 
     @staticmethod
     def save_choices(choices, path: Path) -> None:
@@ -1372,41 +1630,92 @@ def _lowest_priority():
         pass
 
 
-def _lock_holder(out: Path) -> int | None:
-    """The pid of a live process building `out`, if any (a stale lock is ignored)."""
+BUSY = 3  # the builder child's exit status when another process holds the package's build lock
+LOCK_WAIT_S = 1.0  # a child waits this long for the lock: a probe (building_elsewhere) holds it for microseconds
+
+
+def build_lock(out: Path):
+    """The lock a build of package `out` holds (filelock: an OS lock on `out`.lock, released by the system when its
+    process dies, so no lock is ever stale, and the file's content means nothing)."""
+    from filelock import FileLock
+
+    return FileLock(f"{out}.lock")
+
+
+def _locked_elsewhere(out: Path) -> bool:
+    """Whether another process (or another lock object of this one) holds the build lock of `out`. Raises OSError
+    when the lock file cannot be made (a cache that cannot be written)."""
+    from filelock import Timeout
+
+    lock = build_lock(out)
     try:
-        pid = int(Path(str(out) + ".lock").read_text().strip())
-        os.kill(pid, 0)
-        return pid
-    except (OSError, ValueError):
-        return None
+        lock.acquire(timeout=0)
+    except Timeout:
+        return True
+    lock.release()
+    return False
+
+
+def building_elsewhere(out: Path) -> bool:
+    """Whether another process is building package `out` now (False when the lock cannot even be made)."""
+    try:
+        return _locked_elsewhere(out)
+    except OSError:
+        return False
+
+
+def child_command(module: str, args: list[str]) -> list[str]:
+    """The command running `module`'s main() with `args` in a child Python, isolated: `-I` (no working directory,
+    script directory, PYTHON* variables or user site on its path), its path the one this process imports from
+    (clover's own directory first, then this process's entries, made absolute; the working directory's '' left out).
+    The child imports clover from where this process did, an editable install or a normal one, never from the
+    directory it is started in. Start it from a fixed directory (cwd=) too."""
+    here = str(Path(__file__).resolve().parent.parent)
+    paths = list(dict.fromkeys([here] + [os.path.abspath(p) for p in sys.path if p]))
+    code = (f"import sys; sys.path[:0] = [p for p in {paths!r} if p not in sys.path]; "
+            f"sys.argv[0] = {module!r}; from {module} import main; sys.exit(main())")
+    return [sys.executable, "-I", "-c", code, *args]
 
 
 class Builder:
-    """A `python -m clover_cli.compiled` child building a package while the caller goes on (eager). When another
-    process is already building the same package, it waits for that one instead of starting a second build."""
+    """A child process (child_command: `clover_cli.compiled` isolated, started from the cache directory) building a
+    package while the caller goes on (eager). When another process is already building the same package (its build
+    lock is held: found here, or by the child, which then exits BUSY), it waits for that one instead (`other`).
+    Raises OSError when the cache cannot be written (its directory, the lock, the log): the caller runs eager."""
 
-    def __init__(self, job: Job):
+    def __init__(self, job: Job, watch: bool = False):
         out = Path(job.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
         self.out = out
         self.log_path = Path(str(out) + ".log")
         self.proc = None
-        if _lock_holder(out) is not None:
+        self.other = watch  # another process's build, which this one waits for
+        if watch:
             return
-        log_fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)  # not atomic: a log it streams
-        with os.fdopen(log_fd, "w") as log:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if _locked_elsewhere(out):
+            self.other = True
+            return
+        # appended to, never truncated here: the child that takes the lock empties it, one that finds the lock taken
+        # writes nothing (two builders never interleave their lines)
+        log_fd = atomic.open_append(self.log_path, 0o644)
+        with os.fdopen(log_fd, "a") as log:
             # its own session: Ctrl-C in the chat does not reach it, and a build under way finishes (into the
             # cache) even when the chat ends first. At the lowest priority: the replies meanwhile run eager on the
             # same cores, and must not wait on it.
-            self.proc = subprocess.Popen([sys.executable, "-m", "clover_cli.compiled", *job.argv()],
-                                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True, preexec_fn=_lowest_priority)
+            self.proc = subprocess.Popen(child_command("clover_cli.compiled", [*job.argv(), "--log",
+                                                                               str(self.log_path)]),
+                                         cwd=out.parent, stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=_lowest_priority)
 
     def done(self) -> bool:
-        if self.proc is None:  # another process's build: done when its lock is gone
-            return _lock_holder(self.out) is None
-        return self.proc.poll() is not None
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                return False
+            if self.proc.returncode != BUSY:
+                return True
+            self.proc, self.other = None, True  # another process took the lock first: wait for its build
+        return not building_elsewhere(self.out)
 
     def wait(self, timeout: float = 600.0) -> None:
         deadline = time.monotonic() + timeout
@@ -1420,30 +1729,32 @@ class Builder:
         except OSError:
             lines = []
         last = lines[-1].removeprefix("clover: ") if lines else ""
-        return last[:300] or "the build stopped without a package"
+        return last[:300] or ("the other process's build made no package" if self.other
+                              else "the build stopped without a package")
 
 
-def build_locked(job: Job, log=print) -> dict | None:
-    """build() under a lock file beside the step's package; None when another live process holds it."""
+def build_locked(job: Job, log=print, wait: bool = False, on_lock=None, name: str | None = None) -> dict | None:
+    """build() under the package's build lock. When another process holds it: None at once, or with `wait` (one
+    line said, naming the model as `name`) once that build has ended, building then what it did not (usually
+    nothing). `on_lock` is called when the lock is taken, before anything is built."""
+    from filelock import Timeout
+
     out = Path(job.out)
-    lock = Path(str(out) + ".lock")
     out.parent.mkdir(parents=True, exist_ok=True)
-    for _ in range(2):
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)  # not atomic: a lock, made exclusively
-            break
-        except FileExistsError:
-            if _lock_holder(out) is not None:
-                return None
-            lock.unlink(missing_ok=True)  # stale: its process is gone
-    else:
-        return None
+    lock = build_lock(out)
     try:
-        os.write(fd, str(os.getpid()).encode())
-        os.close(fd)
+        lock.acquire(timeout=LOCK_WAIT_S)
+    except Timeout:
+        if not wait:
+            return None
+        log(f"another clover process is compiling {name or job.model.name} right now; waiting for it ...")
+        lock.acquire()
+    try:
+        if on_lock is not None:
+            on_lock()
         return build(job, log)
     finally:
-        lock.unlink(missing_ok=True)
+        lock.release()
 
 
 def failure_line(e: Exception) -> str:
@@ -1467,20 +1778,30 @@ def main(argv=None) -> int:
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--allow-pickle", action="store_true")
     p.add_argument("--force", action="store_true")
+    p.add_argument("--log", help="the file standard output goes to: emptied once the build lock is taken")
     a = p.parse_args(argv)
+    from .signals import exit_on_signals
+
+    exit_on_signals()
     job = Job(Path(a.model), Path(a.out), a.capacity, a.trust_remote_code, a.allow_pickle,
               Path(a.heads) if a.heads else None, Path(a.heads_out) if a.heads_out else None, a.topk, a.force)
+
+    def empty_log():
+        if a.log:
+            try:
+                os.truncate(a.log, 0)  # not atomic: the log this build streams to (opened to append)
+            except OSError:
+                pass
+
     try:
-        built = build_locked(job, log=lambda text: print(text, flush=True))
+        built = build_locked(job, log=lambda text: print(text, flush=True), on_lock=empty_log)
     except CloverError as e:
         print(f"clover: {e}", flush=True)
         return 2
     except Exception as e:
         print(f"clover: {failure_line(e)}", flush=True)
         return 1
-    if built is None:
-        print("another process is building this package", flush=True)
-    return 0
+    return BUSY if built is None else 0
 
 
 if __name__ == "__main__":

@@ -193,7 +193,12 @@ def gguf_for(resolved, model, tokenizer, cache: Path, quiet: bool = False) -> Pa
     prefix = f"{name}-{_digest(str(source))}-"
     path = cache / "gguf" / f"{prefix}{_digest(key)}-f32.gguf"
     if path.is_file():
-        return path
+        why = gguf_damage(path)
+        if why is None:
+            return path
+        # a cache is disposable: a damaged file (truncated, overwritten) is written again, with one line
+        print(f"clover: the cached GGUF {path} is damaged ({why}); writing it again", file=sys.stderr)
+        path.unlink(missing_ok=True)
     size_gb = sum(p.numel() for p in model.parameters()) * 4 / 1e9
     if not quiet:
         print(f"clover: writing {resolved.name} as a float32 GGUF for llama.cpp ({size_gb:.2f} GB, once): {path}",
@@ -207,6 +212,22 @@ def gguf_for(resolved, model, tokenizer, cache: Path, quiet: bool = False) -> Pa
         if old != path:
             old.unlink(missing_ok=True)
     return path
+
+
+def gguf_damage(path: Path) -> str | None:
+    """What is wrong with the GGUF at `path` (unreadable, cut short: its header or tensors run past its end), or
+    None."""
+    try:
+        import gguf
+
+        reader = gguf.GGUFReader(path)
+        end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+        size = Path(path).stat().st_size
+    except Exception as e:  # noqa: BLE001 - whatever the reader makes of a damaged file
+        return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}"
+    if end > size or not reader.tensors:
+        return f"{size} bytes, its tensors need {end}"
+    return None
 
 
 def _digest(text: str) -> str:

@@ -23,6 +23,10 @@ import time
 from pathlib import Path
 
 
+ROOT = Path(__file__).resolve().parent.parent  # every clover this runs starts here: never from the caller's cwd,
+# whose own clover_cli (if any) `python -m` would import
+
+
 def clover() -> list[str]:
     here = Path(sys.executable).with_name("clover")
     return [str(here)] if here.is_file() else [sys.executable, "-m", "clover_cli.cli"]
@@ -33,7 +37,7 @@ def chat_timings(model: list[str], env: dict, message: str) -> dict:
 
     t0 = time.perf_counter()
     child = pexpect.spawn(clover()[0], clover()[1:] + ["chat", *model, "--stats-file", "off", "--no-color"],
-                          env=env, encoding="utf-8", timeout=300, dimensions=(40, 160))
+                          env=env, encoding="utf-8", timeout=300, dimensions=(40, 160), cwd=str(ROOT))
     child.expect(">>>")
     to_prompt = time.perf_counter() - t0
     child.expect("Ctrl-D or /exit leaves")  # the banner: the model is loaded (printed above the prompt, if it came first)
@@ -58,7 +62,7 @@ def generate_overhead(model: list[str], env: dict, message: str) -> dict:
         f.write(message)
     t0 = time.perf_counter()
     p = subprocess.run(clover() + ["generate", *model, "--prompt", f.name, "-n", "128", "--json", "--stats-file",
-                                   "off"], capture_output=True, text=True, env=env)
+                                   "off"], capture_output=True, text=True, env=env, cwd=ROOT)
     wall = time.perf_counter() - t0
     os.unlink(f.name)
     if p.returncode:
@@ -77,12 +81,13 @@ def main():
     ap.add_argument("--message", default="Give me three tips for learning a new language.")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    model = [args.model] if args.model else []
+    # a model directory named relative to where this was started, as seen from ROOT
+    model = [os.path.abspath(args.model) if os.path.exists(args.model) else args.model] if args.model else []
     env = dict(os.environ)
     if args.cold:
         env["CLOVER_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="clover-cold-")
     else:
-        subprocess.run(clover() + ["compile", *model], check=True, capture_output=True, env=env)
+        subprocess.run(clover() + ["compile", *model], check=True, capture_output=True, env=env, cwd=ROOT)
     report = {"cold": args.cold, "chat": chat_timings(model, env, args.message),
               "generate": generate_overhead(model, env, args.message)}
     print(json.dumps(report, indent=None if args.json else 1))

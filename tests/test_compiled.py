@@ -475,15 +475,20 @@ def test_package_lookup_ignores_incomplete_builds(tmp_path):
     d.mkdir()
     assert Package.find(d) is None  # no metadata
     ranges = {name: {"n": [1, 4], "past": [0, 3]} for name, *_ in compiled.PROGRAMS}
-    (d / compiled.META).write_text(json.dumps({"program": compiled.PROGRAM_VERSION, "capacity": 8, "ranges": ranges}))
+    files = {name: {"bytes": 0, "crc32": 0} for name in ranges}  # what an empty file's are
+    meta = {"program": compiled.PROGRAM_VERSION, "capacity": 8, "ranges": ranges, "files": files}
+    (d / compiled.META).write_text(json.dumps(meta))
     assert Package.find(d) is None  # no program files
     for name, *_ in compiled.PROGRAMS[:-1]:
         (d / name).write_bytes(b"")
     assert Package.find(d) is None  # one missing
     (d / compiled.PROGRAMS[-1][0]).write_bytes(b"")
-    assert Package.find(d) is not None
-    (d / compiled.META).write_text(json.dumps({"program": compiled.PROGRAM_VERSION - 1, "capacity": 8,
-                                               "ranges": ranges}))
+    assert Package.find(d) is not None and compiled.damage(d) is None
+    (d / compiled.PROGRAMS[0][0]).write_bytes(b"x")
+    assert Package.find(d) is None  # a file of another size than it was built with
+    assert "1 bytes, not 0" in compiled.damage(d)
+    (d / compiled.PROGRAMS[0][0]).write_bytes(b"")
+    (d / compiled.META).write_text(json.dumps({**meta, "program": compiled.PROGRAM_VERSION - 1}))
     assert Package.find(d) is None  # built by an older clover
 
 

@@ -132,11 +132,9 @@ class EarlyStop:
         """Restore from `path` when it holds a state (a missing or damaged file leaves this as it is)."""
         if path is None:
             return False
-        try:
-            self.restore(json.loads(Path(path).read_text()))
-        except (OSError, ValueError):
-            return False
-        return True
+        from ..compiled import read_cache_json
+
+        return read_cache_json(Path(path), lambda state: self.restore(state) or True) is not None
 
     def save(self, path: Path | None) -> None:
         """Write the state to `path` when labels were added since it was loaded or last saved (a reply that

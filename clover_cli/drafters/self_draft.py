@@ -263,16 +263,24 @@ def cache_path(model_path, device, dtype) -> Path:
 
 
 def load_choice(path: Path | None, n_layers: int) -> dict | None:
+    """The stored choice in `path` for a model of `n_layers`, or None (none there, another model's, or damaged:
+    read_cache_json says so in one line)."""
     if path is None:
         return None
-    try:
-        choice = json.loads(path.read_text())
+    from ..compiled import read_cache_json
+
+    def parse(choice):
         skip = [int(i) for i in choice["skip"]]
-    except (OSError, ValueError, KeyError, TypeError):
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in choice["skip"]) \
+                or not isinstance(choice.get("layers"), int):
+            raise ValueError("not a choice of layers")
+        choice["skip"] = skip
+        return choice
+
+    choice = read_cache_json(path, parse)
+    if not choice or not choice["skip"] or choice["layers"] != n_layers \
+            or any(i <= 0 or i >= n_layers - 1 for i in choice["skip"]):
         return None
-    if not skip or choice.get("layers") != n_layers or any(i <= 0 or i >= n_layers - 1 for i in skip):
-        return None
-    choice["skip"] = skip
     return choice
 
 
