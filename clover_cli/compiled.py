@@ -1470,8 +1470,9 @@ class StepCompiler:
     def _discard(self, d: Path, seen, why: str, what: str = "compiled step") -> None:
         """A damaged package: one line, and removed (a build makes it again: chat's in the background, `clover
         compile`)."""
-        discard(d, seen)
-        self.warn(f"the {what}'s package {d} is damaged ({why}): discarded; running eager until it is built again")
+        gone = discard(d, seen)
+        self.warn(f"the {what}'s package {d} is damaged ({why}){': discarded' if gone else ''}; running eager until "
+                  f"it is built again")
 
     def _activate(self) -> bool:
         seen = _fingerprint(self.out)
@@ -1689,6 +1690,7 @@ class Builder:
         self.log_path = Path(str(out) + ".log")
         self.proc = None
         self.other = watch  # another process's build, which this one waits for
+        self._checked = (0.0, False)  # (when, done) of the last look at the other build's lock: poll() runs per step
         if watch:
             return
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -1715,7 +1717,10 @@ class Builder:
             if self.proc.returncode != BUSY:
                 return True
             self.proc, self.other = None, True  # another process took the lock first: wait for its build
-        return not building_elsewhere(self.out)
+        when, done = self._checked
+        if not done and time.monotonic() - when >= 0.2:
+            self._checked = (time.monotonic(), not building_elsewhere(self.out))
+        return self._checked[1]
 
     def wait(self, timeout: float = 600.0) -> None:
         deadline = time.monotonic() + timeout
