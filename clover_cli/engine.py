@@ -56,13 +56,18 @@ class StepEvent:
 def warp(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     """Sampling probabilities: softmax(logits / temperature), restricted to the top-p nucleus. The largest logit is
     taken off first (the same softmax), so that a tiny temperature overflows to -inf only for the others, never to
-    inf - inf = nan: such a temperature samples the argmax."""
+    inf - inf = nan: such a temperature samples the argmax.
+
+    The nucleus always holds the most likely token (transformers' TopPLogitsWarper, min_tokens_to_keep=1): the
+    mass before it is 0, below any top_p > 0, but a top_p under float32's smallest number (1e-300) compares as 0
+    and would leave nothing to sample from; such a top_p samples the argmax."""
     z = logits.float()
     z = (z - z.max(-1, keepdim=True).values) / max(s.temperature, torch.finfo(torch.float32).tiny)
     probs = torch.softmax(z, dim=-1)
     if s.top_p < 1.0:
         sorted_p, order = probs.sort(descending=True)
         outside = (sorted_p.cumsum(-1) - sorted_p) >= s.top_p  # mass before this token already reaches top_p
+        outside[..., 0] = False
         sorted_p[outside] = 0.0
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
     return probs
