@@ -47,6 +47,7 @@ class GGUFInfo:
     name: str | None
     types: dict[str, int]  # tensor type name -> how many tensors have it
     size: int
+    tokens: int | None = None  # how many tokens its vocabulary lists (None: it has none)
 
     def describe(self) -> str:
         kinds = "/".join(sorted(self.types, key=lambda t: -self.types[t]))
@@ -76,6 +77,8 @@ def inspect(path: Path) -> GGUFInfo:
         reader = GGUFReader(str(path))
         arch = _field(reader, "general.architecture")
         name = _field(reader, "general.name")
+        vocabulary = reader.fields.get("tokenizer.ggml.tokens")
+        tokens = len(vocabulary.data) if vocabulary is not None else None
         types: dict[str, int] = {}
         end = 0
         for t in reader.tensors:
@@ -97,7 +100,7 @@ def inspect(path: Path) -> GGUFInfo:
     unknown = sorted(t for t in types if not _can_dequantize(t))
     if unknown:
         raise CloverError(f"{path} holds {', '.join(unknown)} tensors, which the gguf package cannot dequantize")
-    return GGUFInfo(path, arch, name, types, size)
+    return GGUFInfo(path, arch, name, types, size, tokens)
 
 
 def _field(reader, key: str) -> str | None:
@@ -243,9 +246,43 @@ def _write_converted(info: GGUFInfo, sha: str, dtype: str, tmp: Path, quiet: boo
     tmp.mkdir(parents=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    _drop_tokens_not_in_file(tmp, info.tokens)
     record = {"gguf": str(info.path.resolve()), "name": info.name, "sha256": sha, "architecture": info.architecture,
               "tensor_types": info.types, "dtype": dtype, "size": info.size}
     (tmp / SOURCE_FILE).write_text(json.dumps(record, indent=1) + "\n")
+
+
+def _drop_tokens_not_in_file(directory: Path, count: int | None) -> None:
+    """Remove from the saved tokenizer the tokens past the file's own vocabulary. transformers builds a byte-level
+    vocabulary from a GGUF as GPT-2's tokenizer, which adds GPT-2's `<|endoftext|>` (its default unknown, BOS and EOS
+    token) when the file has no such token, as Llama 3's has not: one token more than the model embeds, which the
+    file never had and nothing in it names, and a tokenizer clover rightly refuses beside that model."""
+    if not count:
+        return
+    path, config_path = directory / "tokenizer.json", directory / "tokenizer_config.json"
+    try:
+        spec = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    added = spec.get("added_tokens") or []
+    extra = {t.get("content") for t in added if t.get("id", 0) >= count}
+    if not extra:
+        return
+    spec["added_tokens"] = [t for t in added if t.get("id", 0) < count]
+    path.write_text(json.dumps(spec, ensure_ascii=False, indent=2), encoding="utf-8")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    decoder = config.get("added_tokens_decoder")
+    if isinstance(decoder, dict):
+        config["added_tokens_decoder"] = {k: v for k, v in decoder.items() if not (k.isdigit() and int(k) >= count)}
+    for key, value in list(config.items()):
+        if key.endswith("_token") and value in extra:
+            config[key] = None
+        elif key in ("additional_special_tokens", "extra_special_tokens") and isinstance(value, list):
+            config[key] = [t for t in value if t not in extra]
+    config_path.write_text(json.dumps(config, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
 
 
 class _progress:
