@@ -6,9 +6,9 @@ the file's content (sha256) and the dtype it was dequantized to, so that every l
 a model directory (the compiled step, the heads, train, bench), starts from that directory. Which file a content hash
 belongs to is remembered by path, size and modification time, so a later run does not read the file again.
 
-Problems get one line: a file that is not a GGUF, a truncated or damaged one, an architecture or quantization type
-transformers cannot read. A conversion is built in a temporary directory and renamed into place: an interrupted or
-failed one leaves nothing half-written in the cache.
+Problems get one line: a file that is not a GGUF, a truncated or damaged one (a tensor missing, a layer count its
+tensors do not match), an architecture or quantization type transformers cannot read. A conversion is built in a
+temporary directory and renamed into place: an interrupted or failed one leaves nothing half-written in the cache.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ class GGUFInfo:
     types: dict[str, int]  # tensor type name -> how many tensors have it
     size: int
     tokens: int | None = None  # how many tokens its vocabulary lists (None: it has none)
+    blocks: int = 0  # how many layers its tensors hold (blk.N.*)
 
     def describe(self) -> str:
         kinds = "/".join(sorted(self.types, key=lambda t: -self.types[t]))
@@ -81,8 +82,11 @@ def inspect(path: Path) -> GGUFInfo:
         tokens = len(vocabulary.data) if vocabulary is not None else None
         types: dict[str, int] = {}
         end = 0
+        blocks = set()
         for t in reader.tensors:
             types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+            if t.name.startswith("blk.") and t.name.split(".")[1].isdigit():
+                blocks.add(int(t.name.split(".")[1]))
             end = max(end, int(t.data_offset) + int(t.n_bytes))
     except CloverError:
         raise
@@ -100,7 +104,7 @@ def inspect(path: Path) -> GGUFInfo:
     unknown = sorted(t for t in types if not _can_dequantize(t))
     if unknown:
         raise CloverError(f"{path} holds {', '.join(unknown)} tensors, which the gguf package cannot dequantize")
-    return GGUFInfo(path, arch, name, types, size, tokens)
+    return GGUFInfo(path, arch, name, types, size, tokens, len(blocks))
 
 
 def _field(reader, key: str) -> str | None:
@@ -222,7 +226,7 @@ def _write_converted(info: GGUFInfo, sha: str, dtype: str, tmp: Path, quiet: boo
     import warnings
 
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -232,12 +236,15 @@ def _write_converted(info: GGUFInfo, sha: str, dtype: str, tmp: Path, quiet: boo
         with warnings.catch_warnings(), _progress(quiet):
             warnings.simplefilter("ignore")
             tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=getattr(torch, dtype))
-    except (MemoryError, KeyboardInterrupt):
+            _check_layers(info, AutoConfig.from_pretrained(folder, gguf_file=name))  # before a model is built
+            model, loading = AutoModelForCausalLM.from_pretrained(
+                folder, gguf_file=name, dtype=getattr(torch, dtype), output_loading_info=True)
+    except (MemoryError, KeyboardInterrupt, CloverError):
         raise
     except Exception as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:240]
         raise CloverError(f"transformers cannot load {info.path} ({info.architecture}): {first}")
+    _check_complete(info, loading.get("missing_keys") or [])
     # what transformers records of the GGUF's quantization describes the file, not these dequantized weights, and
     # save_pretrained refuses a model that claims to be quantized
     model.config.__dict__.pop("quantization_config", None)
@@ -250,6 +257,26 @@ def _write_converted(info: GGUFInfo, sha: str, dtype: str, tmp: Path, quiet: boo
     record = {"gguf": str(info.path.resolve()), "name": info.name, "sha256": sha, "architecture": info.architecture,
               "tensor_types": info.types, "dtype": dtype, "size": info.size}
     (tmp / SOURCE_FILE).write_text(json.dumps(record, indent=1) + "\n")
+
+
+def _check_layers(info: GGUFInfo, config) -> None:
+    """The layers the metadata makes must be the layers the tensors hold: transformers builds the model from the
+    metadata, gives the layers the file lacks random weights (where the metadata leaves the count out, the model
+    class's default: 32 for llama) and leaves out the tensors of layers it does not count."""
+    layers = getattr(config, "num_hidden_layers", None)
+    if info.blocks and isinstance(layers, int) and layers != info.blocks:
+        raise CloverError(f"{info.path} is a damaged GGUF file: its metadata makes {layers} layers "
+                          f"({info.architecture}.block_count) where its tensors hold {info.blocks}")
+
+
+def _check_complete(info: GGUFInfo, missing) -> None:
+    """transformers gives a weight the file lacks random values and carries on: a file missing a tensor would
+    become a model of noise. One line instead."""
+    if missing:
+        names = sorted(missing, key=lambda n: [int(p) if p.isdigit() else p for p in n.split(".")])
+        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        raise CloverError(f"{info.path} is a damaged GGUF file: {len(names)} weights of its {info.architecture} "
+                          f"model are not in it ({shown})")
 
 
 def _drop_tokens_not_in_file(directory: Path, count: int | None) -> None:
