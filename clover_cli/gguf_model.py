@@ -98,7 +98,7 @@ def inspect(path: Path) -> GGUFInfo:
     if not arch:
         raise CloverError(f"{path} is a damaged GGUF file: it names no architecture")
     supported = _supported_architectures()
-    if arch not in supported and arch.replace("-", "_") not in supported:
+    if not {arch, arch.replace("-", "_"), _RENAMED.get(arch)} & supported:
         raise CloverError(f"{path} holds a {arch} model, an architecture transformers cannot read from GGUF "
                           f"(it reads {', '.join(sorted(supported))})")
     unknown = sorted(t for t in types if not _can_dequantize(t))
@@ -115,10 +115,23 @@ def _field(reader, key: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
+# GGUF architecture names transformers reads as another model type (its own renames, in load_gguf_checkpoint)
+_RENAMED = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2"}
+
+
 def _supported_architectures() -> set[str]:
+    """The architectures transformers reads from GGUF: its config mapping's (less the two sections of that mapping
+    that are not architectures) and those of its newer GGUF loader."""
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-    return set(GGUF_SUPPORTED_ARCHITECTURES)
+    names = set(GGUF_SUPPORTED_ARCHITECTURES) - {"general", "tokenizer"}
+    try:
+        from transformers.integrations.gguf import GGUF_ARCHS
+
+        names |= set(GGUF_ARCHS)
+    except Exception:  # noqa: BLE001 - a transformers without it
+        pass
+    return names
 
 
 def _can_dequantize(type_name: str) -> bool:
