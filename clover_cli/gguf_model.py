@@ -58,18 +58,7 @@ class GGUFInfo:
 def inspect(path: Path) -> GGUFInfo:
     """What a GGUF file holds, read from its header; a one-line CloverError for anything transformers cannot load."""
     path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            head = f.read(len(MAGIC))
-            size = os.fstat(f.fileno()).st_size
-    except FileNotFoundError:
-        raise CloverError(f"{path}: no such file")
-    except OSError as e:
-        raise CloverError(f"cannot read {path}: {e.strerror or e}")
-    if not path.is_file():
-        raise CloverError(f"{path} is not a regular file")
-    if head != MAGIC:
-        raise CloverError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
+    size = _check_magic(path)
     try:
         from gguf import GGUFReader
     except ImportError:
@@ -105,6 +94,23 @@ def inspect(path: Path) -> GGUFInfo:
     if unknown:
         raise CloverError(f"{path} holds {', '.join(unknown)} tensors, which the gguf package cannot dequantize")
     return GGUFInfo(path, arch, name, types, size, tokens, len(blocks))
+
+
+def _check_magic(path: Path) -> int:
+    """The file's size, once it is known to start as a GGUF does; else a one-line CloverError."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(MAGIC))
+            size = os.fstat(f.fileno()).st_size
+    except FileNotFoundError:
+        raise CloverError(f"{path}: no such file")
+    except OSError as e:
+        raise CloverError(f"cannot read {path}: {e.strerror or e}")
+    if not path.is_file():
+        raise CloverError(f"{path} is not a regular file")
+    if head != MAGIC:
+        raise CloverError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
+    return size
 
 
 def _field(reader, key: str) -> str | None:
@@ -206,6 +212,7 @@ def convert(path: Path, dtype: str = "float32", quiet: bool = False) -> Path:
         raise CloverError(f"{path}: no such file")
     if not path.is_file():
         raise CloverError(f"{path} is not a regular file")
+    _check_magic(path)  # before the whole file is read for its hash: a file that is not a GGUF is told at once
     try:
         sha = content_hash(path)
     except OSError as e:
@@ -251,7 +258,7 @@ def _write_converted(info: GGUFInfo, sha: str, dtype: str, tmp: Path, quiet: boo
             tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
             _check_layers(info, AutoConfig.from_pretrained(folder, gguf_file=name))  # before a model is built
             model, loading = AutoModelForCausalLM.from_pretrained(
-                folder, gguf_file=name, dtype=getattr(torch, dtype), output_loading_info=True)
+                folder, gguf_file=name, dtype=getattr(torch, dtype), output_loading_info=True, **_dequantized())
     except (MemoryError, KeyboardInterrupt, CloverError):
         raise
     except Exception as e:
@@ -290,6 +297,17 @@ def _check_complete(info: GGUFInfo, missing) -> None:
         shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
         raise CloverError(f"{info.path} is a damaged GGUF file: {len(names)} weights of its {info.architecture} "
                           f"model are not in it ({shown})")
+
+
+def _dequantized() -> dict:
+    """from_pretrained's arguments that unpack every weight into plain floats: where transformers can keep a GGUF's
+    weights in their blocks (its GGUF quantizer, with the `kernels` package installed), it would, and a directory of
+    packed blocks is not a model clover runs."""
+    try:
+        from transformers import GgufConfig
+    except ImportError:  # transformers before its GGUF quantizer: it always dequantizes
+        return {}
+    return {"quantization_config": GgufConfig(dequantize=True)}
 
 
 def _drop_tokens_not_in_file(directory: Path, count: int | None) -> None:
