@@ -402,6 +402,24 @@ def resolve_model(name: str | None, revision: str | None = None, allow_pickle: b
                       f"Hub repo id")
 
 
+def is_gguf_source(name: str) -> bool:
+    """Whether `name` names a GGUF the way resolve_model takes one: a file (by its name or its magic bytes), a folder
+    holding GGUF files and no config.json, or `REPO:FILE.gguf` / `REPO:QUANT` on the Hub (aliases are not asked)."""
+    local = Path(name).expanduser()
+    try:
+        if local.is_dir():
+            return not (local / "config.json").is_file() and any(
+                gguf_model.is_gguf_name(f.name) and f.is_file() for f in local.iterdir())
+    except OSError:
+        return False  # a folder that cannot be listed: whoever reads it next says why
+    if local.exists():
+        return gguf_model.is_gguf_name(local.name) or _starts_with_magic(local)
+    if gguf_model.is_gguf_name(name):
+        return True  # a file that is not there: resolve_model says so
+    repo, _, selector = _strip_hub_prefix(name).rpartition(":")
+    return bool(repo and selector and looks_like_repo(repo))
+
+
 def will_fetch(name: str | None, revision: str | None = None, dtype: str = "auto") -> bool:
     """Whether resolving `name` would download or convert something (and so draw progress of its own): what a chat
     does before its prompt comes up rather than behind it."""

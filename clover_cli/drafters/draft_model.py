@@ -54,10 +54,10 @@ def default_draft(spec) -> str | None:
 
 
 def resolve_draft_model(name: str | None, target, quiet: bool = False) -> tuple[str, Path]:
-    """(the name shown, the local directory) of the draft model: --draft-model (an alias, a local directory or a
-    Hub repo id), else the one the target's alias names. CloverError in one line when there is none or it is not
-    found."""
-    from ..hub import ALIASES, BUNDLED, check_weights, download, looks_like_repo
+    """(the name shown, the local directory) of the draft model: --draft-model (an alias, a local directory, a Hub
+    repo id, or a GGUF as every MODEL argument takes one), else the one the target's alias names. CloverError in
+    one line when there is none or it is not found."""
+    from ..hub import ALIASES, BUNDLED, check_weights, download, is_gguf_source, looks_like_repo, resolve_model
 
     if not name:
         name = default_draft(target.spec)
@@ -72,22 +72,22 @@ def resolve_draft_model(name: str | None, target, quiet: bool = False) -> tuple[
             return f"{target.name}'s bundled draft", path
     spec = ALIASES.get(name)
     if spec is not None:
-        from ..hub import resolve_model
-
         if spec.repo is None:
             raise CloverError(f"--draft-model {name}: the bundled target itself cannot be its own draft model")
+        return name, resolve_model(name, quiet=quiet).path
+    if is_gguf_source(name):  # a GGUF file, a folder holding one, REPO:FILE.gguf or REPO:QUANT: converted once
         return name, resolve_model(name, quiet=quiet).path
     local = Path(name).expanduser()
     if local.is_dir():
         check_weights(local, f"draft model {name}", allow_pickle=False)
         return name, local
     if local.exists():
-        raise CloverError(f"draft model {name} is a file, not a model directory")
+        raise CloverError(f"draft model {name} is a file, neither a GGUF file nor a model directory")
     if looks_like_repo(name):
         path = download(name, what="draft model", quiet=quiet)
         check_weights(path, f"draft model {name}", allow_pickle=False)
         return name, path
-    raise CloverError(f"draft model not found: {name} (not an alias, a directory or a Hub repo id)")
+    raise CloverError(f"draft model not found: {name} (not an alias, a directory, a GGUF file or a Hub repo id)")
 
 
 def parameter_count(model) -> int:
