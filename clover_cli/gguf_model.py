@@ -27,6 +27,9 @@ from .errors import CloverError
 
 MAGIC = b"GGUF"
 SOURCE_FILE = "clover-gguf.json"  # in a converted directory: which file it came from, and how
+# what a conversion writes, in its record: an older one is converted again (2: no token past the file's vocabulary;
+# files missing tensors or layers refused, where 1 made them models with random weights)
+CONVERTER = 2
 DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -189,13 +192,13 @@ def converted_dir(sha: str, dtype: str) -> Path:
 
 
 def is_converted(directory: Path) -> bool:
-    """A finished conversion: its record names it, and its config and weights are there."""
+    """A finished conversion by this converter: its record names it, and its config and weights are there."""
     try:
         record = json.loads((directory / SOURCE_FILE).read_text())
     except (OSError, ValueError):
         return False
-    return (isinstance(record, dict) and (directory / "config.json").is_file()
-            and any(directory.glob("*.safetensors")))
+    return (isinstance(record, dict) and record.get("converter") == CONVERTER
+            and (directory / "config.json").is_file() and any(directory.glob("*.safetensors")))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -274,8 +277,8 @@ def _write_converted(info: GGUFInfo, sha: str, dtype: str, tmp: Path, quiet: boo
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     _drop_tokens_not_in_file(tmp, info.tokens)
-    record = {"gguf": str(info.path.resolve()), "name": info.name, "sha256": sha, "architecture": info.architecture,
-              "tensor_types": info.types, "dtype": dtype, "size": info.size}
+    record = {"converter": CONVERTER, "gguf": str(info.path.resolve()), "name": info.name, "sha256": sha,
+              "architecture": info.architecture, "tensor_types": info.types, "dtype": dtype, "size": info.size}
     (tmp / SOURCE_FILE).write_text(json.dumps(record, indent=1) + "\n")
 
 

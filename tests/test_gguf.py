@@ -553,7 +553,7 @@ def test_an_interrupted_conversion_leaves_nothing_and_the_next_one_succeeds(gguf
 
 def test_a_killed_conversions_leftovers_are_removed_and_a_damaged_one_rebuilt(ggufs, cache):
     """A temporary directory a killed converter left (its pid gone) goes at the next conversion; a converted
-    directory that lost its weights is converted again."""
+    directory that lost its weights, or that an older converter made, is converted again."""
     written = ggufs("llama", "Q4_1")
     out = gguf_model.converted_dir(gguf_model.content_hash(written.path), "float32")
     stale = out.with_name(f".{out.name}.clover-999999999.tmp")
@@ -563,6 +563,11 @@ def test_a_killed_conversions_leftovers_are_removed_and_a_damaged_one_rebuilt(gg
     assert resolved.path == out and not stale.exists() and leftovers(cache) == [out.name]
     for f in out.glob("*.safetensors"):
         f.unlink()
+    assert not gguf_model.is_converted(out)
+    assert hub.resolve_model(str(written.path), quiet=True).path == out and gguf_model.is_converted(out)
+    assert leftovers(cache) == [out.name]
+    record = out / gguf_model.SOURCE_FILE  # an older converter's directory is converted again
+    record.write_text(json.dumps({**json.loads(record.read_text()), "converter": gguf_model.CONVERTER - 1}))
     assert not gguf_model.is_converted(out)
     assert hub.resolve_model(str(written.path), quiet=True).path == out and gguf_model.is_converted(out)
     assert leftovers(cache) == [out.name]
