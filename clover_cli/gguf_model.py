@@ -330,7 +330,8 @@ def _drop_tokens_not_in_file(directory: Path, count: int | None) -> None:
     if not extra:
         return
     spec["added_tokens"] = [t for t in added if t.get("id", 0) < count]
-    path.write_text(json.dumps(spec, ensure_ascii=False, indent=2), encoding="utf-8")
+    text = json.dumps(spec, ensure_ascii=False, indent=2)
+    path.write_text(text, encoding="utf-8")  # not atomic: in the conversion's temporary directory, renamed whole
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -343,7 +344,8 @@ def _drop_tokens_not_in_file(directory: Path, count: int | None) -> None:
             config[key] = None
         elif key in ("additional_special_tokens", "extra_special_tokens") and isinstance(value, list):
             config[key] = [t for t in value if t not in extra]
-    config_path.write_text(json.dumps(config, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
+    text = json.dumps(config, ensure_ascii=False, indent=2) + "\n"
+    config_path.write_text(text, encoding="utf-8")  # not atomic: in the conversion's temporary directory
 
 
 class _progress:
