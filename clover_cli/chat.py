@@ -127,6 +127,8 @@ class Conversation:
             if not isinstance(system, str):
                 raise ValueError("message 1: 'content' must be a string")
             items = items[1:]
+        if system is not None:
+            _check_text(system, "the system message")
         conv = Conversation(system or None)
         for i, m in enumerate(items, 1):
             if not isinstance(m, dict):
@@ -139,6 +141,7 @@ class Conversation:
                 raise ValueError(f"message {i}: expected a {want} message (turns must alternate, user first)")
             if not isinstance(content, str):
                 raise ValueError(f"message {i}: 'content' must be a string")
+            _check_text(content, f"message {i}: 'content'")
             msg = {"role": role, "content": content}
             if m.get("interrupted") is True:
                 msg["interrupted"] = True
@@ -149,13 +152,14 @@ class Conversation:
 
     @staticmethod
     def load(path: str) -> "Conversation":
+        from .inputs import read_limited
+
         p = Path(path).expanduser()
         try:
             if p.is_dir():
                 raise CloverError(f"cannot load {path}: it is a directory")
-            if p.stat().st_size > MAX_LOAD_BYTES:
-                raise CloverError(f"cannot load {path}: larger than {MAX_LOAD_BYTES >> 20} MiB")
-            raw = p.read_bytes()
+            # in chunks up to the cap: a device or a pipe says it holds 0 bytes (/dev/zero), and Ctrl-C stops it
+            raw = read_limited(p, MAX_LOAD_BYTES, f"cannot load {path}: it")
         except FileNotFoundError:
             raise CloverError(f"cannot load {path}: no such file")
         except OSError as e:
@@ -187,6 +191,15 @@ class Conversation:
         return p
 
 
+def _check_text(text: str, where: str):
+    """A JSON string can hold a lone surrogate ("\\ud800"): no character, which no tokenizer takes."""
+    from .inputs import lone_surrogate
+
+    ch = lone_surrogate(text)
+    if ch is not None:
+        raise ValueError(f"{where} is not text: a lone surrogate ({ascii(ch)[1:-1]})")
+
+
 def release_free_memory() -> None:
     """Give the memory a reply freed back to the system (glibc's malloc_trim; elsewhere nothing). A reply's
     tensors are freed when it ends, but the C allocator keeps most of what was freed for reuse, and as the
@@ -212,10 +225,26 @@ def fit_context(conv: Conversation, encode, limit: int) -> tuple[list[int], int]
     `limit` tokens. Returns (ids, messages newly left out). The window only moves forward, so the model's cache of
     the kept prefix stays valid from one reply to the next.
 
+    What is tokenized is at most `limit` x inputs.CHARS_PER_TOKEN characters: the exchanges that would take the
+    messages past that are left out before any tokenizing (a /load of megabytes costs no more than a full context),
+    and a last message past it alone is refused untokenized.
+
     The window is found by bisection over whole exchanges: each encoding tried is of a suffix at most as long as
     the rest of the interval plus one that fits, so a long conversation (a /load) costs about two encodings of it
     in all, not one per exchange left out."""
-    start = conv.window
+    from .inputs import CHARS_PER_TOKEN, check_text_size
+
+    original = conv.window
+    last = original + 2 * ((len(conv.messages) - original) // 2)  # the window that keeps the final message alone
+    most = limit * CHARS_PER_TOKEN
+    system = len(conv.system or "")
+    check_text_size(system + sum(len(m["content"]) for m in conv.messages[last:]), limit, "the message")
+    start, chars = last, system + sum(len(m["content"]) for m in conv.messages[last:])
+    while start - 2 >= original:  # the most exchanges, from the newest back, within the characters' bound
+        more = len(conv.messages[start - 2]["content"]) + len(conv.messages[start - 1]["content"])
+        if chars + more > most:
+            break
+        start, chars = start - 2, chars + more
 
     def encode_from(window: int) -> list[int]:
         conv.window = window
@@ -223,11 +252,10 @@ def fit_context(conv: Conversation, encode, limit: int) -> tuple[list[int], int]
 
     ids = encode_from(start)
     if len(ids) <= limit:
-        return ids, 0
-    last = start + 2 * ((len(conv.messages) - start) // 2)  # the window that keeps the final message alone
-    fits = encode_from(last)
+        return ids, start - original
+    fits = ids if start == last else encode_from(last)
     if len(fits) > limit:
-        conv.window = start
+        conv.window = original
         raise CloverError(f"the message is too long: {len(fits)} tokens with the chat template and system "
                           f"message, and at most {limit} fit (the rest of the context is kept for the reply)")
     lo, hi = start, last  # lo does not fit, hi does
@@ -239,7 +267,7 @@ def fit_context(conv: Conversation, encode, limit: int) -> tuple[list[int], int]
         else:
             lo = mid
     conv.window = hi
-    return fits, hi - start
+    return fits, hi - original
 
 
 # ------------------------------------------------------------------------------------------- output
@@ -752,18 +780,91 @@ def _history(path_arg: str | None):
     return QuietFileHistory(str(path)), path
 
 
-def _prompt_session(history, colour: bool):
-    from prompt_toolkit import PromptSession
+def _plain_key(key_press) -> bool:
+    """A key press that types one printable character."""
+    key = key_press.key
+    return type(key) is str and len(key) == 1 and key == key_press.data and key.isprintable()
+
+
+def _bounded_input(limit: int):
+    """Key bindings and a validator that keep the prompt's line to `limit` characters, and typing cheap.
+
+    prompt-toolkit saves the whole line to its undo stack before every typed character (unless it repeats the one
+    before) and dispatches each one through its key bindings: 100 KB typed, or pasted where the terminal does not
+    bracket pastes (or while a reply streamed, before the prompt was up), took ~40 s of CPU and ~5 GB, never given
+    back. Here a run of typed characters is one undo step, and the characters already read in are inserted together
+    (one dispatch for each read of the terminal, not for each character). A bracketed paste that would take the line
+    past `limit` is not inserted, with a note under the prompt; typing past it drops what does not fit, and such a
+    line cannot be sent (Ctrl-C clears it)."""
+    from prompt_toolkit.filters import emacs_insert_mode, vi_insert_mode
     from prompt_toolkit.key_binding import KeyBindings
-    from prompt_toolkit.output import ColorDepth
+    from prompt_toolkit.keys import Keys
+    from prompt_toolkit.validation import ValidationError, Validator
 
     kb = KeyBindings()
+    state = {"dropped": False}
+    too_long = f"over {limit} characters, the most a message holds: what came after was dropped and this message " \
+               f"cannot be sent (Ctrl-C clears it)"
+
+    def insert(event, text: str):
+        buf = event.current_buffer
+        if not buf.text:
+            state["dropped"] = False  # a new line (the prompt's, or one cleared)
+        if state["dropped"] or len(buf.text) + len(text) > limit:
+            state["dropped"] = True
+            buf.validation_error = ValidationError(len(buf.text), too_long)
+            event.app.output.bell()
+            return
+        buf.insert_text(text)
+
+    def run_starts(event) -> bool:  # undo keeps the line before a run of typed characters, not before each one
+        previous = event.previous_key_sequence
+        return not (len(previous) == 1 and _plain_key(previous[0]))
+
+    @kb.add(Keys.Any, filter=vi_insert_mode | emacs_insert_mode, save_before=run_starts)
+    def _type(event):
+        text = event.data * event.arg
+        queue = getattr(event.key_processor, "input_queue", None)
+        if event.arg == 1 and len(event.key_sequence) == 1 and _plain_key(event.key_sequence[0]) and queue:
+            more = []
+            while queue and _plain_key(queue[0]) and len(more) < limit:
+                more.append(queue.popleft().data)
+            text += "".join(more)
+        insert(event, text)
+
+    @kb.add(Keys.BracketedPaste)
+    def _paste(event):
+        data = event.data.replace("\r\n", "\n").replace("\r", "\n")  # as prompt-toolkit's own binding does
+        buf = event.current_buffer
+        if len(buf.text) + len(data) > limit:
+            buf.validation_error = ValidationError(len(buf.text), f"a paste of {len(data)} characters was not "
+                                                                  f"inserted: a message holds at most {limit}")
+            event.app.output.bell()
+            return
+        buf.insert_text(data)
+
+    class Bounded(Validator):
+        def validate(self, document):
+            if document.text and (state["dropped"] or len(document.text) > limit):
+                raise ValidationError(len(document.text), too_long)
+
+    return kb, Bounded()
+
+
+def _prompt_session(history, colour: bool):
+    from prompt_toolkit import PromptSession
+    from prompt_toolkit.output import ColorDepth
+
+    from .inputs import MAX_MESSAGE_CHARS
+
+    kb, validator = _bounded_input(MAX_MESSAGE_CHARS)
 
     @kb.add("escape", "enter")
     def _newline(event):
         event.current_buffer.insert_text("\n")
 
-    return PromptSession(history=history, completer=_completer(), complete_while_typing=True, key_bindings=kb,
+    return PromptSession(history=history, completer=_completer(), complete_while_typing=True,
+                         key_bindings=kb, validator=validator, validate_while_typing=False,
                          multiline=False, prompt_continuation=lambda width, line, soft: "... ".rjust(width),
                          enable_history_search=False, color_depth=None if colour else ColorDepth.MONOCHROME)
 
@@ -1050,8 +1151,22 @@ def _lines(chat: Chat):
     """Standard input that is not a terminal: one message or command per line, until its end (or /exit). When
     messages were sent and not one got a reply, the run fails (exit status 2): a script learns that it got
     nothing."""
-    for raw in sys.stdin.buffer:
-        text = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+    from .inputs import CHUNK, MAX_MESSAGE_CHARS
+
+    most = 4 * MAX_MESSAGE_CHARS  # bytes of a line: UTF-8 takes at most 4 a character
+    stdin, line = sys.stdin.buffer, 0
+    while True:
+        raw = stdin.readline(most + 1)  # a line at most that long is read: a line of megabytes is not held whole
+        if not raw:
+            break
+        line += 1
+        text = None if len(raw) > most else raw.decode("utf-8", errors="replace").rstrip("\r\n")
+        if text is None or len(text) > MAX_MESSAGE_CHARS:
+            while raw and not raw.endswith(b"\n"):  # the rest of that line, a chunk at a time (Ctrl-C stops it)
+                raw = stdin.readline(CHUNK)
+            chat.failed += 1
+            chat.out.error(f"line {line} is over {MAX_MESSAGE_CHARS} characters, the most a message holds: not sent")
+            continue
         if not text.strip():
             continue
         if not _handle(chat, text):

@@ -119,15 +119,20 @@ def check_sampling(max_new_tokens: int, temperature: float, top_p: float, seed: 
 def read_prompt(path: str, keep_newline: bool = False) -> str:
     """The prompt in a file (or standard input for "-"): UTF-8 text, without the one newline that ends a file
     (so that it is the same prompt as the same text typed in a chat) unless keep_newline."""
+    from .inputs import MAX_PROMPT_BYTES, read_limited
+
     if path == "-":
-        data = sys.stdin.buffer.read()
         where = "standard input"
+        try:
+            data = read_limited(sys.stdin.buffer, MAX_PROMPT_BYTES, where)
+        except OSError as e:
+            raise CloverError(f"cannot read standard input: {e.strerror or e}")
     else:
         p = Path(path).expanduser()
         if p.is_dir():
             raise CloverError(f"prompt file {path} is a directory")
-        try:  # a regular file, or a pipe or device: a FIFO, /dev/stdin, a shell's <(...)
-            data = p.read_bytes()
+        try:  # a regular file, or a pipe or device: a FIFO, /dev/stdin, a shell's <(...); in chunks, up to a cap
+            data = read_limited(p, MAX_PROMPT_BYTES, f"prompt file {path}")
         except FileNotFoundError:
             raise CloverError(f"prompt file not found: {path}")
         except OSError as e:
@@ -250,6 +255,7 @@ def generate(
     """Generate one reply to a prompt file, streaming it (or --json for scripts)."""
     from .engine import Sampling
     from .chat import Out, ReplyPrinter
+    from .inputs import check_text_size
     from .render import Detokenizer, use_colour
     from .session import RunStats, Session, strip_stop
     from .stats import StatsWriter
@@ -264,6 +270,7 @@ def generate(
                       quiet=json_out)
     session.compiler.start(background=False)  # --compile on: built now if needed; auto: a cached one or eager
     load_s = time.perf_counter() - t_start
+    check_text_size(len(text) + len(system or ""), session.max_context, "the prompt")  # before tokenizing it
     if raw:
         ids = session.encode_raw(text)
     else:

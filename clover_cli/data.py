@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Iterator
 
 from .errors import CloverError
+from .inputs import MAX_DATA_BYTES, read_limited
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant",
          "bing": "assistant", "assistant": "assistant", "system": "system"}
@@ -64,12 +65,14 @@ def iter_conversations(source: str = "sharegpt") -> Iterator[tuple[str, list[dic
         path, strict = Path(source), True
         if not path.is_file():
             raise CloverError(f"data file not found: {source}")
-    try:
-        text = path.read_text(encoding="utf-8")
+    try:  # in chunks, up to a cap (a file's size can lie: a device or a pipe says 0 bytes)
+        text = read_limited(path, MAX_DATA_BYTES, f"the data file {source}").decode("utf-8")
     except UnicodeDecodeError:
         raise CloverError(f"{source}: not UTF-8 text")
     except OSError as e:
         raise CloverError(f"cannot read the data file {source}: {e.strerror or e}")
+    if "\r" in text:  # line ends as a file read as text has them
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
     if path.suffix == ".jsonl" or (strict and not text.lstrip().startswith("[")):
         items = []
         for lineno, line in enumerate(text.split("\n"), 1):  # not splitlines(): U+2028 may sit in a string

