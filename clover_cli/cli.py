@@ -382,6 +382,12 @@ def serve(
                                           help="Require 'Authorization: Bearer KEY' on every request."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="Reply length when a request sets "
                                                                          "no max_tokens."),
+    header_timeout: float = typer.Option(10.0, "--header-timeout", help="Seconds a connection has to send a "
+                                         "request's line and headers (from when it opens, or its previous response "
+                                         "ends) before it is closed."),
+    max_connections: int = typer.Option(1024, "--max-connections", help="Most connections waiting for their "
+                                        "request head (past it the oldest are closed), and most requests in "
+                                        "progress (past it: 503)."),
     draft: str = Common.draft, draft_model: Optional[str] = Common.draft_model,
     heads: Optional[str] = Common.heads, tree: str = Common.tree, early_stop: str = Common.early_stop,
     tree_budget: str = Common.tree_budget, load_in_8bit: bool = Common.load_in_8bit,
@@ -408,6 +414,10 @@ def serve(
         raise CloverError("--api-key (or CLOVER_API_KEY) is empty: give a key, or leave it unset")
     if not 0 <= port <= 65535:
         raise CloverError(f"--port must be between 0 and 65535, not {port}")
+    if not (math.isfinite(header_timeout) and 0 < header_timeout <= 3600):
+        raise CloverError(f"--header-timeout must be above 0 and at most 3600 seconds, not {header_timeout}")
+    if not 1 <= max_connections <= 1_000_000:
+        raise CloverError(f"--max-connections must be between 1 and 1000000, not {max_connections}")
     check_sampling(max_new_tokens, 0.0, 1.0)
     StatsWriter.check(stats_file)  # a --stats-file that cannot be written fails now, not after loading
     opts = _options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, device, dtype, trust_remote_code,
@@ -430,7 +440,7 @@ def serve(
             + ("" if api_key else " and use the model without a key (set --api-key)"))
     say(f"OpenAI API at http://{where}:{bound[1]}/v1 · {'API key required' if api_key else 'no API key'}"
         f"{f' · stats → {writer.path}' if writer else ''} · Ctrl-C stops")
-    run(server, sock)
+    run(server, sock, header_timeout=header_timeout, max_connections=max_connections)
 
 
 @app.command()

@@ -18,12 +18,22 @@ fields and clover's own figures under "clover" (tau, acceptance rate, draft/veri
 
 Errors are OpenAI-style JSON objects, {"error": {"message", "type", "param", "code"}}, with their HTTP status:
 400 a bad request (malformed JSON, an unknown or unsupported field, a prompt over the context), 401 a wrong or
-missing API key, 404 an unknown model or path, 405, 413 a body over the limit, 503 a full queue.
+missing API key, 404 an unknown model or path, 405, 408 a body that did not arrive in time, 413 a body over the limit,
+503 a full queue (or too many connections).
+
+Against slow and many clients (uvicorn has no timeout for a request's head): a connection must send its request line
+and headers within `header_timeout` seconds of opening (or of its previous response), else it is closed; at most
+`max_connections` connections may be waiting for their head (past that the oldest are closed), and as many requests
+may be in progress (503 past it); an idle kept-alive connection closes after 5 s; a body must arrive within
+BODY_TIMEOUT. A prompt longer than the context could hold (inputs.CHARS_PER_TOKEN characters a token) is
+refused before it is tokenized, at most TOKENIZING requests are tokenized at once, and errors are logged at most a
+few a minute (the rest counted).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import hmac
 import json
 import math
@@ -38,6 +48,13 @@ from .errors import CloverError
 
 MAX_BODY = 4 << 20  # bytes of one request body
 MAX_WAITING = 256  # requests queued behind the running one; more are turned away (503)
+HEADER_TIMEOUT = 10.0  # seconds a connection has to send a request's line and headers
+MAX_CONNECTIONS = 1024  # connections waiting for their request head; requests in progress (503 past it)
+HEAD_GRACE = 0.5  # seconds a new connection is never closed in: to make room for newer ones
+KEEP_ALIVE = 5  # seconds an idle kept-alive connection stays open
+BODY_TIMEOUT = 60.0  # seconds a request body has to arrive in full
+TOKENIZING = 2  # requests whose prompt is tokenized at once (the others wait their turn, holding no tokens)
+BIG_BODY = 1 << 20  # after a request body this large, freed memory is handed back to the system
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
@@ -123,11 +140,22 @@ def _check_fields(body: dict, known: set[str]):
 def _text_content(content, where: str) -> str:
     """A message's content: a string, or a list of text parts (what newer OpenAI clients send)."""
     if isinstance(content, str):
-        return content
+        return _check_text(content, f"{where}.content")
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                          and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
+        return _check_text("".join(p["text"] for p in content), f"{where}.content")
     raise ApiError(400, f"{where}.content must be a string or a list of text parts", where)
+
+
+def _check_text(text: str, where: str) -> str:
+    """JSON lets a string hold a lone surrogate ("\\ud800"): no character, which no tokenizer takes."""
+    from .inputs import lone_surrogate
+
+    ch = lone_surrogate(text)
+    if ch is not None:
+        raise ApiError(400, f"{where} is not text: it holds a lone surrogate ({ascii(ch)[1:-1]}), half of a UTF-16 "
+                            f"pair, which is no character", where.partition(".")[0].partition("[")[0])
+    return text
 
 
 def parse_messages(body: dict) -> list[dict]:
@@ -239,8 +267,7 @@ class Worker:
             except CloverError as e:  # out of memory while generating, for one
                 job.put("error", ApiError(500, str(e), code="generation_failed", kind="server_error"))
             except Exception as e:
-                print(f"clover serve: error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-                      file=sys.stderr)
+                log_error(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
                 job.put("error", ApiError(500, f"generation failed ({type(e).__name__})", code="generation_failed",
                                           kind="server_error"))
             finally:
@@ -300,6 +327,7 @@ class Server:
         self.model_id = session.resolved.name
         self.created = int(time.time())
         self.worker = Worker(session, writer)
+        self._tokenizing: asyncio.Semaphore | None = None  # made in the server's event loop
         routes = [Route("/v1/chat/completions", self.chat, methods=["POST"]),
                   Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/models", self.models, methods=["GET"]),
@@ -345,7 +373,11 @@ class Server:
         from starlette.responses import JSONResponse
 
         body = await self._json(request)
-        prompt = await run_in_threadpool(self._prompt, body, chat)  # the template and tokenizer, off the loop
+        if self._tokenizing is None:
+            self._tokenizing = asyncio.Semaphore(TOKENIZING)
+        async with self._tokenizing:  # a few at once: each holds its text's tokens meanwhile
+            prompt = await run_in_threadpool(self._prompt, body, chat)  # the template and tokenizer, off the loop
+        del body  # a queued request holds its token ids, not its text
         job = Job(prompt, asyncio.get_running_loop())
         headers = {"X-Clover-Queue-Position": str(self.worker.submit(job))}
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -363,6 +395,7 @@ class Server:
         s = self.session
         if chat:
             messages = parse_messages(body)
+            self._check_size(sum(len(m["content"]) for m in messages), "messages")
             try:
                 ids = s.encode_chat(messages)
             except Exception as e:  # a template that refuses the conversation (roles out of order, ...)
@@ -374,6 +407,7 @@ class Server:
                 text = text[0]
             if not isinstance(text, str) or not text:
                 raise ApiError(400, "'prompt' must be a non-empty string", "prompt")
+            self._check_size(len(_check_text(text, "prompt")), "prompt")
             ids = s.encode_raw(text)
         limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         max_tokens = _integer(body, limit, 1, 1_000_000) or self.max_new_tokens
@@ -394,6 +428,15 @@ class Server:
             raise ApiError(400, str(e), "messages" if chat else "prompt", "context_length_exceeded")
         return Prompt(ids, max_tokens, sampling, parse_stops(body), chat, bool(stream),
                       bool((options or {}).get("include_usage")))
+
+    def _check_size(self, chars: int, param: str):
+        """A prompt longer than the context could hold is refused before it is tokenized (inputs.check_text_size)."""
+        from .inputs import check_text_size
+
+        try:
+            check_text_size(chars, self.session.max_context, "the prompt")
+        except CloverError as e:
+            raise ApiError(400, str(e), param, "context_length_exceeded")
 
     async def _wait(self, job: Job, request) -> dict:
         """The job's result; a client that hangs up first has its job cancelled."""
@@ -495,15 +538,23 @@ class Server:
         from starlette.requests import ClientDisconnect
 
         data = bytearray()
-        try:
+
+        async def read():
             async for chunk in request.stream():
-                data += chunk
+                data.extend(chunk)
                 if len(data) > self.max_body:
                     raise _too_large(self.max_body)
+
+        try:
+            await asyncio.wait_for(read(), BODY_TIMEOUT)
         except ClientDisconnect:
             raise ApiError(499, "the client closed the connection before sending the whole body")
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {BODY_TIMEOUT:g} s", code="request_timeout")
+        if len(data) >= BIG_BODY:
+            request.scope["clover.big_body"] = True  # Guard hands the memory back once the request has ended
         try:
-            body = json.loads(bytes(data).decode("utf-8"))
+            body = json.loads(data.decode("utf-8"))
         except UnicodeDecodeError:
             raise ApiError(400, "the request body is not UTF-8 text", code="invalid_json")
         except (ValueError, RecursionError) as e:
@@ -561,8 +612,12 @@ class Guard:
         try:
             await self.app(scope, receive, send)
         except Exception as e:  # Starlette has answered with a 500 JSON error (Server._crash), or the stream broke
-            print(f"clover serve: error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-                  file=sys.stderr)
+            log_error(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        finally:
+            if scope.get("clover.big_body"):  # what its text and tokens took, handed back to the system (off the loop)
+                from .chat import release_free_memory
+
+                asyncio.get_running_loop().run_in_executor(None, release_free_memory)
 
     def _authorize(self, scope):
         key = self.server.api_key
@@ -580,7 +635,8 @@ class Guard:
 def _error_response(e: ApiError):
     from starlette.responses import JSONResponse
 
-    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {"Connection": "close"} if e.status == 408 \
+        else None
     return JSONResponse(error_body(e), status_code=e.status, headers=headers)
 
 
@@ -617,7 +673,179 @@ def listen(host: str, port: int):
         raise CloverError(f"cannot listen on {host}:{port}: {e.strerror or e}")
 
 
-def run(server: Server, sock, on_ready=None):
+class RateLimit:
+    """At most `burst` messages a `period`: the rest are counted, and the next one let through says how many."""
+
+    def __init__(self, burst: int = 5, period: float = 60.0):
+        self.burst, self.period = burst, period
+        self.start, self.passed, self.dropped = -period, 0, 0
+        self.lock = threading.Lock()
+
+    def allow(self) -> tuple[bool, int]:
+        """(let this one through, how many were dropped before it)."""
+        with self.lock:
+            now = time.monotonic()
+            if now - self.start >= self.period:
+                self.start, self.passed = now, 0
+            if self.passed >= self.burst:
+                self.dropped += 1
+                return False, 0
+            self.passed += 1
+            dropped, self.dropped = self.dropped, 0
+            return True, dropped
+
+
+def _dropped_note(n: int) -> str:
+    return f" ({n} more error{'s' * (n > 1)} since the last one shown were not logged)" if n else ""
+
+
+_errors = RateLimit(burst=10)
+
+
+def log_error(line: str):
+    """`clover serve: error: LINE` on standard error, at most ten a minute (many clients failing at once must not
+    flood the log)."""
+    ok, dropped = _errors.allow()
+    if ok:
+        print(f"clover serve: error: {line}{_dropped_note(dropped)}", file=sys.stderr)
+
+
+class RateLimitedLog:
+    """A logging filter: at most a few records a minute pass (their tracebacks with them); the next that passes
+    says how many were held back. 20,000 slow connections once had asyncio log 468,991 tracebacks in 40 s."""
+
+    def __init__(self, burst: int = 5, period: float = 60.0):
+        self.limit = RateLimit(burst, period)
+
+    def filter(self, record) -> bool:
+        ok, dropped = self.limit.allow()
+        if ok and dropped:
+            record.msg, record.args = record.getMessage() + _dropped_note(dropped), ()
+        return ok
+
+
+def guarded_protocol(header_timeout: float, max_connections: int):
+    """uvicorn's h11 protocol with what it lacks against slow and many clients.
+
+    A connection has `header_timeout` seconds, from when it opens (or its previous response ends), to send a whole
+    request head, else it is closed. Of the connections waiting for their head at most `max_connections` are kept:
+    past that the oldest are closed, each once it has waited HEAD_GRACE seconds (a request sent at once, such as a
+    health check amid a flood of new connections, has its head read by then). uvicorn's limit_concurrency (503 past
+    it) counts the connections with a request in progress only: slow heads do not push a prompt request out."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    # the connections waiting for a request head -> since when, oldest first (an OrderedDict: a dict whose oldest
+    # entries keep being removed gets slower to iterate from its start until it is resized)
+    waiting: collections.OrderedDict = collections.OrderedDict()
+    sweep = {"handle": None}
+
+    class Active:
+        """What the protocol counts for limit_concurrency: uvicorn's set of connections, less those waiting."""
+
+        def __init__(self, connections: set):
+            self.connections = connections
+
+        def add(self, protocol):
+            self.connections.add(protocol)
+
+        def discard(self, protocol):
+            self.connections.discard(protocol)
+
+        def __len__(self):
+            return len(self.connections) - len(waiting)
+
+    class Protocol(H11Protocol):
+        head_timer = None
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.connections = Active(self.connections)
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._await_head()
+            if len(waiting) > max_connections:
+                close_oldest(self.loop)
+
+        def data_received(self, data: bytes):
+            super().data_received(data)
+            if self.conn.their_state is not h11.IDLE:
+                self._head_came()
+
+        def on_response_complete(self):
+            super().on_response_complete()  # may start a pipelined request at once
+            if not self.transport.is_closing():
+                self._await_head()
+
+        def connection_lost(self, exc):
+            self._head_came()
+            super().connection_lost(exc)
+
+        def _await_head(self):
+            self._head_came()
+            if self.conn.their_state is h11.IDLE:
+                waiting[self] = self.loop.time()
+                self.head_timer = self.loop.call_later(header_timeout, self._late)
+
+        def _head_came(self):
+            waiting.pop(self, None)
+            if self.head_timer is not None:
+                self.head_timer.cancel()
+                self.head_timer = None
+
+        def _late(self):
+            self.head_timer = None
+            if self.conn.their_state is h11.IDLE:
+                self._close()
+
+        def _close(self):
+            self._head_came()
+            if not self.transport.is_closing():
+                self.transport.close()
+
+    def close_oldest(loop):
+        if sweep["handle"] is not None:
+            return
+        now = loop.time()
+        while len(waiting) > max_connections:
+            oldest, since = next(iter(waiting.items()))
+            if now - since < HEAD_GRACE:  # again when it has had its grace
+                sweep["handle"] = loop.call_at(since + HEAD_GRACE, swept, loop)
+                return
+            oldest._close()
+
+    def swept(loop):
+        sweep["handle"] = None
+        close_oldest(loop)
+
+    return Protocol
+
+
+def _open_files(max_connections: int) -> int:
+    """Raise the limit of open files toward what `max_connections` needs (the connections waiting for a head, as
+    many with a request in progress, the new ones of a flood within their grace, and some for the model); returns
+    the connections it allows."""
+    import resource
+
+    need = 4 * max_connections + 256
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and soft < need:
+            soft = need if hard == resource.RLIM_INFINITY else min(need, hard)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    except (ValueError, OSError):
+        return max_connections
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return max_connections
+    allowed = max(16, (soft - 256) // 4)
+    print(f"clover: warning: --max-connections lowered to {allowed}: this process may open {soft} files "
+          f"(ulimit -n)", file=sys.stderr)
+    return allowed
+
+
+def run(server: Server, sock, on_ready=None, header_timeout: float = HEADER_TIMEOUT,
+        max_connections: int = MAX_CONNECTIONS):
     """Serve on `sock` until Ctrl-C (or SIGTERM); access lines on standard error."""
     import logging
 
@@ -631,8 +859,15 @@ def run(server: Server, sock, on_ready=None):
         access.setLevel(logging.INFO)
         access.propagate = False
     logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
+    for name in ("uvicorn.error", "asyncio"):  # what many clients failing at once would flood the log with
+        log = logging.getLogger(name)
+        if not any(isinstance(f, RateLimitedLog) for f in log.filters):
+            log.addFilter(RateLimitedLog())
+    max_connections = _open_files(max_connections)
     config = uvicorn.Config(server.app, log_config=None, access_log=True, timeout_graceful_shutdown=2,
-                            h11_max_incomplete_event_size=64 * 1024, lifespan="off")
+                            h11_max_incomplete_event_size=64 * 1024, lifespan="off", ws="none",
+                            http=guarded_protocol(header_timeout, max_connections),
+                            timeout_keep_alive=KEEP_ALIVE, limit_concurrency=max_connections)
     uv = uvicorn.Server(config)
     if on_ready is not None:
         on_ready(uv)
