@@ -387,7 +387,7 @@ def resolve_model(name: str | None, revision: str | None = None, allow_pickle: b
     if local.exists():
         if gguf_model.is_gguf_name(local.name) or _starts_with_magic(local):
             return _from_gguf(name, local, None, quiet, dtype, revision)
-        raise CloverError(f"{name} is a file, neither a GGUF file nor a model directory")
+        raise CloverError(f"{name} is a file, not a model directory nor a GGUF file")
     repo, _, selector = _strip_hub_prefix(name).rpartition(":")
     if repo and selector and looks_like_repo(repo):
         return _from_hub_gguf(name, repo, selector, revision, quiet, dtype)

@@ -82,7 +82,7 @@ def resolve_draft_model(name: str | None, target, quiet: bool = False) -> tuple[
         check_weights(local, f"draft model {name}", allow_pickle=False)
         return name, local
     if local.exists():
-        raise CloverError(f"draft model {name} is a file, neither a GGUF file nor a model directory")
+        raise CloverError(f"draft model {name} is a file, not a model directory nor a GGUF file")
     if looks_like_repo(name):
         path = download(name, what="draft model", quiet=quiet)
         check_weights(path, f"draft model {name}", allow_pickle=False)
