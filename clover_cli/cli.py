@@ -61,7 +61,7 @@ class Common:
                                                  "model itself with some middle layers skipped (chosen on the first "
                                                  "prompt, cached).")
     draft_model = typer.Option(None, "--draft-model", help="The draft model of --draft model: an alias, a local "
-                               "directory or a Hub repo id, with the target's tokenizer and fewer parameters "
+                               "directory, a GGUF file or a Hub repo id, with the target's tokenizer and fewer parameters "
                                "(default: the one the model's alias names).", show_default=False)
     tree = typer.Option("dynamic", "--tree", help="Draft tree of the heads: dynamic (grown by probability) "
                         "or static (a fixed shape of 24 nodes, cut to --tree-budget when given); with --draft model "
@@ -554,8 +554,8 @@ def bench(
     eagle_heads: Optional[str] = typer.Option(None, "--eagle-heads", help="EAGLE heads for the eagle row."),
     assistant: Optional[str] = typer.Option(None, "--assistant", help="Smaller model for hf-assisted (default: "
                                             "the --draft-model)."),
-    draft_model: Optional[str] = typer.Option(None, "--draft-model", help="A draft model (alias, directory or Hub "
-                                              "repo) for the model-chain and model rows, and hf-assisted's "
+    draft_model: Optional[str] = typer.Option(None, "--draft-model", help="A draft model (alias, directory, GGUF "
+                                              "file or Hub repo) for the model-chain and model rows, and hf-assisted's "
                                               "assistant."),
     tree_budget: str = Common.tree_budget, device: str = Common.device, dtype: str = Common.dtype,
     load_in_8bit: bool = Common.load_in_8bit,
@@ -585,7 +585,8 @@ def compile_step(
                                                               "own heads, when it has some)."),
     no_heads: bool = typer.Option(False, "--no-heads", help="Compile the target's step only."),
     draft_model: Optional[str] = typer.Option(None, "--draft-model", help="Compile this draft model's step too "
-                                              "(what --draft model runs): an alias, a directory or a Hub repo id.",
+                                              "(what --draft model runs): an alias, a directory, a GGUF file or a Hub "
+                                              "repo id.",
                                               show_default=False),
     with_draft: bool = typer.Option(False, "--with-draft", help="Compile the step of the draft model the model's "
                                     "alias names too (the bundled model's own draft for tiny)."),
@@ -846,7 +847,9 @@ def _main(argv=None):
         _stdout_ok()
         raise SystemExit(0)
     except MemoryError:
-        _fail("out of memory; try a smaller model, --load-in-8bit or a smaller --tree-budget")
+        # what ran out may be the model or what it was given (a prompt, a file): both are named
+        _fail("out of memory: the model with its context, or an input, did not fit; try a shorter input, a smaller "
+              "model, --load-in-8bit or a smaller --tree-budget")
     except OSError as e:
         if not _stdout_ok():
             _fail(f"cannot write the output: {e.strerror or _first_line(e)}", 1)

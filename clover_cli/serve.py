@@ -390,8 +390,10 @@ class Server:
         from .engine import Sampling
 
         _check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
-        if body.get("model") is not None:
-            self._check_model(body["model"])
+        if body.get("model") is not None and not isinstance(body["model"], str):
+            raise ApiError(400, "'model' must be a string", "model")
+        # any name is answered by the one model served (clients send names of their own: "gpt-4o", an Ollama tag);
+        # the response says which model it was
         s = self.session
         if chat:
             messages = parse_messages(body)

@@ -199,6 +199,14 @@ def test_a_repetition_penalty_is_clover_generates(server, llama_dir, tmp_path):
     assert status == 400 and err["error"]["param"] == "repetition_penalty"
 
 
+def test_any_model_name_is_answered_by_the_model_served(server, reference):
+    """Clients send names of their own ("gpt-4o", an Ollama tag): the one model served answers, and says its name."""
+    status, _, body = request(server.url, "POST", "/v1/chat/completions", chat_body(PROMPTS[0], model="gpt-4o"))
+    assert status == 200, body
+    assert body["model"] == server.model_id != "gpt-4o"
+    assert body["choices"][0]["message"]["content"] == ask(server, PROMPTS[0])
+
+
 def test_stop_strings(server, reference):
     client = openai_client(server)
     full = reference[PROMPTS[0], False]["text"].strip()
@@ -321,8 +329,8 @@ BAD = [
      "context_length_exceeded"),
     ("POST", "/v1/completions", {"prompt": LONG, "stream": True}, 400, "context_length_exceeded"),
     ("POST", "/v1/completions", {"prompt": ""}, 400, None),
-    ("POST", "/v1/chat/completions", {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}, 404,
-     "model_not_found"),
+    ("POST", "/v1/chat/completions", {"model": 4, "messages": [{"role": "user", "content": "hi"}]}, 400, None),
+    ("GET", "/v1/models/gpt-4o", None, 404, "model_not_found"),
     ("GET", "/v1/chat/completions", None, 405, "method_not_allowed"),
     ("GET", "/v2/anything", None, 404, "not_found"),
     ("POST", "/v1/chat/completions", b"{" + b" " * (65 * 1024) + b"}", 413, "request_too_large"),
