@@ -989,7 +989,7 @@ def ends_in_loop(tokens: list[int], tail: int = 48, longest: int = 16) -> bool:
 
 
 def run_chat(opts, system=None, max_new_tokens=256, temperature=0.0, top_p=1.0, seed=None, history_file=None,
-             stats_file=None, no_color=False, repetition_penalty=1.0):
+             stats_file=None, no_color=False, repetition_penalty=None):
     from .render import use_colour
     from .stats import StatsWriter
 
@@ -1003,8 +1003,9 @@ def run_chat(opts, system=None, max_new_tokens=256, temperature=0.0, top_p=1.0, 
         """Load the model and open the stats stream: the chat, and what prints its banner."""
         session, load_s = _load(opts, out, show_progress=progress)
         writer = StatsWriter.open(stats_file)  # after loading: a run that fails to start leaves no record
+        penalty = session.default_penalty if repetition_penalty is None else repetition_penalty
         chat = Chat(session, Conversation(system or None), out, max_new_tokens, temperature, top_p, seed, writer,
-                    writer.path if writer else None, interactive, repetition_penalty)
+                    writer.path if writer else None, interactive, penalty)
         session.compiler.start(background=True)  # auto: replies run eager until the compiled step is built
 
         def banner():

@@ -61,8 +61,8 @@ class Common:
                                                  "model itself with some middle layers skipped (chosen on the first "
                                                  "prompt, cached).")
     draft_model = typer.Option(None, "--draft-model", help="The draft model of --draft model: an alias, a local "
-                               "directory, a GGUF file or a Hub repo id, with the target's tokenizer and fewer parameters "
-                               "(default: the one the model's alias names).", show_default=False)
+                               "directory, a GGUF file or a Hub repo id, with the target's tokenizer and fewer "
+                               "parameters (default: the one the model's alias names).", show_default=False)
     tree = typer.Option("dynamic", "--tree", help="Draft tree of the heads: dynamic (grown by probability) "
                         "or static (a fixed shape of 24 nodes, cut to --tree-budget when given); with --draft model "
                         "or self, dynamic = the MCSD tree, static = the draft's plain top-1 chain. With --draft auto "
@@ -89,10 +89,11 @@ class Common:
     temperature = typer.Option(0.0, "--temperature", "-t", help="0 = greedy; above 0 samples.")
     top_p = typer.Option(1.0, "--top-p", help="Nucleus sampling mass, in (0, 1].")
     seed = typer.Option(None, "--seed", help="Random seed for sampling.")
-    repetition_penalty = typer.Option(1.0, "--repetition-penalty", help="Penalise every token already in the "
+    repetition_penalty = typer.Option(None, "--repetition-penalty", help="Penalise every token already in the "
                                       "conversation, as transformers' repetition_penalty does (logit / p if positive, "
                                       "x p if negative); 1 = none. The output stays exactly the target's with that "
-                                      "penalty.")
+                                      "penalty. Default: the model's own (1.1 for smollm2, measured; none for the "
+                                      "others).", show_default=False)
     stats_file = typer.Option(None, "--stats-file", help="Where to append per-step records (default: the user "
                                                          "cache directory; 'off' disables).")
     no_color = typer.Option(False, "--no-color", help="Plain text, no colours.")
@@ -103,8 +104,8 @@ class Common:
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_p: float, seed: int | None = None,
-                   repetition_penalty: float = 1.0):
-    if not (math.isfinite(repetition_penalty) and 0.0 < repetition_penalty <= 10.0):
+                   repetition_penalty: float | None = 1.0):
+    if repetition_penalty is not None and not (math.isfinite(repetition_penalty) and 0.0 < repetition_penalty <= 10.0):
         raise CloverError(f"--repetition-penalty must be above 0 and at most 10, not {repetition_penalty}")
     if seed is not None and not 0 <= seed < 2**63:
         raise CloverError(f"--seed must be between 0 and 2**63-1, not {seed}")
@@ -279,6 +280,8 @@ def generate(
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
         ids = session.encode_chat(messages)
     session.check_fits(ids, max_new_tokens)  # a prompt too long fails here, before any output or stats record
+    if repetition_penalty is None:
+        repetition_penalty = session.default_penalty
     writer = StatsWriter.open(stats_file)
     colour = not json_out and use_colour(no_color, sys.stdout)
     detok = Detokenizer(session.tokenizer)

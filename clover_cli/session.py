@@ -82,6 +82,12 @@ class Session:
         return self.drafter.name
 
     @property
+    def default_penalty(self) -> float:
+        """The repetition penalty a reply gets unless one is asked for: its alias's (measured), else none."""
+        spec = self.resolved.spec
+        return spec.repetition_penalty if spec is not None else 1.0
+
+    @property
     def max_context(self) -> int:
         return self.target.max_context
 

@@ -160,6 +160,26 @@ def test_generate_with_a_repetition_penalty_is_transformers_output(run_cli, llam
     assert replies[1.0] != replies[1.8]  # the penalty changed the reply: the comparison above means something
 
 
+def test_an_alias_default_penalty_applies_unless_one_is_asked(run_cli, prompt_path, monkeypatch):
+    """An alias's own repetition penalty (smollm2's 1.1, chosen by measuring its replies) is what generate and chat
+    use when none is given; --repetition-penalty (1 too) overrides it."""
+    import dataclasses
+
+    from clover_cli import hub
+
+    monkeypatch.setitem(hub.ALIASES, "tiny", dataclasses.replace(hub.ALIASES["tiny"], repetition_penalty=1.4))
+    runs = {}
+    for args in ([], ["--repetition-penalty", "1.4"], ["--repetition-penalty", "1"]):
+        code, out, err = run_cli("generate", "tiny", "--prompt", str(prompt_path), "--json", "-n", "24", *args)
+        assert code == 0, err
+        result = json.loads(out)
+        runs[tuple(args)] = (result["repetition_penalty"], result["text"])
+    assert runs[()] == runs[("--repetition-penalty", "1.4")] and runs[()][0] == 1.4
+    assert runs[("--repetition-penalty", "1")][0] == 1.0 and runs[("--repetition-penalty", "1")][1] != runs[()][1]
+    code, out, err = run_cli("chat", "tiny", "-n", "8", stdin="hi\n")
+    assert code == 0 and "repetition penalty 1.4" in err + out, err + out  # the banner says it
+
+
 def test_generate_8bit_on_cpu(run_cli, llama_dir, prompt_path):
     """bitsandbytes 0.50 quantizes and runs int8 matmuls on CPU (accelerate places the model)."""
     pytest.importorskip("bitsandbytes")
