@@ -13,14 +13,16 @@ temporary directory and renamed into place: an interrupted or failed one leaves 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from filelock import FileLock, Timeout
 
 from . import atomic
 from .errors import CloverError
@@ -101,6 +103,8 @@ def inspect(path: Path) -> GGUFInfo:
 
 def _check_magic(path: Path) -> int:
     """The file's size, once it is known to start as a GGUF does; else a one-line CloverError."""
+    if path.exists() and not path.is_file():  # a FIFO is not opened (it would wait for a writer), nor a device
+        raise CloverError(f"{path} is not a regular file")
     try:
         with open(path, "rb") as f:
             head = f.read(len(MAGIC))
@@ -170,15 +174,13 @@ def content_hash(path: Path) -> str:
         known = index.get(str(path)) if isinstance(index, dict) else None
         if isinstance(known, dict) and known.get("stamp") == stamp and isinstance(known.get("sha256"), str):
             return known["sha256"]
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # a damaged cache file: the hash is taken again
         index = {}
     if not isinstance(index, dict):
         index = {}
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    sha = digest.hexdigest()
+    from .sources import sha256_of
+
+    sha = sha256_of(path)
     index[str(path)] = {"stamp": stamp, "sha256": sha}
     try:
         atomic.write_text(index_path, json.dumps(index))
@@ -187,18 +189,38 @@ def content_hash(path: Path) -> str:
     return sha
 
 
+def lock_path(name: str) -> Path:
+    """Where the lock of one of clover's caches' entries lives: apart from the entries, in the cache's locks/ (a lock
+    file outlives its use: removing it could let a third process lock a file nobody else sees)."""
+    from .stats import cache_dir
+
+    locks = cache_dir() / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    return locks / f"{name}.lock"
+
+
 def converted_dir(sha: str, dtype: str) -> Path:
     return cache_root() / f"{sha[:20]}-{dtype}"
 
 
 def is_converted(directory: Path) -> bool:
-    """A finished conversion by this converter: its record names it, and its config and weights are there."""
-    try:
-        record = json.loads((directory / SOURCE_FILE).read_text())
-    except (OSError, ValueError):
-        return False
-    return (isinstance(record, dict) and record.get("converter") == CONVERTER
+    """A finished conversion by this converter with these versions of transformers and gguf (either may change what
+    a file converts to): its record says so, and its config and weights are there."""
+    record = source_of(directory)
+    return (record is not None and record.get("converter") == CONVERTER and record.get("versions") == _versions()
             and (directory / "config.json").is_file() and any(directory.glob("*.safetensors")))
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for package in ("transformers", "gguf"):
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            found[package] = None
+    return found
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -225,24 +247,44 @@ def convert(path: Path, dtype: str = "float32", quiet: bool = False) -> Path:
         return out
     info = inspect(path)
     say = (lambda text: None) if quiet else (lambda text: print(f"clover: {text}", file=sys.stderr, flush=True))
-    say(f"converting {path.name} ({info.describe()}) to {dtype} for transformers: once per file, cached in {out}")
-    t0 = time.perf_counter()
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        atomic.clean_stale(out)
-        tmp = atomic.temp_dir(out)
-        shutil.rmtree(tmp, ignore_errors=True)
+        lock = FileLock(str(lock_path(out.name)))  # one conversion of a file at a time: the second waits, finds it
+        if not _try_lock(lock):
+            say(f"waiting for another clover process converting {path.name}")
+            lock.acquire()
+    except (OSError, Timeout) as e:
+        raise CloverError(f"cannot write the converted model into {out.parent}: {getattr(e, 'strerror', None) or e}")
+    try:
+        if is_converted(out):
+            return out
+        say(f"converting {path.name} ({info.describe()}) to {dtype} for transformers: once per file, cached in {out}")
+        t0 = time.perf_counter()
         try:
-            _write_converted(info, sha, dtype, tmp, quiet)
-            if out.exists():  # a damaged earlier conversion (a finished one returned above)
-                shutil.rmtree(out)
-            os.replace(tmp, out)
-        finally:
+            atomic.clean_stale(out)
+            tmp = atomic.temp_dir(out)
             shutil.rmtree(tmp, ignore_errors=True)
-    except OSError as e:
-        raise CloverError(f"cannot write the converted model into {out.parent}: {e.strerror or e}")
-    say(f"converted in {time.perf_counter() - t0:.0f} s")
-    return out
+            try:
+                _write_converted(info, sha, dtype, tmp, quiet)
+                if out.exists():  # a damaged or outdated conversion: nobody else writes it while the lock is held
+                    shutil.rmtree(out)
+                os.replace(tmp, out)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        except OSError as e:
+            raise CloverError(f"cannot write the converted model into {out.parent}: {e.strerror or e}")
+        say(f"converted in {time.perf_counter() - t0:.0f} s")
+        return out
+    finally:
+        lock.release()
+
+
+def _try_lock(lock) -> bool:
+    try:
+        lock.acquire(timeout=0)
+        return True
+    except Timeout:
+        return False
 
 
 def _write_converted(info: GGUFInfo, sha: str, dtype: str, tmp: Path, quiet: bool) -> None:
@@ -254,7 +296,12 @@ def _write_converted(info: GGUFInfo, sha: str, dtype: str, tmp: Path, quiet: boo
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()  # its "loading weights" and "writing shards" bars: the dequantizing one is ours
-    folder, name = str(info.path.parent), info.path.name
+    # read from a folder holding the file alone: transformers also reads tokenizer and template files from the
+    # folder a GGUF sits in, and whatever lies beside the user's file is not what the file says
+    alone = Path(tempfile.mkdtemp(prefix="clover-gguf-"))
+    name = "model.gguf"
+    (alone / name).symlink_to(info.path.resolve())
+    folder = str(alone)
     try:
         with warnings.catch_warnings(), _progress(quiet):
             warnings.simplefilter("ignore")
@@ -267,6 +314,8 @@ def _write_converted(info: GGUFInfo, sha: str, dtype: str, tmp: Path, quiet: boo
     except Exception as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:240]
         raise CloverError(f"transformers cannot load {info.path} ({info.architecture}): {first}")
+    finally:
+        shutil.rmtree(alone, ignore_errors=True)
     _check_complete(info, loading.get("missing_keys") or [])
     # what transformers records of the GGUF's quantization describes the file, not these dequantized weights, and
     # save_pretrained refuses a model that claims to be quantized
@@ -277,7 +326,8 @@ def _write_converted(info: GGUFInfo, sha: str, dtype: str, tmp: Path, quiet: boo
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     _drop_tokens_not_in_file(tmp, info.tokens)
-    record = {"converter": CONVERTER, "gguf": str(info.path.resolve()), "name": info.name, "sha256": sha,
+    record = {"converter": CONVERTER, "versions": _versions(), "gguf": str(info.path.resolve()), "name": info.name,
+              "sha256": sha,
               "architecture": info.architecture, "tensor_types": info.types, "dtype": dtype, "size": info.size}
     (tmp / SOURCE_FILE).write_text(json.dumps(record, indent=1) + "\n")
 
@@ -375,6 +425,6 @@ def source_of(directory: Path) -> dict | None:
     """The record of the GGUF a converted directory was made from, or None for any other directory."""
     try:
         record = json.loads((Path(directory) / SOURCE_FILE).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     return record if isinstance(record, dict) else None

