@@ -37,7 +37,7 @@ def size_text(n: int) -> str:
     return f"{n} bytes"
 
 
-def read_limited(source, limit: int, what: str) -> bytes:
+def read_limited(source, limit: int, what: str) -> bytearray:
     """The bytes of `source` (a path, or an open binary stream such as sys.stdin.buffer), at most `limit` of them.
 
     Past `limit` it raises CloverError("{what} is larger than {limit} ...") after reading at most one chunk more;
@@ -52,13 +52,13 @@ def read_limited(source, limit: int, what: str) -> bytes:
     return _read(source, limit, what)
 
 
-def _read(f, limit: int, what: str) -> bytes:
+def _read(f, limit: int, what: str) -> bytearray:
     read = getattr(f, "read1", None) or f.read  # read1: what a buffered pipe holds now, not a full chunk's wait
     data = bytearray()
     while True:
         chunk = read(min(CHUNK, limit + 1 - len(data)))
         if not chunk:
-            return bytes(data)
+            return data  # (a bytearray: decoded or parsed as it is, no copy of up to the cap)
         data += chunk
         if len(data) > limit:
             raise CloverError(f"{what} is larger than {size_text(limit)}, the most clover reads")

@@ -11,8 +11,8 @@ SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasat
 
 
 def _leave(signum, frame):
-    for sig in SIGNALS:  # a second one while this exit runs (its cleanup) is ignored
-        signal.signal(sig, signal.SIG_IGN)
+    for sig in SIGNALS:  # a second one while this exit runs (its cleanup) ends the process at once, as usual
+        signal.signal(sig, signal.SIG_DFL)
     raise SystemExit(128 + signum)
 
 
