@@ -253,22 +253,41 @@ def spawn_limited(args, tmp_path: Path, memory_kb: int = MEMORY >> 10):
     return child
 
 
-def _send_drained(child, data: str, piece: int = 2048, settle: float = 0.0) -> str:
-    """Type `data` into the terminal a piece at a time, reading what the chat draws meanwhile (a full pty would
-    block both sides); returns the end of what it drew, read until it has drawn nothing for `settle` seconds."""
-    import pexpect
+def _send_drained(child, data: str, piece: int = 512, settle: float = 0.0) -> str:
+    """Type `data` into the terminal while reading what the chat draws (a pty's buffers are small both ways: a test
+    that writes while the chat writes a redraw nobody reads would block both), a piece at a time as the terminal takes
+    it; returns the end of what it drew, read until it has drawn nothing for `settle` seconds."""
+    import select
 
-    seen = ""
-    for i in range(0, len(data), piece):
-        child.send(data[i:i + piece])
-        last = i + piece >= len(data)
-        try:
-            while True:
-                got = child.read_nonblocking(1 << 16, timeout=max(settle, 0.005) if last else 0.005)
-                seen = (seen + got)[-(1 << 16):]
-        except pexpect.TIMEOUT:
-            pass
-    return seen
+    fd, raw = child.child_fd, data.encode("utf-8")
+    seen, sent = b"", 0
+    os.set_blocking(fd, False)
+    try:
+        quiet_since = None
+        while True:
+            want_write = [fd] if sent < len(raw) else []
+            readable, writable, _ = select.select([fd], want_write, [], 0.05)
+            if readable:
+                try:
+                    seen = (seen + os.read(fd, 1 << 16))[-(1 << 16):]
+                except BlockingIOError:
+                    pass
+                quiet_since = None
+            if writable:
+                try:
+                    sent += os.write(fd, raw[sent:sent + piece])
+                except BlockingIOError:
+                    pass
+            if sent >= len(raw) and not readable:
+                quiet_since = quiet_since or time.monotonic()
+                if time.monotonic() - quiet_since >= max(settle, 0.05):
+                    break
+    finally:
+        os.set_blocking(fd, True)
+    text = seen.decode("utf-8", errors="replace")
+    if child.logfile_read is not None:
+        child.logfile_read.write(text)
+    return text
 
 
 def test_terminal_paste_is_bounded_and_load_of_a_device_keeps_the_conversation(tmp_path, llama_dir):

@@ -143,3 +143,20 @@ def test_train_whose_turns_start_past_max_len_names_max_len(run_cli, llama_dir, 
     result = run_cli("train", str(llama_dir), "--data", str(data), "--out", str(tmp_path / "h"), "--max-steps", "2",
                      *args)
     one_line_error(result, "--max-len 16", alone=False)
+
+
+def test_a_quantized_target_that_differs_blames_the_quantization(llama_dir):
+    """check_exact's refusal of a quantized target names the quantization and the flags, not the architecture (the
+    branch an 8-bit CPU run took before its tolerance was the quantized one)."""
+    from transformers import AutoModelForCausalLM
+
+    from clover_cli.errors import CloverError
+    from clover_cli.target import Target, check_exact
+
+    model = AutoModelForCausalLM.from_pretrained(llama_dir).eval()
+    target = Target(model)
+    check_exact(target)  # float32, not quantized: exact
+    model.hf_quantizer = object()  # what transformers sets on a model it quantized
+    with pytest.raises(CloverError) as e:
+        check_exact(target, tolerance=-1.0)  # any difference at all is too much
+    assert "quantized" in str(e.value) and "--load-in-8bit" in str(e.value) and "llama models" not in str(e.value)
