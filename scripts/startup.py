@@ -38,12 +38,19 @@ def chat_timings(model: list[str], env: dict, message: str) -> dict:
     t0 = time.perf_counter()
     child = pexpect.spawn(clover()[0], clover()[1:] + ["chat", *model, "--stats-file", "off", "--no-color"],
                           env=env, encoding="utf-8", timeout=300, dimensions=(40, 160), cwd=str(ROOT))
-    child.expect(">>>")
-    to_prompt = time.perf_counter() - t0
-    child.expect("Ctrl-D or /exit leaves")  # the banner: the model is loaded (printed above the prompt, if it came first)
-    to_ready = time.perf_counter() - t0
-    banner = child.before
-    child.expect(">>>")
+    # the banner says the model is loaded: printed above the prompt when the prompt came first, before the prompt
+    # when the model had to be fetched or converted first (its progress is drawn before the prompt comes up)
+    if child.expect([">>>", "Ctrl-D or /exit leaves"]) == 0:
+        to_prompt = time.perf_counter() - t0
+        child.expect("Ctrl-D or /exit leaves")
+        to_ready = time.perf_counter() - t0
+        banner = child.before
+        child.expect(">>>")
+    else:
+        to_ready = time.perf_counter() - t0
+        banner = child.before
+        child.expect(">>>")
+        to_prompt = time.perf_counter() - t0
     step = next((ln.strip() for ln in banner.splitlines() if "step" in ln or "eager" in ln), "")
     t1 = time.perf_counter()
     child.sendline(message)
