@@ -246,7 +246,6 @@ def load(path: Path, device: str = "auto", dtype: str = "auto", load_in_8bit: bo
             msg = "it needs custom code from its repository; pass --trust-remote-code if you trust it"
         raise CloverError(f"cannot load the model from {path}: {msg}")
     model.eval()
-    check_vocabulary(tokenizer, model, path)
     model.generation_config.pad_token_id = model.generation_config.pad_token_id or tokenizer.pad_token_id
     if placed is not None:
         from .target import input_device
@@ -299,13 +298,16 @@ class LoadReport:
         return None
 
 
-def check_vocabulary(tokenizer, model, path) -> None:
-    """Refuse a tokenizer that can make token ids the model has no embedding for (one that makes fewer is usual: the
-    embedding is often padded). Without this a prompt holding such a token failed in the middle of the first step."""
-    rows = model.get_input_embeddings().weight.shape[0]
-    if len(tokenizer) > rows:
-        raise CloverError(f"the tokenizer in {path} has {len(tokenizer)} tokens but the model embeds only {rows}: "
-                          f"they do not belong together")
+def check_token_ids(ids, tokenizer, rows: int, what: str = "the prompt holds") -> list:
+    """`ids` (a prompt's token ids), or a one-line refusal when one of them has no embedding in the model: a tokenizer
+    larger than the model's embedding (transformers itself adds a token to some: Qwen2's tokenizer class adds
+    `<|endoftext|>` where the vocabulary has none) is fine until such a token is fed; fed, it failed in the middle of
+    the first step."""
+    if ids and max(ids) >= rows:
+        bad = next(i for i in ids if i >= rows)
+        raise CloverError(f"{what} {tokenizer.convert_ids_to_tokens(bad)!r} (id {bad}), a token the model has no "
+                          f"embedding for (the tokenizer has {len(tokenizer)} tokens, the model embeds only {rows})")
+    return ids
 
 
 def _first_line(e: Exception, limit: int = 300) -> str:

@@ -400,6 +400,8 @@ class Server:
             self._check_size(sum(len(m["content"]) for m in messages), "messages")
             try:
                 ids = s.encode_chat(messages)
+            except CloverError as e:  # a token the model has no embedding for
+                raise ApiError(400, str(e), "messages")
             except Exception as e:  # a template that refuses the conversation (roles out of order, ...)
                 raise ApiError(400, f"the chat template refuses these messages: "
                                     f"{str(e).splitlines()[0] if str(e) else type(e).__name__}", "messages")
@@ -410,7 +412,10 @@ class Server:
             if not isinstance(text, str) or not text:
                 raise ApiError(400, "'prompt' must be a non-empty string", "prompt")
             self._check_size(len(_check_text(text, "prompt")), "prompt")
-            ids = s.encode_raw(text)
+            try:
+                ids = s.encode_raw(text)
+            except CloverError as e:  # a token the model has no embedding for
+                raise ApiError(400, str(e), "prompt")
         limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         max_tokens = _integer(body, limit, 1, 1_000_000) or self.max_new_tokens
         sampling = Sampling(_number(body, "temperature", 0.0, 2.0, 0.0), _number(body, "top_p", 0.0, 1.0, 1.0, True),
@@ -670,7 +675,9 @@ def listen(host: str, port: int):
 
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        return socket.create_server((host, port), family=family, backlog=256)
+        # a deep accept queue (the kernel caps it at net.core.somaxconn): with a short one, a burst of connections
+        # overflows it and every client dropped, /health's too, waits 1-3 s to retry its connection
+        return socket.create_server((host, port), family=family, backlog=4096)
     except OSError as e:
         raise CloverError(f"cannot listen on {host}:{port}: {e.strerror or e}")
 
@@ -678,15 +685,15 @@ def listen(host: str, port: int):
 class RateLimit:
     """At most `burst` messages a `period`: the rest are counted, and the next one let through says how many."""
 
-    def __init__(self, burst: int = 5, period: float = 60.0):
-        self.burst, self.period = burst, period
+    def __init__(self, burst: int = 5, period: float = 60.0, clock=time.monotonic):
+        self.burst, self.period, self.clock = burst, period, clock
         self.start, self.passed, self.dropped = -period, 0, 0
         self.lock = threading.Lock()
 
     def allow(self) -> tuple[bool, int]:
         """(let this one through, how many were dropped before it)."""
         with self.lock:
-            now = time.monotonic()
+            now = self.clock()
             if now - self.start >= self.period:
                 self.start, self.passed = now, 0
             if self.passed >= self.burst:
@@ -716,8 +723,8 @@ class RateLimitedLog:
     """A logging filter: at most a few records a minute pass (their tracebacks with them); the next that passes
     says how many were held back. 20,000 slow connections once had asyncio log 468,991 tracebacks in 40 s."""
 
-    def __init__(self, burst: int = 5, period: float = 60.0):
-        self.limit = RateLimit(burst, period)
+    def __init__(self, burst: int = 5, period: float = 60.0, clock=time.monotonic):
+        self.limit = RateLimit(burst, period, clock)
 
     def filter(self, record) -> bool:
         ok, dropped = self.limit.allow()

@@ -54,6 +54,7 @@ class Session:
         if self.template_name != "tokenizer" and not (spec and spec.template):
             self.template_notice = (f"{self.resolved.name} has no chat template of its own: using the "
                                     f"{self.template_name} template")
+        self._check_template_tokens()
         # its linears packed for the eager step only if one is going to run (_pack_if_eager): with the compiled step
         # active from the start, packing (0.5-2 s of loading) would buy nothing
         self.target = Target(self.model, max_context=opts.max_context, pack="lazy")
@@ -214,10 +215,25 @@ class Session:
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         text = render(self.tokenizer, messages, self.template, add_generation_prompt=True)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self._checked(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def encode_raw(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=True)["input_ids"]
+        return self._checked(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    def _checked(self, ids: list[int], what: str = "the prompt holds") -> list[int]:
+        from .loading import check_token_ids
+
+        return check_token_ids(ids, self.tokenizer, self.model.get_input_embeddings().weight.shape[0], what)
+
+    def _check_template_tokens(self) -> None:
+        """Refuse at load a chat template that writes a token the model has no embedding for (every conversation
+        would hold it)."""
+        try:
+            text = render(self.tokenizer, [{"role": "user", "content": "Hello"}], self.template,
+                          add_generation_prompt=True)
+        except Exception:  # noqa: BLE001 - a template that wants more than one message: its own error comes later
+            return
+        self._checked(self.tokenizer(text, add_special_tokens=False)["input_ids"], "its chat template writes")
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

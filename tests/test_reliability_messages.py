@@ -32,7 +32,9 @@ def copy_tiny(tmp_path, name: str) -> Path:
 # --- 9. a tokenizer with more tokens than the model embeds ------------------------------------------------------
 
 
-def test_a_tokenizer_larger_than_the_vocabulary_is_refused_at_load(run_cli, tmp_path, prompt):
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused_in_one_line(run_cli, tmp_path, prompt):
+    """Tokens past the model's embedding: a prompt holding one is refused when it is encoded (a tokenizer merely
+    larger still loads: transformers adds such a token to some, unused); a special token past it, at load."""
     from transformers import AutoTokenizer
 
     model = copy_tiny(tmp_path, "big-tokenizer")
@@ -40,8 +42,16 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused_at_load(run_cli, tmp_
     tok.add_tokens([f"zzqx{i}" for i in range(20)])
     tok.save_pretrained(model)
     prompt.write_text("hello zzqx3 there")  # a token the model has no embedding for
-    one_line_error(run_cli("generate", str(model), "--prompt", str(prompt), "-n", "4"), "8212 tokens",
+    one_line_error(run_cli("generate", str(model), "--prompt", str(prompt), "-n", "4"), "'zzqx3'", "8212 tokens",
                    "embeds only 8192")
+    prompt.write_text("hello there")  # none of them: the model runs
+    code, _, err = run_cli("generate", str(model), "--prompt", str(prompt), "-n", "4")
+    assert code == 0, err
+    tok.add_special_tokens({"additional_special_tokens": ["<zzqx-special>"]})
+    tok.chat_template = "<zzqx-special>{% for m in messages %}{{ m['content'] }}{% endfor %}"  # in every prompt
+    tok.save_pretrained(model)
+    one_line_error(run_cli("generate", str(model), "--prompt", str(prompt), "-n", "4", "--raw"), "chat template writes",
+                   "<zzqx-special>", "embeds only 8192")  # at load: not even a raw prompt gets through
 
 
 # --- 10. heads whose weights are NaN ----------------------------------------------------------------------------
