@@ -129,7 +129,7 @@ def main():
 
     raise_open_files()
     err_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"slowloris-serve-{os.getpid()}.err"
-    err = open(err_path, "wb")
+    err = open(err_path, "wb")  # not atomic: the server's stderr, streamed into it as it runs
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
     launcher = os.environ.get("SLOWLORIS_SERVER", "-m clover_cli.cli").split()
     server = subprocess.Popen([sys.executable, *launcher, "serve", args.model, "--port", "0",

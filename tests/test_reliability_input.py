@@ -30,14 +30,34 @@ ROOT = Path(__file__).resolve().parent.parent
 MEMORY = 3 << 30  # address space of a clover subprocess: a model and torch fit; an unbounded read does not
 
 
+# The child's peak RSS is taken by a small wrapper process that starts it: Linux keeps a process's high-water RSS
+# across exec, so a child forked straight from this test process (a pytest worker holding GBs after a few files) would
+# report the worker's size, not its own.
+_WRAPPER = """
+import os, resource, signal, subprocess, sys
+memory, report = int(sys.argv[1]), sys.argv[2]
+resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+child = subprocess.Popen(sys.argv[3:])
+_, status, usage = os.wait4(child.pid, 0)
+with open(report, "w") as f:
+    f.write(str(usage.ru_maxrss))
+code = os.waitstatus_to_exitcode(status)
+if code < 0:
+    signal.signal(-code, signal.SIG_DFL)
+    os.kill(os.getpid(), -code)
+sys.exit(code)
+"""
+
+
 def run_limited(args, stdin=None, input_bytes=None, timeout=120, memory=MEMORY, env=None):
     """`clover ARGS` in a subprocess under an address-space limit: (code, stdout, stderr, peak RSS in MiB)."""
-
-    def limit():
-        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+    import tempfile
 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    proc = subprocess.Popen([sys.executable, "-m", "clover_cli.cli", *args], cwd=ROOT, env=env, preexec_fn=limit,
+    fd, report = tempfile.mkstemp(prefix="clover-rss-")
+    os.close(fd)
+    proc = subprocess.Popen([sys.executable, "-c", _WRAPPER, str(memory), report, sys.executable, "-m",
+                             "clover_cli.cli", *args], cwd=ROOT, env=env, start_new_session=True,
                             stdin=subprocess.PIPE if input_bytes is not None else stdin,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     got = {}
@@ -50,18 +70,21 @@ def run_limited(args, stdin=None, input_bytes=None, timeout=120, memory=MEMORY, 
         readers.append(threading.Thread(target=lambda: _feed(proc.stdin, input_bytes)))
     for t in readers:
         t.start()
-    killer = threading.Timer(timeout, proc.kill)
+    killer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))  # the wrapper and the clover
     killer.start()
     try:
-        _, status, usage = os.wait4(proc.pid, 0)
+        proc.wait()
     finally:
         killer.cancel()
-    proc.returncode = os.waitstatus_to_exitcode(status)
     for t in readers:
         t.join(30)
+    try:
+        peak = int(Path(report).read_text() or 0)
+    finally:
+        os.unlink(report)
     assert proc.returncode != -signal.SIGKILL, f"timed out after {timeout} s: {got.get('err', b'')[-2000:]!r}"
     return (proc.returncode, got["out"].decode("utf-8", "replace"), got["err"].decode("utf-8", "replace"),
-            usage.ru_maxrss / 1024)
+            peak / 1024)
 
 
 def _feed(pipe, data: bytes):
@@ -313,6 +336,7 @@ def test_terminal_paste_is_bounded_and_load_of_a_device_keeps_the_conversation(t
         # 100 KB typed (a terminal without bracketed paste, or a paste that arrived while a reply streamed)
         t0 = time.monotonic()
         cpu0 = sum(proc.cpu_times()[:2])
+        time.sleep(0.5)  # the prompt's terminal in raw mode (a cooked one drops a line's characters past 4095)
         _send_drained(child, "lorem ipsum dolor sit amet " * 3800)
         child.send("\r")
         child.expect(r"error: the message is too long: 102600 characters", timeout=90)
@@ -325,7 +349,9 @@ def test_terminal_paste_is_bounded_and_load_of_a_device_keeps_the_conversation(t
         assert "a paste of 300000 characters was not inserted" in drawn, drawn[-2000:]
         child.send("\x03")  # Ctrl-C clears the line
         child.expect(">>>")
-        # typed past the cap: what does not fit is dropped and the message cannot be sent
+        # typed past the cap: what does not fit is dropped and the message cannot be sent (typed once the prompt has
+        # put the terminal in raw mode: a cooked terminal drops a line's characters past 4095)
+        time.sleep(0.5)
         _send_drained(child, "w" * 270_000)
         child.send("\r")
         child.expect(r"over 262144 characters", timeout=90)
@@ -434,12 +460,11 @@ def test_serve_logs_a_few_errors_a_minute(monkeypatch, capsys):
 
     from clover_cli import serve
 
-    now = [1000.0]
-    monkeypatch.setattr(serve.time, "monotonic", lambda: now[0])
+    now = [1000.0]  # the limit's own clock (patching time.monotonic would stop every event loop of the process)
     log, out = logging.getLogger("clover-test-flood"), io.StringIO()
     log.addHandler(logging.StreamHandler(out))
     log.propagate = False
-    log.addFilter(serve.RateLimitedLog(burst=5))
+    log.addFilter(serve.RateLimitedLog(burst=5, clock=lambda: now[0]))
     for i in range(1000):
         try:
             raise OSError(24, "Too many open files")
