@@ -16,20 +16,7 @@ import pytest
 
 from clover_cli import atomic
 from clover_cli.errors import CloverError
-
-
-@pytest.fixture(autouse=True)
-def isolated(tmp_path, monkeypatch):
-    """Stats and caches go to a private directory; the Hub is offline (no test may touch the network)."""
-    import huggingface_hub.constants as hf_constants
-
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    monkeypatch.delenv("CLOVER_STATS_FILE", raising=False)
-    monkeypatch.delenv("CLOVER_DEBUG", raising=False)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
-    return tmp_path
+from test_reliability import isolated  # noqa: F401 (an autouse fixture: private caches, the Hub offline)
 
 
 @pytest.fixture
