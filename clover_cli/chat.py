@@ -192,12 +192,11 @@ class Conversation:
 
 
 def _check_text(text: str, where: str):
-    """A JSON string can hold a lone surrogate ("\\ud800"): no character, which no tokenizer takes."""
-    from .inputs import lone_surrogate
+    from .inputs import surrogate_problem
 
-    ch = lone_surrogate(text)
-    if ch is not None:
-        raise ValueError(f"{where} is not text: a lone surrogate ({ascii(ch)[1:-1]})")
+    why = surrogate_problem(text, where)
+    if why is not None:
+        raise ValueError(why)
 
 
 def release_free_memory() -> None:

@@ -72,11 +72,14 @@ def check_text_size(chars: int, context: int, what: str) -> None:
                           f"tokens can hold ({CHARS_PER_TOKEN} a token at most); it was not tokenized")
 
 
-def lone_surrogate(text: str) -> str | None:
-    """The first lone surrogate in `text` (what JSON's "\\ud800" decodes to: no character, and not UTF-8), else
-    None."""
+def surrogate_problem(text: str, where: str) -> str | None:
+    """What is wrong with `text` when it holds a lone surrogate (what JSON's "\\ud800" decodes to: no character, and
+    not UTF-8, which no tokenizer takes), in words naming `where`; else None."""
     found = None if text.isascii() else _SURROGATE.search(text)
-    return found.group() if found else None
+    if found is None:
+        return None
+    return (f"{where} is not text: a lone surrogate ({ascii(found.group())[1:-1]}), half of a UTF-16 pair, which is "
+            f"no character")
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")

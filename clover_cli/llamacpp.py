@@ -215,19 +215,15 @@ def gguf_for(resolved, model, tokenizer, cache: Path, quiet: bool = False) -> Pa
 
 
 def gguf_damage(path: Path) -> str | None:
-    """What is wrong with the GGUF at `path` (unreadable, cut short: its header or tensors run past its end), or
-    None."""
-    try:
-        import gguf
+    """What is wrong with the GGUF at `path` (unreadable, cut short: its header or tensors run past its end, or it
+    holds no tensor), or None: gguf_model.inspect's reading, the one every GGUF clover loads gets."""
+    from .gguf_model import inspect
 
-        reader = gguf.GGUFReader(path)
-        end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
-        size = Path(path).stat().st_size
-    except Exception as e:  # noqa: BLE001 - whatever the reader makes of a damaged file
-        return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}"
-    if end > size or not reader.tensors:
-        return f"{size} bytes, its tensors need {end}"
-    return None
+    try:
+        info = inspect(path)
+    except CloverError as e:
+        return str(e)
+    return None if info.types else "it holds no tensor"
 
 
 def _digest(text: str) -> str:

@@ -148,13 +148,11 @@ def _text_content(content, where: str) -> str:
 
 
 def _check_text(text: str, where: str) -> str:
-    """JSON lets a string hold a lone surrogate ("\\ud800"): no character, which no tokenizer takes."""
-    from .inputs import lone_surrogate
+    from .inputs import surrogate_problem
 
-    ch = lone_surrogate(text)
-    if ch is not None:
-        raise ApiError(400, f"{where} is not text: it holds a lone surrogate ({ascii(ch)[1:-1]}), half of a UTF-16 "
-                            f"pair, which is no character", where.partition(".")[0].partition("[")[0])
+    why = surrogate_problem(text, where)
+    if why is not None:
+        raise ApiError(400, why, where.partition(".")[0].partition("[")[0])
     return text
 
 

@@ -135,6 +135,17 @@ def prompts_file(tmp_path):
 
 
 @pytest.fixture
+def one_thread():
+    """A tiny model runs fastest on one thread; two spin-wait for each other on a busy machine."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
 def run_cli(capsys):
     """Run `clover ...` in-process; returns (exit code, stdout, stderr)."""
     from clover_cli.cli import main

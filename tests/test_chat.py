@@ -184,17 +184,6 @@ def test_visible_and_no_color(monkeypatch):
 # ----------------------------------------------------------------------------------- piped standard input
 
 
-@pytest.fixture
-def one_thread():
-    """A tiny model runs fastest on one thread; two spin-wait for each other on a busy machine."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_piped_stdin(llama_dir, tmp_path, run_cli, monkeypatch, one_thread):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     saved = tmp_path / "piped.json"

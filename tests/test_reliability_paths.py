@@ -19,16 +19,6 @@ from clover_cli.errors import CloverError
 from test_reliability import isolated  # noqa: F401 (an autouse fixture: private caches, the Hub offline)
 
 
-@pytest.fixture
-def one_thread():
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def one_line_error(result, *needles, code=2):
     rc, out, err = result
     assert rc == code, result
