@@ -63,7 +63,7 @@ class GGUFInfo:
 def inspect(path: Path) -> GGUFInfo:
     """What a GGUF file holds, read from its header; a one-line CloverError for anything transformers cannot load."""
     path = Path(path)
-    size = _check_magic(path)
+    size = check_magic(path)
     try:
         from gguf import GGUFReader
     except ImportError:
@@ -101,7 +101,7 @@ def inspect(path: Path) -> GGUFInfo:
     return GGUFInfo(path, arch, name, types, size, tokens, len(blocks))
 
 
-def _check_magic(path: Path) -> int:
+def check_magic(path: Path) -> int:
     """The file's size, once it is known to start as a GGUF does; else a one-line CloverError."""
     if path.exists() and not path.is_file():  # a FIFO is not opened (it would wait for a writer), nor a device
         raise CloverError(f"{path} is not a regular file")
@@ -237,7 +237,7 @@ def convert(path: Path, dtype: str = "float32", quiet: bool = False) -> Path:
         raise CloverError(f"{path}: no such file")
     if not path.is_file():
         raise CloverError(f"{path} is not a regular file")
-    _check_magic(path)  # before the whole file is read for its hash: a file that is not a GGUF is told at once
+    check_magic(path)  # before the whole file is read for its hash: a file that is not a GGUF is told at once
     try:
         sha = content_hash(path)
     except OSError as e:

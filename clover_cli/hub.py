@@ -268,11 +268,9 @@ def _with_progress(label: str, fetch, quiet: bool):
     """fetch(tqdm_class) with huggingface_hub's byte counters drawn as rich bars on a terminal, silent otherwise."""
     if quiet or not os.isatty(2):
         return fetch(_silent_tqdm())
-    from rich.console import Console
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+    from .render import download_progress
 
-    with Progress(TextColumn(f"[bold]{label}[/]"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                  console=Console(stderr=True), transient=True) as progress:
+    with download_progress(label) as progress:
         return fetch(_rich_tqdm_class(progress))
 
 
@@ -518,12 +516,10 @@ def _strip_hub_prefix(name: str) -> str:
 
 
 def _starts_with_magic(path: Path) -> bool:
-    if not path.is_file():  # a FIFO or a device is not opened (a FIFO would wait for a writer)
-        return False
     try:
-        with open(path, "rb") as f:
-            return f.read(4) == gguf_model.MAGIC
-    except OSError:
+        gguf_model.check_magic(path)  # (a FIFO or a device is not opened: a FIFO would wait for a writer)
+        return True
+    except CloverError:
         return False
 
 

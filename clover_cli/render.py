@@ -72,3 +72,12 @@ def paint(piece: str, depth: int, colour: bool) -> str:
     if not colour or depth == 0 or not piece:
         return piece
     return f"{colour_code(depth)}{piece}{RESET}"
+
+
+def download_progress(label: str):
+    """A transient rich progress bar on stderr for a download's bytes (the Hub's and the package index's alike)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+    return Progress(TextColumn(f"[bold]{label}[/]"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                    console=Console(stderr=True), transient=True)

@@ -324,11 +324,9 @@ class _Bar:
 
     def __enter__(self):
         if self.progress:
-            from rich.console import Console
-            from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+            from .render import download_progress
 
-            self.progress = Progress(TextColumn(f"[bold]{self.label}[/]"), BarColumn(), DownloadColumn(),
-                                     TransferSpeedColumn(), console=Console(stderr=True), transient=True)
+            self.progress = download_progress(self.label)
             self.progress.start()
             self.task = self.progress.add_task(self.label, total=self.total, completed=self.done)
         return self
