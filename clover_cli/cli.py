@@ -15,7 +15,7 @@ import click
 import typer
 
 from . import __version__
-from .errors import CloverError
+from .errors import CloverError, one_line
 from .render import visible
 
 app = typer.Typer(
@@ -705,7 +705,7 @@ def _check_heads(path: Path, config):
         with safe_open(str(Path(path) / "model.safetensors"), "pt") as f:
             f.keys()
     except Exception as e:  # SafetensorError, OSError
-        why = getattr(e, "strerror", None) or _first_line(e) or type(e).__name__
+        why = getattr(e, "strerror", None) or one_line(e)
         raise CloverError(f"heads {path}: unreadable model.safetensors ({why})") from None
 
 
@@ -730,10 +730,6 @@ def _usage_message(e) -> str:
     if ctx is not None:
         message += f" (see {ctx.command_path} --help)"
     return message
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [""])[0][:300]
 
 
 def _stdout_ok() -> bool:
@@ -855,12 +851,12 @@ def _main(argv=None):
               "model, --load-in-8bit or a smaller --tree-budget")
     except OSError as e:
         if not _stdout_ok():
-            _fail(f"cannot write the output: {e.strerror or _first_line(e)}", 1)
-        _fail(f"{e.strerror or _first_line(e) or type(e).__name__}" + (f": {e.filename}" if e.filename else ""), 1)
+            _fail(f"cannot write the output: {e.strerror or one_line(e)}", 1)
+        _fail(f"{e.strerror or one_line(e)}" + (f": {e.filename}" if e.filename else ""), 1)
     except Exception as e:  # torch.cuda.OutOfMemoryError included
         if type(e).__name__ == "OutOfMemoryError":
             _fail("out of GPU memory; try --load-in-8bit, a smaller model or a smaller --tree-budget")
-        _fail(f"unexpected {type(e).__name__}: {_first_line(e)} (clover --debug or CLOVER_DEBUG=1 shows the "
+        _fail(f"unexpected {one_line(e, kind=True)} (clover --debug or CLOVER_DEBUG=1 shows the "
               f"traceback; please report it)", 1)
     if code == 130:  # a KeyboardInterrupt a command turned into Exit(130)
         sys.stderr.write("\nclover: interrupted\n")

@@ -56,7 +56,7 @@ import numpy as np
 import torch
 
 from . import atomic
-from .errors import CloverError
+from .errors import CloverError, one_line
 from .loading import keep_loaded
 from .options import MODES, compile_mode  # noqa: F401 - importable from here too
 
@@ -1782,8 +1782,7 @@ def build_locked(job: Job, log=print, wait: bool = False, on_lock=None, name: st
 
 def failure_line(e: Exception) -> str:
     """One line for an export or compiler failure: its first line is the reason we can give."""
-    first = (str(e).strip().splitlines() or [""])[0]
-    return f"compiling failed: {type(e).__name__}" + (f": {first[:240]}" if first else "")
+    return f"compiling failed: {one_line(e, 240, kind=True)}"
 
 
 def main(argv=None) -> int:

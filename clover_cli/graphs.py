@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from .errors import one_line
 from .target import STATIC_KWARG, TreeKVCache, TreeKVLayer
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -190,7 +191,7 @@ class StaticStep:
         def failed(e):  # this model's forward cannot be captured (a host sync, a shape that depends on values)
             self.target.program = None  # eager from now on
             if self.on_failure is not None:
-                self.on_failure(f"cannot capture a CUDA graph of this model's step ({one_line(e)})")
+                self.on_failure(f"cannot capture a CUDA graph of this model's step ({one_line(e, 160, kind=True)})")
             return None
 
         out = self.graphs.run((rows, span), lambda: self._forward(cache, rows, span), failed)
@@ -212,11 +213,6 @@ def attach(target, capacity: int, sizes: tuple[int, ...] = SIZES, capture: bool 
     step = StaticStep(target, capacity, sizes, capture)
     target.attach_program(step)
     return step
-
-
-def one_line(e: Exception) -> str:
-    text = (str(e).strip().splitlines() or [""])[0][:160]
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 @torch.inference_mode()
@@ -245,7 +241,7 @@ def check(step: StaticStep, tolerance: float | None = None) -> str | None:
                 target.cache.append(length)
                 out[length, program is None] = target.forward(tokens, length + depths, mask)
     except Exception as e:
-        return f"the static step fails on this model ({one_line(e)})"
+        return f"the static step fails on this model ({one_line(e, 160, kind=True)})"
     finally:
         target.reset(0)
         target.program, step.on_failure = step, listener
@@ -282,7 +278,7 @@ class HeadsCalls:
             if self.drafter.programs is self:
                 self.drafter.programs = None
                 if self.on_failure is not None:
-                    self.on_failure(f"cannot capture a CUDA graph of the heads ({one_line(e)})")
+                    self.on_failure(f"cannot capture a CUDA graph of the heads ({one_line(e, 160, kind=True)})")
             return eager()
 
         return self.graphs.run(key, fn, failed)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from . import torchload
-from .errors import CloverError
+from .errors import CloverError, one_line
 
 # the files a tokenizer is made from (any one of them may be enough)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "tiktoken.model")
@@ -75,7 +75,7 @@ def check_bitsandbytes(device: torch.device, bits: int):
         import bitsandbytes  # noqa: F401
         from bitsandbytes.functional import int8_vectorwise_quant, quantize_4bit
     except Exception as e:  # ImportError, or a broken native library
-        raise CloverError(f"{flag} needs a working bitsandbytes: {_first_line(e)} "
+        raise CloverError(f"{flag} needs a working bitsandbytes: {one_line(e)} "
                           f"(pip install bitsandbytes, or run without {flag})")
     try:
         import accelerate  # noqa: F401
@@ -89,7 +89,7 @@ def check_bitsandbytes(device: torch.device, bits: int):
             quantize_4bit(probe, quant_type="nf4")
     except Exception as e:
         raise CloverError(f"bitsandbytes {getattr(bitsandbytes, '__version__', '?')} cannot run {bits}-bit "
-                          f"quantization on {device}: {_first_line(e)} (run without {flag})")
+                          f"quantization on {device}: {one_line(e)} (run without {flag})")
 
 
 DEVICE_MAPS = ("auto", "balanced")
@@ -112,7 +112,7 @@ def parse_device_map(text: str) -> str | dict:
     try:
         mapping = json.loads(raw)
     except ValueError as e:
-        raise CloverError(f"--device-map is not valid JSON: {_first_line(e)}")
+        raise CloverError(f"--device-map is not valid JSON: {one_line(e)}")
     if not isinstance(mapping, dict) or not mapping:
         raise CloverError("--device-map JSON must be an object from module names to devices")
     return {str(name): _placement(where, f"--device-map entry {name!r}") for name, where in mapping.items()}
@@ -126,7 +126,7 @@ def parse_max_memory(text: str) -> dict:
         try:
             pairs = json.loads(text)
         except ValueError as e:
-            raise CloverError(f"--max-memory is not valid JSON: {_first_line(e)}")
+            raise CloverError(f"--max-memory is not valid JSON: {one_line(e)}")
         if not isinstance(pairs, dict):
             raise CloverError("--max-memory JSON must be an object from devices to sizes")
         pairs = list(pairs.items())
@@ -214,7 +214,7 @@ def load(path: Path, device: str = "auto", dtype: str = "auto", load_in_8bit: bo
     try:  # first: the tokenizer reads it too, and would be blamed for a bad config.json
         AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as e:
-        msg = _first_line(e)
+        msg = one_line(e)
         if "trust_remote_code" in msg:
             msg = "it needs custom code from its repository; pass --trust-remote-code if you trust it"
         raise CloverError(f"cannot read the model config in {path}: {msg}")
@@ -223,7 +223,7 @@ def load(path: Path, device: str = "auto", dtype: str = "auto", load_in_8bit: bo
     except Exception as e:
         if Path(path).is_dir() and not any(Path(path, name).is_file() for name in TOKENIZER_FILES):
             raise CloverError(f"cannot load the tokenizer from {path}: it holds none of {', '.join(TOKENIZER_FILES)}")
-        raise CloverError(f"cannot load the tokenizer from {path}: {_first_line(e, 500)}")
+        raise CloverError(f"cannot load the tokenizer from {path}: {one_line(e, 500)}")
     try:
         with warnings.catch_warnings(), LoadReport() as report:
             warnings.simplefilter("ignore")
@@ -234,14 +234,14 @@ def load(path: Path, device: str = "auto", dtype: str = "auto", load_in_8bit: bo
         raise CloverError(f"out of GPU memory loading {path}; try --load-in-4bit, --device-map auto, a smaller "
                           f"model or --device cpu")
     except ImportError as e:
-        raise CloverError(f"cannot load {path}: {_first_line(e)}")
+        raise CloverError(f"cannot load {path}: {one_line(e)}")
     except pickle.UnpicklingError as e:
         raise torchload.refusal(path, "the model weights in", e) from None
     except SafetensorError as e:
         raise CloverError(f"cannot load the model from {path}: its safetensors weights are damaged or incomplete "
-                          f"({_first_line(e)}); fetch them again")
+                          f"({one_line(e)}); fetch them again")
     except (OSError, ValueError, KeyError, RuntimeError) as e:
-        msg = report.mismatch() or _first_line(e)
+        msg = report.mismatch() or one_line(e)
         if "trust_remote_code" in msg:
             msg = "it needs custom code from its repository; pass --trust-remote-code if you trust it"
         raise CloverError(f"cannot load the model from {path}: {msg}")
@@ -310,14 +310,6 @@ def check_token_ids(ids, tokenizer, rows: int, what: str = "the prompt holds") -
     return ids
 
 
-def _first_line(e: Exception, limit: int = 300) -> str:
-    """The message's first line, or its first lines joined where that line ends in a colon (a sentence going on
-    below it), cut at `limit` characters."""
-    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
-    line = lines[0] if lines else type(e).__name__
-    if line.endswith(":") and len(lines) > 1:
-        line = " ".join(lines)
-    return line if len(line) <= limit else line[:limit - 1].rstrip(" ,") + "…"  # e.g. every parameter a map missed
 
 
 def keep_loaded() -> None:

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from . import atomic
-from .errors import CloverError
+from .errors import CloverError, one_line
 
 ARCHS = {"clover": "clover2", "medusa": "medusa", "eagle": "eagle",
          "eagle3": "eagle3"}  # --arch -> the heads' architecture
@@ -251,7 +251,7 @@ def _check_resumable(path: Path, cfg: TrainConfig):
     try:
         state = json.loads((path / "state.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
-        raise damaged(f"state.json: {getattr(e, 'strerror', None) or _first_line(e)}") from None
+        raise damaged(f"state.json: {getattr(e, 'strerror', None) or one_line(e, 160)}") from None
     if not (isinstance(state, dict) and type(state.get("step")) is int and isinstance(state.get("history"), list)):
         raise damaged("state.json does not hold a step and a history")
     try:
@@ -264,17 +264,13 @@ def _check_resumable(path: Path, cfg: TrainConfig):
         with safe_open(str(path / "heads.safetensors"), "pt") as f:
             f.keys()
     except Exception as e:  # SafetensorError, OSError
-        raise damaged(f"heads.safetensors: {getattr(e, 'strerror', None) or _first_line(e)}") from None
+        raise damaged(f"heads.safetensors: {getattr(e, 'strerror', None) or one_line(e, 160)}") from None
     made = state.get("settings")
     want = _heads_settings(cfg.arch, cfg.num_heads, cfg.num_layers)
     if isinstance(made, dict) and made != want:
         flags = " ".join(f"--{k} {v}" for k, v in made.items())
         raise CloverError(f"--resume: the checkpoint in {path} was made with {flags}; resume with those options, "
                           f"or pass --overwrite to start again")
-
-
-def _first_line(e: Exception) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
 
 
 def _checkpoint_dir(out: Path) -> Path | None:
