@@ -109,7 +109,7 @@ def test_regenerate_uses_the_targets_own_replies(fresh_model, data_file, tmp_pat
 
 
 def test_interrupt_keeps_the_last_checkpoint(fresh_model, data_file, tmp_path, run_cli, monkeypatch):
-    from clover_cli import train as train_mod
+    from clover_cli.train import loop as train_mod
 
     out = tmp_path / "interrupted"
     real = train_mod.heads_loss
@@ -188,7 +188,7 @@ def test_lr_schedules_warm_up_then_decay_or_hold():
                                           ("regenerate", "--regen-max-tokens")])
 def test_out_of_memory_suggests_smaller_batches(fresh_model, data_file, tmp_path, run_cli, monkeypatch, error,
                                                 where, needle):
-    from clover_cli import train as train_mod
+    from clover_cli.train import loop as train_mod
 
     def oom(*a, **k):
         raise error
@@ -328,7 +328,7 @@ def test_draft_loss_vocabulary_agrees_in_token_ids(llama_dir):
 PROBE = """
 import atexit, json, os, sys
 import torch
-from clover_cli import train as train_mod
+from clover_cli.train import loop as train_mod
 from clover_cli.cli import main
 
 rank, seen, box = int(os.environ["RANK"]), [], {}
