@@ -327,20 +327,48 @@ def _logger(accelerator):
     return log
 
 
-class _Progress:
-    """A rich progress bar on a terminal; plain lines every 10 steps otherwise."""
+RATE_WINDOW = 20  # the ETA comes from the time of the last this many steps (evaluations included, as they recur)
 
-    def __init__(self, total: int, start: int, enabled: bool):
+
+def _duration(seconds: float) -> str:
+    """A duration in words short enough for a progress line: 42s, 3m05s, 2h07m."""
+    s = max(0, int(round(seconds)))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+class _Progress:
+    """A rich progress bar on a terminal (steps done / total, elapsed, ETA); plain lines every 10 steps otherwise,
+    with the same: `step 120/2000: loss ... · 5m12s elapsed · ETA 1h21m`. The plain ETA comes from the rate of the
+    last RATE_WINDOW steps of this run (a resumed run's steps before it are not timed); rich's from its own
+    recent samples."""
+
+    def __init__(self, total: int, start: int, enabled: bool, clock=time.monotonic):
         self.enabled, self.bar = enabled, None
+        self.total, self.clock = total, clock
+        self.t0 = clock()
+        self.recent = [(start, self.t0)]  # (step, time) of the last RATE_WINDOW + 1 updates
         if enabled and sys.stderr.isatty():
             from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                       TimeRemainingColumn)
 
             self.bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("{task.fields[info]}"), TimeRemainingColumn(),
-                                console=Console(stderr=True))
+                                TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TextColumn("ETA"),
+                                TimeRemainingColumn(), console=Console(stderr=True))
             self.task = self.bar.add_task("train", total=total, completed=start, info="")
             self.bar.start()
+
+    def timing(self, step: int) -> str:
+        """Elapsed time and the ETA at `step` (`ETA ?` until a step has been timed)."""
+        now = self.clock()
+        self.recent = (self.recent + [(step, now)])[-(RATE_WINDOW + 1):]
+        (s0, t0), (s1, t1) = self.recent[0], self.recent[-1]
+        eta = _duration((self.total - step) * (t1 - t0) / (s1 - s0)) if s1 > s0 else "?"
+        return f"{_duration(now - self.t0)} elapsed · ETA {eta}"
 
     def update(self, step: int, last: dict):
         if not self.enabled:
@@ -349,8 +377,10 @@ class _Progress:
                 f"{last['tok_s']:.0f} tok/s")
         if self.bar is not None:
             self.bar.update(self.task, completed=step, info=info)
-        elif step % 10 == 0 or step == 1:
-            sys.stderr.write(f"step {step}: {info}\n")
+            return
+        timing = self.timing(step)
+        if step % 10 == 0 or step == 1:
+            sys.stderr.write(f"step {step}/{self.total}: {info} · {timing}\n")
             sys.stderr.flush()
 
     def note(self, text: str):
