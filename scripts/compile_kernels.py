@@ -25,7 +25,7 @@ SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 def jobs(quick: bool):
     import triton.language as tl
 
-    from clover_kernels import heads, kv_commit, tree_attention, verify
+    from clover_kernels import kv_commit, tree_attention
 
     dtypes = ("fp16",) if quick else ("fp16", "bf16", "fp32")
     size = {"fp16": 2, "bf16": 2, "fp32": 4}
@@ -41,28 +41,11 @@ def jobs(quick: bool):
                        dict(num_stages=stages))
         yield (f"tree_attn_combine {dt}", tree_attention._tree_attn_combine,
                dict(Part="*fp32", Lse="*fp32", Out=f"*{dt}"), dict(BLOCK_R=16, BLOCK_D=128), {})
-        rows = dict(X=f"*{dt}", stride="i64", Tokens="*i64", Parents="*i64", Uniforms="*fp32", ArgMax="*i64",
-                    Sum="*fp32", Path="*i64", AcceptLen="*i64", Bonus="*i64", Final="*i64", Rejected="*i64",
-                    NumRejected="*i32", BlockSums="*fp32")
-        yield f"row_stats {dt}", verify._row_stats, rows, dict(BLOCK_V=4096), {}
-        yield f"walk greedy {dt}", verify._walk, rows, dict(SAMPLE=False, BLOCK_T=128), {}
-        yield f"walk sample {dt}", verify._walk, rows, dict(SAMPLE=True, BLOCK_T=128), {}
-        yield f"bonus_block_sums {dt}", verify._bonus_block_sums, rows, dict(BLOCK_V=2048), {}
-        yield f"bonus_pick {dt}", verify._bonus_pick, rows, dict(BLOCK_V=2048, BLOCK_B=128), {}
         for on_device in (True, False):
             yield (f"kv_commit {dt} count_on_device={on_device}", kv_commit._kv_commit,
                    dict(Table="*i64", Path="*i64", CountPtr="*i64", s_head="i64", s_pos="i64"),
                    dict(COUNT_ON_DEVICE=on_device, BLOCK_D=128,
                         DTYPE={"fp16": tl.float16, "bf16": tl.bfloat16, "fp32": tl.float32}[dt]), {})
-        yield (f"rmsnorm {dt}", heads._rmsnorm, dict(X=f"*{dt}", W=f"*{dt}", Out=f"*{dt}", eps="fp32"),
-               dict(BLOCK_H=8192), dict(num_warps=8))
-        yield (f"cosine_gate {dt}", heads._cosine_gate,
-               dict(S=f"*{dt}", Q=f"*{dt}", K=f"*{dt}", V=f"*{dt}", Out=f"*{dt}", eps="fp32"),
-               dict(BLOCK_HEADS=32, BLOCK_HD=128), {})
-        yield (f"topk_chunks {dt}", heads._topk_chunks, dict(X=f"*{dt}", CandVal="*fp32", CandIdx="*i64"),
-               dict(BLOCK_V=1024), {})
-        yield (f"topk_merge {dt}", heads._topk_merge,
-               dict(CandVal="*fp32", CandIdx="*i64", OutVal=f"*{dt}", OutIdx="*i64"), dict(BLOCK_C=2048), {})
 
 
 def main(argv=None) -> int:

@@ -681,7 +681,7 @@ def test_heads_files_are_replaced_never_rewritten_in_place(heads_dir, llama_dir,
 def test_the_regenerated_data_repair_is_atomic(tmp_path):
     """A row cut short by a crash is dropped from regenerated.jsonl by writing the good rows to a new file, not by
     truncating the old one in place (a crash while repairing lost every row)."""
-    from clover_cli.train import _read_jsonl
+    from clover_cli.train.data import _read_jsonl
 
     path = tmp_path / "regenerated.jsonl"
     rows = [{"messages": [{"role": "user", "content": f"q{i}"}]} for i in range(3)]
@@ -770,7 +770,7 @@ def test_resuming_from_checkpoint_old_keeps_it_until_the_new_one_is_in_place(run
                                                                              run_dir, monkeypatch):
     """A crash between moving `checkpoint` aside and moving the new one in leaves only `checkpoint-old`. Resuming
     from it, the next save deleted it before the new checkpoint was in place: a second crash there left none."""
-    from clover_cli.train import _checkpoint_dir
+    from clover_cli.train.output import _checkpoint_dir
 
     os.replace(run_dir / "checkpoint", run_dir / "checkpoint-old")
     replace = os.replace

@@ -109,7 +109,7 @@ def test_regenerate_uses_the_targets_own_replies(fresh_model, data_file, tmp_pat
 
 
 def test_interrupt_keeps_the_last_checkpoint(fresh_model, data_file, tmp_path, run_cli, monkeypatch):
-    from clover_cli import train as train_mod
+    from clover_cli.train import loop as train_mod
 
     out = tmp_path / "interrupted"
     real = train_mod.heads_loss
@@ -179,6 +179,29 @@ def test_lr_schedules_warm_up_then_decay_or_hold():
     assert [lr_factor("constant", 4, 100, s) for s in range(4, 101)] == [1.0] * 97
 
 
+def test_progress_lines_show_steps_elapsed_and_eta(capsys):
+    """Without a terminal, every 10th step's line says steps done / total, the time elapsed and an ETA from the rate
+    of the recent steps (issue #48: `clover train` shows progress with an ETA); a resumed run times only its own."""
+    from clover_cli.train.loop import _duration, _Progress
+
+    assert [_duration(s) for s in (0, 42.4, 185, 7620)] == ["0s", "42s", "3m05s", "2h07m"]
+    now = [100.0]
+    progress = _Progress(total=100, start=40, enabled=True, clock=lambda: now[0])
+    last = {"loss": 1.5, "acc": [0.5, 0.25], "tok_s": 1000.0}
+    for step in range(41, 71):
+        now[0] += 2.0 if step <= 60 else 4.0  # slower for the last 10 steps: the ETA follows the recent rate
+        progress.update(step, last)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        "step 50/100: loss 1.500 · top-1 0.50 0.25 · 1000 tok/s · 20s elapsed · ETA 1m40s",
+        "step 60/100: loss 1.500 · top-1 0.50 0.25 · 1000 tok/s · 40s elapsed · ETA 1m20s",
+        "step 70/100: loss 1.500 · top-1 0.50 0.25 · 1000 tok/s · 1m20s elapsed · ETA 1m30s",
+    ]
+    quiet = _Progress(total=10, start=0, enabled=False)  # other processes than the main one print nothing
+    quiet.update(10, last)
+    assert capsys.readouterr().err == ""
+
+
 @pytest.mark.parametrize("error", [
     torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
     MemoryError(),
@@ -188,7 +211,7 @@ def test_lr_schedules_warm_up_then_decay_or_hold():
                                           ("regenerate", "--regen-max-tokens")])
 def test_out_of_memory_suggests_smaller_batches(fresh_model, data_file, tmp_path, run_cli, monkeypatch, error,
                                                 where, needle):
-    from clover_cli import train as train_mod
+    from clover_cli.train import loop as train_mod
 
     def oom(*a, **k):
         raise error
@@ -328,7 +351,7 @@ def test_draft_loss_vocabulary_agrees_in_token_ids(llama_dir):
 PROBE = """
 import atexit, json, os, sys
 import torch
-from clover_cli import train as train_mod
+from clover_cli.train import loop as train_mod
 from clover_cli.cli import main
 
 rank, seen, box = int(os.environ["RANK"]), [], {}

@@ -1,0 +1,98 @@
+"""clover train's options (TrainConfig), their checks, the learning-rate schedule, and constants several parts share."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import CloverError
+
+ARCHS = {"clover": "clover2", "medusa": "medusa", "eagle": "eagle",
+         "eagle3": "eagle3"}  # --arch -> the heads' architecture
+EVAL_PROMPTS = 4
+EVAL_NEW_TOKENS = 64
+
+
+@dataclass
+class TrainConfig:
+    model: str
+    out: Path
+    data: str = "sharegpt"
+    arch: str = "clover"
+    max_steps: int | None = None
+    epochs: float = 1.0
+    num_heads: int = 5
+    num_layers: int = 2
+    lr: float = 1e-3
+    batch_tokens: int = 8192
+    max_len: int = 1024
+    eval_every: int = 200
+    max_conversations: int | None = None
+    regenerate: bool = False
+    cache_features: bool = False
+    resume: bool = False
+    overwrite: bool = False
+    push_to_hub: str | None = None
+    seed: int = 0
+    device: str = "auto"
+    dtype: str = "auto"
+    revision: str | None = None
+    trust_remote_code: bool = False
+    draft_vocab: int = 32768
+    regen_turns: int = 4
+    regen_max_tokens: int = 256
+    reg_weight: float = 1.0
+    loss_vocab: str = "full"
+    decay: float = 0.7
+    warmup_frac: float = 0.05
+    lr_schedule: str = "cosine"
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+
+
+def lr_factor(schedule: str, warmup: int, total_steps: int, step: int) -> float:
+    """The learning rate at optimiser step `step`, as a share of --lr: a linear warm-up over `warmup` steps, then a
+    cosine decay to 0.1x at the last step, or (constant) the peak to the end, as the Clover-2 authors' schedule
+    stays near its peak for a whole run of this length (a linear decay after 8000 warm-up steps)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    frac = (step - warmup) / max(1, total_steps - warmup)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
+
+
+def validate(cfg: TrainConfig):
+    if cfg.arch not in ARCHS:
+        raise CloverError(f"--arch must be clover, medusa, eagle or eagle3, not {cfg.arch!r}")
+    if not 1 <= cfg.num_heads <= 16:
+        raise CloverError(f"--heads must be between 1 and 16, not {cfg.num_heads}")
+    if cfg.arch == "clover" and not 1 <= cfg.num_layers <= 8:
+        raise CloverError(f"--layers must be between 1 and 8, not {cfg.num_layers}")
+    if not (math.isfinite(cfg.lr) and 0 < cfg.lr <= 1):
+        raise CloverError(f"--lr must be in (0, 1], not {cfg.lr}")
+    if cfg.max_len < 16:
+        raise CloverError(f"--max-len must be at least 16, not {cfg.max_len}")
+    if cfg.batch_tokens < cfg.max_len:
+        raise CloverError(f"--batch-tokens ({cfg.batch_tokens}) must be at least --max-len ({cfg.max_len})")
+    if cfg.max_steps is not None and cfg.max_steps < 1:
+        raise CloverError(f"--max-steps must be at least 1, not {cfg.max_steps}")
+    if not (math.isfinite(cfg.epochs) and cfg.epochs > 0):
+        raise CloverError(f"--epochs must be positive, not {cfg.epochs}")
+    if cfg.eval_every < 1:
+        raise CloverError(f"--eval-every must be at least 1, not {cfg.eval_every}")
+    if cfg.draft_vocab < 0:
+        raise CloverError(f"--draft-vocab must be 0 (the whole vocabulary) or positive, not {cfg.draft_vocab}")
+    if not 1 <= cfg.regen_turns <= 64:
+        raise CloverError(f"--regen-turns must be between 1 and 64, not {cfg.regen_turns}")
+    if cfg.regenerate and not 1 <= cfg.regen_max_tokens < cfg.max_len:
+        raise CloverError(f"--regen-max-tokens must be between 1 and --max-len - 1, not {cfg.regen_max_tokens}")
+    if cfg.lr_schedule not in ("cosine", "constant"):
+        raise CloverError(f"--lr-schedule must be cosine or constant, not {cfg.lr_schedule!r}")
+    if cfg.loss_vocab not in ("full", "draft"):
+        raise CloverError(f"--loss-vocab must be full or draft, not {cfg.loss_vocab!r}")
+    if not (math.isfinite(cfg.reg_weight) and 0 <= cfg.reg_weight <= 1000):
+        raise CloverError(f"--reg-weight must be between 0 and 1000, not {cfg.reg_weight}")
+    if cfg.max_conversations is not None and cfg.max_conversations < 1:
+        raise CloverError(f"--max-conversations must be at least 1, not {cfg.max_conversations}")
