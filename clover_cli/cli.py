@@ -249,10 +249,10 @@ def generate(
 ):
     """Generate one reply to a prompt file, streaming it (or --json for scripts)."""
     from .engine import Sampling
-    from .chat import Out, ReplyPrinter
     from .inputs import check_text_size
-    from .render import Detokenizer, use_colour
-    from .session import RunStats, Session, strip_stop
+    from .render import use_colour
+    from .reply import Discard, Out, ReplyPrinter, stream
+    from .session import Session
     from .stats import StatsWriter
 
     check_sampling(max_new_tokens, temperature, top_p, seed, repetition_penalty)
@@ -278,40 +278,30 @@ def generate(
         repetition_penalty = session.default_penalty
     writer = StatsWriter.open(stats_file)
     colour = not json_out and use_colour(no_color, sys.stdout)
-    detok = Detokenizer(session.tokenizer)
-    stats = RunStats()
     sid = writer.new_session("generate", session) if writer else None
     t0 = time.perf_counter()
     # Streamed text holds back what could be the start of a stop string, so "USER:" never reaches the terminal.
-    printer = None if json_out else ReplyPrinter(Out(colour), session.stop_strings)
-    for ev in session.generate(ids, max_new_tokens, Sampling(temperature, top_p, seed, repetition_penalty)):
-        stats.add(ev)
-        if writer:
-            writer.step(sid, ev)
-        for tok, depth in zip(ev.tokens, ev.depths):
-            piece = detok.push(tok)
-            if printer:
-                printer.add(piece, depth)
-        if printer:
-            printer.flush()
+    printer = ReplyPrinter(Discard() if json_out else Out(colour), session.stop_strings)
+    done = stream(session, session.generate(ids, max_new_tokens, Sampling(temperature, top_p, seed,
+                                                                          repetition_penalty)),
+                  printer, session.stop_strings, writer, sid)
     elapsed = time.perf_counter() - t0
-    reply = strip_stop(detok.text(), session.stop_strings)
-    if printer:
-        printer.finish(reply)
-        printer.end_line()
+    reply = done.text()
+    printer.end_line()
+    stats = done.stats
     result = {
         "text": reply,
         "new_tokens": stats.new_tokens,
         "steps": stats.steps,
-        "tau": round(stats.tau, 4),
-        "tokens_per_s": round(stats.tokens_per_s, 3),
+        "tau": round(stats.tau or 0.0, 4),
+        "tokens_per_s": round(stats.tokens_per_s or 0.0, 3),
         "tokens_per_s_e2e": round(stats.new_tokens / elapsed, 3) if elapsed > 0 else 0.0,
         "elapsed_s": round(elapsed, 4),
         "prefill_s": round(stats.prefill_s, 4),
         "decode_s": round(stats.decode_s, 4),
         "load_s": round(load_s, 4),
-        "acceptance_rate": round(stats.drafted_accepted / max(1, stats.new_tokens - 1), 4),
-        "accept_by_depth": [round(a, 4) for a in stats.accept_by_depth],
+        "acceptance_rate": round(stats.accepted / max(1, stats.new_tokens - 1), 4),
+        "accept_by_depth": [round(a, 4) for a in stats.hit_rates],
         "finish": stats.finish,
         "model": session.resolved.name,
         "draft": session.draft_name,
@@ -327,7 +317,7 @@ def generate(
     if json_out:
         typer.echo(json.dumps(result, ensure_ascii=False))
     else:
-        typer.echo(f"{stats.new_tokens} tokens · τ {stats.tau:.2f} · {stats.tokens_per_s:.1f} tok/s · "
+        typer.echo(f"{stats.new_tokens} tokens · τ {stats.tau or 0.0:.2f} · {stats.tokens_per_s or 0.0:.1f} tok/s · "
                    f"{session.draft_name} · {'compiled' if session.compiler.active else 'eager'} step", err=True)
 
 
@@ -402,7 +392,7 @@ def serve(
     Requests are served one at a time in arrival order (the X-Clover-Queue-Position header says how many were
     ahead; /health shows the queue). A client that disconnects stops its reply at once. Ctrl-C stops the server.
     """
-    from .chat import placement, weights_bits
+    from .reply import placement, weights_bits
     from .serve import LOCAL_HOSTS, Server, listen, run
     from .session import Session
     from .stats import StatsWriter

@@ -274,40 +274,27 @@ class Worker:
                     self.served += 1
 
     def _generate(self, job: Job):
-        from .chat import ReplyPrinter
-        from .render import Detokenizer
-        from .session import strip_stop
-        from .stats import SessionStats, step_record
+        from .reply import ReplyPrinter, stream
 
         s, p = self.session, job.prompt
         stops = s.stop_strings + [x for x in p.stops if x not in s.stop_strings]
-        detok, per = Detokenizer(s.tokenizer), SessionStats()
         sink = Deltas(trim=p.chat)
         printer = ReplyPrinter(sink, stops, skip_space=p.chat)
         started = time.perf_counter()
-        finish = None
-        gen = s.generate(p.ids, p.max_tokens, p.sampling, stops)
-        try:
-            for ev in gen:
-                if job.cancelled.is_set():
-                    return  # closing the generator resets the engine's cache
-                rec = step_record(self.sid, ev, s.resolved.name, s.draft_name)
-                if self.writer:
-                    self.writer.write(rec)
-                per.add(rec)
-                finish = ev.finish or finish
-                for tok, depth in zip(ev.tokens, ev.depths):
-                    printer.add(detok.push(tok), depth)
-                printer.flush()
-                piece = sink.take()
-                if piece and p.stream:
-                    job.put("delta", piece)
-        finally:
-            gen.close()
-        text = strip_stop(detok.text(), stops)
-        printer.finish(text)
-        job.put("done", {"text": text.strip() if p.chat else text, "tail": sink.take(), "finish": finish,
-                         "stats": per, "queue_s": started - job.arrived, "elapsed_s": time.perf_counter() - started})
+
+        def send():
+            piece = sink.take()
+            if piece and p.stream:
+                job.put("delta", piece)
+
+        reply = stream(s, s.generate(p.ids, p.max_tokens, p.sampling, stops), printer, stops, self.writer, self.sid,
+                       cancelled=job.cancelled, on_step=send)
+        if reply.cancelled:
+            return
+        text = reply.text()
+        job.put("done", {"text": text.strip() if p.chat else text, "tail": sink.take(), "finish": reply.stats.finish,
+                         "stats": reply.stats, "queue_s": started - job.arrived,
+                         "elapsed_s": time.perf_counter() - started})
 
 
 # ----------------------------------------------------------------------------------------------- the app
@@ -510,8 +497,7 @@ class Server:
 
     @staticmethod
     def _usage(p: Prompt, result: dict) -> dict:
-        per = result["stats"]
-        new = per.tokens + per.replies
+        new = result["stats"].new_tokens
         return {"prompt_tokens": len(p.ids), "completion_tokens": new, "total_tokens": len(p.ids) + new}
 
     def _clover(self, job: Job, result: dict) -> dict:
@@ -522,7 +508,7 @@ class Server:
 
         return {"tau": r(per.tau), "acceptance_rate": r(per.acceptance_rate), "steps": per.steps,
                 "draft_s": r(per.draft_s, 6), "verify_s": r(per.verify_s, 6), "prefill_s": r(per.prefill_s, 6),
-                "decode_s": r(per.elapsed_s, 6), "tokens_per_s": r(per.tokens_per_s, 3),
+                "decode_s": r(per.decode_s, 6), "tokens_per_s": r(per.tokens_per_s, 3),
                 "elapsed_s": r(result["elapsed_s"], 6), "queue_s": r(result["queue_s"], 6),
                 "draft": self.session.draft_name, "compiled": self.session.compiler.active}
 
@@ -620,7 +606,7 @@ class Guard:
             log_error(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         finally:
             if scope.get("clover.big_body"):  # what its text and tokens took, handed back to the system (off the loop)
-                from .chat import release_free_memory
+                from .reply import release_free_memory
 
                 asyncio.get_running_loop().run_in_executor(None, release_free_memory)
 

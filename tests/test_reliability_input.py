@@ -227,7 +227,7 @@ def test_chat_piped_bounded_inputs_keep_the_conversation(tmp_path, llama_dir):
 
 
 def test_chat_load_refuses_a_lone_surrogate(tmp_path, llama_dir):
-    from clover_cli.chat import Conversation
+    from clover_cli.chat.conversation import Conversation
     from clover_cli.errors import CloverError
 
     bad = tmp_path / "bad.json"
@@ -237,14 +237,14 @@ def test_chat_load_refuses_a_lone_surrogate(tmp_path, llama_dir):
 
 
 def test_load_caps_a_regular_file_too(tmp_path, monkeypatch):
-    from clover_cli import chat
+    from clover_cli.chat import conversation
     from clover_cli.errors import CloverError
 
-    monkeypatch.setattr(chat, "MAX_LOAD_BYTES", 1000)
+    monkeypatch.setattr(conversation, "MAX_LOAD_BYTES", 1000)
     big = tmp_path / "big.json"
     big.write_text(json.dumps([{"role": "user", "content": "a" * 2000}, {"role": "assistant", "content": "b"}]))
     with pytest.raises(CloverError, match=r"cannot load .*larger than 1000 bytes"):
-        chat.Conversation.load(str(big))
+        conversation.Conversation.load(str(big))
 
 
 def test_train_data_is_read_bounded(tmp_path, monkeypatch):
