@@ -14,6 +14,8 @@ import typer
 
 from . import __version__, process
 from .errors import CloverError, one_line
+from .inputs import read_prompt
+from .options import check_sampling, options_from
 
 app = typer.Typer(
     name="clover",
@@ -95,71 +97,6 @@ class Common:
                            "it is built (chat and serve build it in the background meanwhile); on = build it first if "
                            "needed; off = eager. On a CUDA GPU, auto and on capture the step as CUDA graphs as it "
                            "runs. Default: $CLOVER_COMPILE, else auto.", show_default=False)
-
-
-def check_sampling(max_new_tokens: int, temperature: float, top_p: float, seed: int | None = None,
-                   repetition_penalty: float | None = 1.0):
-    if repetition_penalty is not None and not (math.isfinite(repetition_penalty) and 0.0 < repetition_penalty <= 10.0):
-        raise CloverError(f"--repetition-penalty must be above 0 and at most 10, not {repetition_penalty}")
-    if seed is not None and not 0 <= seed < 2**63:
-        raise CloverError(f"--seed must be between 0 and 2**63-1, not {seed}")
-    if not 1 <= max_new_tokens <= 1_000_000:
-        raise CloverError(f"--max-new-tokens must be between 1 and 1000000, not {max_new_tokens}")
-    if not (math.isfinite(temperature) and 0.0 <= temperature <= 10.0):
-        raise CloverError(f"--temperature must be between 0 and 10, not {temperature}")
-    if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
-        raise CloverError(f"--top-p must be in (0, 1], not {top_p}")
-
-
-def read_prompt(path: str, keep_newline: bool = False) -> str:
-    """The prompt in a file (or standard input for "-"): UTF-8 text, without the one newline that ends a file
-    (so that it is the same prompt as the same text typed in a chat) unless keep_newline."""
-    from .inputs import MAX_PROMPT_BYTES, read_limited
-
-    if path == "-":
-        where = "standard input"
-        try:
-            data = read_limited(sys.stdin.buffer, MAX_PROMPT_BYTES, where)
-        except OSError as e:
-            raise CloverError(f"cannot read standard input: {e.strerror or e}")
-    else:
-        p = Path(path).expanduser()
-        if p.is_dir():
-            raise CloverError(f"prompt file {path} is a directory")
-        try:  # a regular file, or a pipe or device: a FIFO, /dev/stdin, a shell's <(...); in chunks, up to a cap
-            data = read_limited(p, MAX_PROMPT_BYTES, f"prompt file {path}")
-        except FileNotFoundError:
-            raise CloverError(f"prompt file not found: {path}")
-        except OSError as e:
-            raise CloverError(f"cannot read prompt file {path}: {e.strerror or e}")
-        where = path
-    if b"\x00" in data:
-        raise CloverError(f"{where} looks binary, not a text prompt")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise CloverError(f"{where} is not UTF-8 text")
-    if not text.strip():
-        raise CloverError(f"{where} is empty")
-    if not keep_newline and text.endswith("\n"):
-        text = text[:-2] if text.endswith("\r\n") else text[:-1]
-    return text
-
-
-def _options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, device, dtype, trust_remote_code,
-             allow_pickle, compile=None, load_in_4bit=False, device_map=None, max_memory=None, draft_model=None,
-             early_stop="fixed"):
-    from .options import Options, check_options, compile_mode
-
-    # bad values fail here, before anything loads
-    if compile_mode(compile) == "on" and device_map is not None:
-        raise CloverError("the compiled step runs a model on one device: --compile on cannot serve a --device-map")
-    opts = Options(model=model, revision=revision, heads=heads, draft=draft, tree=tree, tree_budget=tree_budget,
-                   load_in_8bit=load_in_8bit, load_in_4bit=load_in_4bit, device=device, device_map=device_map,
-                   max_memory=max_memory, dtype=dtype, trust_remote_code=trust_remote_code,
-                   allow_pickle=allow_pickle, compile=compile, draft_model=draft_model, early_stop=early_stop)
-    check_options(opts)
-    return opts
 
 
 @app.command()
@@ -259,10 +196,7 @@ def generate(
     StatsWriter.check(stats_file)  # a --stats-file that cannot be written fails now, not after loading
     text = read_prompt(prompt, keep_newline)
     t_start = time.perf_counter()
-    session = Session(_options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, device, dtype,
-                               trust_remote_code, allow_pickle, compile, load_in_4bit, device_map, max_memory,
-                               draft_model, early_stop),
-                      quiet=json_out)
+    session = Session(options_from(locals()), quiet=json_out)
     session.compiler.start(background=False)  # --compile on: built now if needed; auto: a cached one or eager
     load_s = time.perf_counter() - t_start
     check_text_size(len(text) + len(system or ""), session.max_context, "the prompt")  # before tokenizing it
@@ -351,10 +285,7 @@ def chat(
     from .chat import run_chat
 
     check_sampling(max_new_tokens, temperature, top_p, seed, repetition_penalty)
-    run_chat(_options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, device, dtype,
-                      trust_remote_code, allow_pickle, compile, load_in_4bit, device_map, max_memory, draft_model,
-                      early_stop),
-             system=system, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+    run_chat(options_from(locals()), system=system, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
              history_file=history_file, stats_file=stats_file, no_color=no_color,
              repetition_penalty=repetition_penalty)
 
@@ -407,8 +338,7 @@ def serve(
         raise CloverError(f"--max-connections must be between 1 and 1000000, not {max_connections}")
     check_sampling(max_new_tokens, 0.0, 1.0)
     StatsWriter.check(stats_file)  # a --stats-file that cannot be written fails now, not after loading
-    opts = _options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, device, dtype, trust_remote_code,
-                    allow_pickle, compile, load_in_4bit, device_map, max_memory, draft_model, early_stop)
+    opts = options_from(locals())
     sock = listen(host, port)  # a port in use fails now, before loading
     t0 = time.perf_counter()
     session = Session(opts)

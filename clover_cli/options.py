@@ -1,11 +1,12 @@
-"""What a command line asks of a session: the options, checked without importing torch (a chat's prompt comes up
-before the model and its libraries load), and every CLOVER_* environment variable clover reads (ENV, read through
-env())."""
+"""What a command line asks of a session: the options and the sampling values, checked without importing torch (a
+chat's prompt comes up before the model and its libraries load), and every CLOVER_* environment variable clover reads
+(ENV, read through env())."""
 
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from .errors import CloverError
 
@@ -106,3 +107,27 @@ def compile_mode(flag: str | None) -> str:
         where = "--compile" if flag else "CLOVER_COMPILE"
         raise CloverError(f"{where} must be auto, on or off, not {mode!r}")
     return mode
+
+
+def options_from(values: dict) -> Options:
+    """The Options a command was given: `values` is the command's parameters (its `locals()`), those named as
+    Options' fields taken, the rest ignored; bad values fail here, before anything loads."""
+    opts = Options(**{f.name: values[f.name] for f in fields(Options) if f.name in values})
+    if compile_mode(opts.compile) == "on" and opts.device_map is not None:
+        raise CloverError("the compiled step runs a model on one device: --compile on cannot serve a --device-map")
+    check_options(opts)
+    return opts
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_p: float, seed: int | None = None,
+                   repetition_penalty: float | None = 1.0):
+    if repetition_penalty is not None and not (math.isfinite(repetition_penalty) and 0.0 < repetition_penalty <= 10.0):
+        raise CloverError(f"--repetition-penalty must be above 0 and at most 10, not {repetition_penalty}")
+    if seed is not None and not 0 <= seed < 2**63:
+        raise CloverError(f"--seed must be between 0 and 2**63-1, not {seed}")
+    if not 1 <= max_new_tokens <= 1_000_000:
+        raise CloverError(f"--max-new-tokens must be between 1 and 1000000, not {max_new_tokens}")
+    if not (math.isfinite(temperature) and 0.0 <= temperature <= 10.0):
+        raise CloverError(f"--temperature must be between 0 and 10, not {temperature}")
+    if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
+        raise CloverError(f"--top-p must be in (0, 1], not {top_p}")
