@@ -380,7 +380,7 @@ def stats(
     measured time of a speculative step (draft + verify), the plain step timed as the median verify time of the
     session's steps that verified no drafted token; n/a when a session has fewer than three of them.
     """
-    from .stats import run_stats
+    from .dashboard import run_stats
 
     run_stats(stats_file, once=once or json_out, json_out=json_out, session=session, interval=interval)
 
