@@ -324,7 +324,8 @@ def serve(
     ahead; /health shows the queue). A client that disconnects stops its reply at once. Ctrl-C stops the server.
     """
     from .reply import placement, weights_bits
-    from .serve import LOCAL_HOSTS, Server, listen, run
+    from .listener import LOCAL_HOSTS, listen, run
+    from .serve import Server
     from .session import Session
     from .stats import StatsWriter
 

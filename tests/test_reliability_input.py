@@ -458,13 +458,13 @@ def test_serve_logs_a_few_errors_a_minute(monkeypatch, capsys):
     import io
     import logging
 
-    from clover_cli import serve
+    from clover_cli import listener
 
     now = [1000.0]  # the limit's own clock (patching time.monotonic would stop every event loop of the process)
     log, out = logging.getLogger("clover-test-flood"), io.StringIO()
     log.addHandler(logging.StreamHandler(out))
     log.propagate = False
-    log.addFilter(serve.RateLimitedLog(burst=5, clock=lambda: now[0]))
+    log.addFilter(listener.RateLimitedLog(burst=5, clock=lambda: now[0]))
     for i in range(1000):
         try:
             raise OSError(24, "Too many open files")
@@ -474,9 +474,9 @@ def test_serve_logs_a_few_errors_a_minute(monkeypatch, capsys):
     now[0] += 61
     log.error("later")
     assert out.getvalue().splitlines()[-1] == "later (995 more errors since the last one shown were not logged)"
-    monkeypatch.setattr(serve, "_errors", serve.RateLimit(burst=10))
+    monkeypatch.setattr(listener, "_errors", listener.RateLimit(burst=10))
     for i in range(100):
-        serve.log_error(f"failure {i}")
+        listener.log_error(f"failure {i}")
     assert capsys.readouterr().err.count("clover serve: error: failure") == 10
 
 

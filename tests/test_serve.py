@@ -33,7 +33,8 @@ N = 24  # tokens per reply
 @contextmanager
 def serving(session, **kwargs):
     """A Server for `session` on a free loopback port, run by uvicorn in a thread: yields it with `.url`."""
-    from clover_cli.serve import Server, listen, run
+    from clover_cli.listener import listen, run
+    from clover_cli.serve import Server
 
     server = Server(session, **kwargs)
     sock = listen("127.0.0.1", 0)
