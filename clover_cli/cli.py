@@ -532,7 +532,7 @@ def compile_step(
     try:
         config = AutoConfig.from_pretrained(resolved.path, trust_remote_code=trust_remote_code)
     except Exception as e:
-        raise CloverError(f"cannot read the model config in {resolved.path}: {str(e).splitlines()[0] if str(e) else e}")
+        raise CloverError(f"cannot read the model config in {resolved.path}: {one_line(e)}")
     heads_path = None if no_heads else registry.resolve_heads(heads, resolved)
     if heads_path is not None and registry.family(heads_path) in ("eagle", "eagle3"):
         typer.echo("EAGLE heads run eager (they have no compiled programs): compiling the target's step only",
@@ -597,7 +597,7 @@ def _compile_draft(name: Optional[str], resolved, target_context: int, trust_rem
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as e:
-        raise CloverError(f"cannot read the draft model's config in {path}: {str(e).splitlines()[0] if str(e) else e}")
+        raise CloverError(f"cannot read the draft model's config in {path}: {one_line(e)}")
     capacity = capacity_for(context_limit(config, target_context))
     out = package_dir(path, torch.float32, capacity)
     job = Job(path, out, capacity, trust_remote_code, False, force=force)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
-from .errors import CloverError
+from .errors import CloverError, one_line
 from .render import visible
 from .stats import Stats
 
@@ -244,7 +244,7 @@ def stream(session, gen, printer: ReplyPrinter, stops, writer=None, sid: str | N
     except Exception as e:
         if not catch:
             raise
-        reply.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        reply.failed = one_line(e, kind=True)
     finally:
         if not catch:
             gen.close()

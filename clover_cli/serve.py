@@ -38,7 +38,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from .errors import CloverError
+from .errors import CloverError, one_line
 from .listener import log_error
 
 MAX_BODY = 4 << 20  # bytes of one request body
@@ -255,7 +255,7 @@ class Worker:
             except CloverError as e:  # out of memory while generating, for one
                 job.put("error", ApiError(500, str(e), code="generation_failed", kind="server_error"))
             except Exception as e:
-                log_error(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                log_error(one_line(e, kind=True))
                 job.put("error", ApiError(500, f"generation failed ({type(e).__name__})", code="generation_failed",
                                           kind="server_error"))
             finally:
@@ -379,7 +379,7 @@ class Server:
                 raise ApiError(400, str(e), "messages")
             except Exception as e:  # a template that refuses the conversation (roles out of order, ...)
                 raise ApiError(400, f"the chat template refuses these messages: "
-                                    f"{str(e).splitlines()[0] if str(e) else type(e).__name__}", "messages")
+                                    f"{one_line(e)}", "messages")
         else:
             text = body.get("prompt")
             if isinstance(text, list) and len(text) == 1:
@@ -593,7 +593,7 @@ class Guard:
         try:
             await self.app(scope, receive, send)
         except Exception as e:  # Starlette has answered with a 500 JSON error (Server._crash), or the stream broke
-            log_error(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            log_error(one_line(e, kind=True))
         finally:
             if scope.get("clover.big_body"):  # what its text and tokens took, handed back to the system (off the loop)
                 from .reply import release_free_memory

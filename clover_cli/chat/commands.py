@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from ..errors import CloverError
+from ..errors import CloverError, one_line
 from ..reply import Out, ends_in_loop
 from .conversation import Conversation, fit_context
 
@@ -107,7 +107,7 @@ class Chat:
         except Exception as e:  # a template that refuses the conversation, for one
             self.conv.restore(before)
             self.failed += 1
-            self.out.error(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            self.out.error(one_line(e, kind=True))
             return
 
         reply = ReplyPrinter(self.out, s.stop_strings)
@@ -301,7 +301,7 @@ class Chat:
             self.out.error(str(e))
             return
         except Exception as e:
-            self.out.error(f"cannot switch to {arg}: {type(e).__name__}: {e}".splitlines()[0])
+            self.out.error(f"cannot switch to {arg}: {one_line(e, kind=True)}")
             return
         self.total.note_draft(self.session.draft_name)
         self.out.note(f"(drafter: {self.session.draft_name})")
