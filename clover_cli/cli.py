@@ -323,7 +323,7 @@ def serve(
     Requests are served one at a time in arrival order (the X-Clover-Queue-Position header says how many were
     ahead; /health shows the queue). A client that disconnects stops its reply at once. Ctrl-C stops the server.
     """
-    from .reply import placement, weights_bits
+    from .reply import loaded_line
     from .listener import LOCAL_HOSTS, listen, run
     from .serve import Server
     from .session import Session
@@ -349,9 +349,7 @@ def serve(
     bound = sock.getsockname()
     where = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
     say = lambda text: typer.echo(text, err=True)  # noqa: E731
-    say(f"clover serve · model {session.resolved.name} · {placement(session)} · dtype "
-        f"{str(session.dtype).replace('torch.', '')} · {weights_bits(session)} · loaded in "
-        f"{time.perf_counter() - t0:.1f}s")
+    say(loaded_line("serve", session, time.perf_counter() - t0))
     say(f"drafter {session.draft_name} · {session.compiler.describe()} · context {session.max_context} tokens")
     if host not in LOCAL_HOSTS:
         say(f"clover: warning: listening on {host}: other machines can reach this server"

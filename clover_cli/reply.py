@@ -177,6 +177,13 @@ def weights_bits(session) -> str:
     return "8-bit" if session.load_in_8bit else "4-bit NF4" if session.load_in_4bit else "not quantized"
 
 
+def loaded_line(command: str, session, load_s: float) -> str:
+    """The first line chat and serve say once the model is loaded: what runs, where, and how long loading took."""
+    dtype = str(session.dtype).replace("torch.", "")
+    return (f"clover {command} · model {session.resolved.name} · {placement(session)} · dtype {dtype} · "
+            f"{weights_bits(session)} · loaded in {load_s:.1f}s")
+
+
 @dataclass
 class Reply:
     """What one run of the reply loop gave: the tokens, their statistics, how it ended; `text()` the reply."""

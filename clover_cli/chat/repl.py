@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .. import atomic
 from ..errors import CloverError
-from ..reply import Out, placement, weights_bits
+from ..reply import Out, loaded_line
 from .commands import COMMANDS, Chat
 from .conversation import Conversation
 
@@ -257,9 +257,7 @@ def _heads_source(session) -> str:
 def _banner(session, out: Out, load_s: float, chat: Chat, history_path, interactive: bool):
     from ..render import legend
 
-    dtype = str(session.dtype).replace("torch.", "")
-    out.note(f"clover chat · model {session.resolved.name} · {placement(session)} · dtype {dtype} · "
-             f"{weights_bits(session)} · loaded in {load_s:.1f}s", "bold")
+    out.note(loaded_line("chat", session, load_s), "bold")
     out.note(f"drafter {session.draft_name} · {_heads_source(session)}")
     out.note(session.compiler.describe())
     if session.template_notice:
