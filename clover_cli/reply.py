@@ -1,6 +1,7 @@
 """What the front ends (generate, chat, serve) share to give a reply: the one reply loop (`stream`), the printer
-that streams a reply (coloured by draft depth, stop strings held back), where output goes (`Out`), the lines that
-say where the model runs, and the memory handed back after a reply."""
+that streams a reply (coloured by draft depth, stop strings held back), where output goes (`Out`), a reply cut at
+its stop strings, whether it ended in a loop, the lines that say what was loaded and where, and the memory handed
+back after a reply."""
 
 from __future__ import annotations
 
