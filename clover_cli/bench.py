@@ -85,7 +85,7 @@ class Row:
         return (self.new_tokens - self.runs) / self.steps if self.steps else None
 
     def add(self, new: list[int], decode_s: float, total_s: float, stats) -> None:
-        """One generation's figures (stats: its RunStats, None for methods outside clover's engine)."""
+        """One generation's figures (stats: its stats.Stats, None for methods outside clover's engine)."""
         self.new_tokens += len(new)
         self.runs += 1
         self.decode_s += decode_s
@@ -376,9 +376,9 @@ class BenchSession:
         return eng
 
     def run(self, method: str, ids: list[int], cfg: BenchConfig, seed: int):
-        """(token ids, decode seconds, total seconds, RunStats or None)."""
+        """(token ids, decode seconds, total seconds, stats.Stats or None)."""
         from .engine import Sampling, StopCheck
-        from .session import RunStats
+        from .stats import Stats
 
         s = self.session
         n = min(cfg.max_new_tokens, s.max_context - len(ids))
@@ -414,7 +414,7 @@ class BenchSession:
             new = out[0, len(ids):].tolist()
             return new, t1 - (stamps.first or t0), t1 - t0, None
         eng = self.engine(method)
-        stats = RunStats()
+        stats = Stats()
         new = []
         t0 = time.perf_counter()
         stop = StopCheck(n, s.eos_ids)

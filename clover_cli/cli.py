@@ -1,22 +1,21 @@
-"""The `clover` command: a thin Typer layer over session, engine, chat, stats, train and bench."""
+"""The `clover` command's Typer commands: a thin layer over session, reply, chat, serve, stats, train and bench
+(the process around them, its error boundary and exit: process.py)."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Optional
 
-import click
 import typer
 
-from . import __version__
+from . import __version__, process
 from .errors import CloverError, one_line
-from .render import visible
+from .inputs import read_prompt
+from .options import check_sampling, options_from
 
 app = typer.Typer(
     name="clover",
@@ -39,15 +38,12 @@ def _version(value: bool):
         raise typer.Exit()
 
 
-_state = {"debug": False}
-
-
 @app.callback()
 def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                         help="Print the version and exit."),
           debug: bool = typer.Option(False, "--debug", help="On an error, show its traceback too (also "
                                                             "CLOVER_DEBUG=1).")):
-    _state["debug"] = debug
+    process.state["debug"] = debug
 
 
 # Options shared by the commands that load a model.
@@ -101,71 +97,6 @@ class Common:
                            "it is built (chat and serve build it in the background meanwhile); on = build it first if "
                            "needed; off = eager. On a CUDA GPU, auto and on capture the step as CUDA graphs as it "
                            "runs. Default: $CLOVER_COMPILE, else auto.", show_default=False)
-
-
-def check_sampling(max_new_tokens: int, temperature: float, top_p: float, seed: int | None = None,
-                   repetition_penalty: float | None = 1.0):
-    if repetition_penalty is not None and not (math.isfinite(repetition_penalty) and 0.0 < repetition_penalty <= 10.0):
-        raise CloverError(f"--repetition-penalty must be above 0 and at most 10, not {repetition_penalty}")
-    if seed is not None and not 0 <= seed < 2**63:
-        raise CloverError(f"--seed must be between 0 and 2**63-1, not {seed}")
-    if not 1 <= max_new_tokens <= 1_000_000:
-        raise CloverError(f"--max-new-tokens must be between 1 and 1000000, not {max_new_tokens}")
-    if not (math.isfinite(temperature) and 0.0 <= temperature <= 10.0):
-        raise CloverError(f"--temperature must be between 0 and 10, not {temperature}")
-    if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
-        raise CloverError(f"--top-p must be in (0, 1], not {top_p}")
-
-
-def read_prompt(path: str, keep_newline: bool = False) -> str:
-    """The prompt in a file (or standard input for "-"): UTF-8 text, without the one newline that ends a file
-    (so that it is the same prompt as the same text typed in a chat) unless keep_newline."""
-    from .inputs import MAX_PROMPT_BYTES, read_limited
-
-    if path == "-":
-        where = "standard input"
-        try:
-            data = read_limited(sys.stdin.buffer, MAX_PROMPT_BYTES, where)
-        except OSError as e:
-            raise CloverError(f"cannot read standard input: {e.strerror or e}")
-    else:
-        p = Path(path).expanduser()
-        if p.is_dir():
-            raise CloverError(f"prompt file {path} is a directory")
-        try:  # a regular file, or a pipe or device: a FIFO, /dev/stdin, a shell's <(...); in chunks, up to a cap
-            data = read_limited(p, MAX_PROMPT_BYTES, f"prompt file {path}")
-        except FileNotFoundError:
-            raise CloverError(f"prompt file not found: {path}")
-        except OSError as e:
-            raise CloverError(f"cannot read prompt file {path}: {e.strerror or e}")
-        where = path
-    if b"\x00" in data:
-        raise CloverError(f"{where} looks binary, not a text prompt")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise CloverError(f"{where} is not UTF-8 text")
-    if not text.strip():
-        raise CloverError(f"{where} is empty")
-    if not keep_newline and text.endswith("\n"):
-        text = text[:-2] if text.endswith("\r\n") else text[:-1]
-    return text
-
-
-def _options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, device, dtype, trust_remote_code,
-             allow_pickle, compile=None, load_in_4bit=False, device_map=None, max_memory=None, draft_model=None,
-             early_stop="fixed"):
-    from .options import Options, check_options, compile_mode
-
-    # bad values fail here, before anything loads
-    if compile_mode(compile) == "on" and device_map is not None:
-        raise CloverError("the compiled step runs a model on one device: --compile on cannot serve a --device-map")
-    opts = Options(model=model, revision=revision, heads=heads, draft=draft, tree=tree, tree_budget=tree_budget,
-                   load_in_8bit=load_in_8bit, load_in_4bit=load_in_4bit, device=device, device_map=device_map,
-                   max_memory=max_memory, dtype=dtype, trust_remote_code=trust_remote_code,
-                   allow_pickle=allow_pickle, compile=compile, draft_model=draft_model, early_stop=early_stop)
-    check_options(opts)
-    return opts
 
 
 @app.command()
@@ -255,20 +186,17 @@ def generate(
 ):
     """Generate one reply to a prompt file, streaming it (or --json for scripts)."""
     from .engine import Sampling
-    from .chat import Out, ReplyPrinter
     from .inputs import check_text_size
-    from .render import Detokenizer, use_colour
-    from .session import RunStats, Session, strip_stop
+    from .render import use_colour
+    from .reply import Discard, Out, ReplyPrinter, stream
+    from .session import Session
     from .stats import StatsWriter
 
     check_sampling(max_new_tokens, temperature, top_p, seed, repetition_penalty)
     StatsWriter.check(stats_file)  # a --stats-file that cannot be written fails now, not after loading
     text = read_prompt(prompt, keep_newline)
     t_start = time.perf_counter()
-    session = Session(_options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, device, dtype,
-                               trust_remote_code, allow_pickle, compile, load_in_4bit, device_map, max_memory,
-                               draft_model, early_stop),
-                      quiet=json_out)
+    session = Session(options_from(locals()), quiet=json_out)
     session.compiler.start(background=False)  # --compile on: built now if needed; auto: a cached one or eager
     load_s = time.perf_counter() - t_start
     check_text_size(len(text) + len(system or ""), session.max_context, "the prompt")  # before tokenizing it
@@ -284,40 +212,30 @@ def generate(
         repetition_penalty = session.default_penalty
     writer = StatsWriter.open(stats_file)
     colour = not json_out and use_colour(no_color, sys.stdout)
-    detok = Detokenizer(session.tokenizer)
-    stats = RunStats()
     sid = writer.new_session("generate", session) if writer else None
     t0 = time.perf_counter()
     # Streamed text holds back what could be the start of a stop string, so "USER:" never reaches the terminal.
-    printer = None if json_out else ReplyPrinter(Out(colour), session.stop_strings)
-    for ev in session.generate(ids, max_new_tokens, Sampling(temperature, top_p, seed, repetition_penalty)):
-        stats.add(ev)
-        if writer:
-            writer.step(sid, ev)
-        for tok, depth in zip(ev.tokens, ev.depths):
-            piece = detok.push(tok)
-            if printer:
-                printer.add(piece, depth)
-        if printer:
-            printer.flush()
+    printer = ReplyPrinter(Discard() if json_out else Out(colour), session.stop_strings)
+    done = stream(session, session.generate(ids, max_new_tokens, Sampling(temperature, top_p, seed,
+                                                                          repetition_penalty)),
+                  printer, session.stop_strings, writer, sid)
     elapsed = time.perf_counter() - t0
-    reply = strip_stop(detok.text(), session.stop_strings)
-    if printer:
-        printer.finish(reply)
-        printer.end_line()
+    reply = done.text()
+    printer.end_line()
+    stats = done.stats
     result = {
         "text": reply,
         "new_tokens": stats.new_tokens,
         "steps": stats.steps,
-        "tau": round(stats.tau, 4),
-        "tokens_per_s": round(stats.tokens_per_s, 3),
+        "tau": round(stats.tau or 0.0, 4),
+        "tokens_per_s": round(stats.tokens_per_s or 0.0, 3),
         "tokens_per_s_e2e": round(stats.new_tokens / elapsed, 3) if elapsed > 0 else 0.0,
         "elapsed_s": round(elapsed, 4),
         "prefill_s": round(stats.prefill_s, 4),
         "decode_s": round(stats.decode_s, 4),
         "load_s": round(load_s, 4),
-        "acceptance_rate": round(stats.drafted_accepted / max(1, stats.new_tokens - 1), 4),
-        "accept_by_depth": [round(a, 4) for a in stats.accept_by_depth],
+        "acceptance_rate": round(stats.accepted / max(1, stats.new_tokens - 1), 4),
+        "accept_by_depth": [round(a, 4) for a in stats.hit_rates],
         "finish": stats.finish,
         "model": session.resolved.name,
         "draft": session.draft_name,
@@ -333,7 +251,7 @@ def generate(
     if json_out:
         typer.echo(json.dumps(result, ensure_ascii=False))
     else:
-        typer.echo(f"{stats.new_tokens} tokens · τ {stats.tau:.2f} · {stats.tokens_per_s:.1f} tok/s · "
+        typer.echo(f"{stats.new_tokens} tokens · τ {stats.tau or 0.0:.2f} · {stats.tokens_per_s or 0.0:.1f} tok/s · "
                    f"{session.draft_name} · {'compiled' if session.compiler.active else 'eager'} step", err=True)
 
 
@@ -367,10 +285,7 @@ def chat(
     from .chat import run_chat
 
     check_sampling(max_new_tokens, temperature, top_p, seed, repetition_penalty)
-    run_chat(_options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, device, dtype,
-                      trust_remote_code, allow_pickle, compile, load_in_4bit, device_map, max_memory, draft_model,
-                      early_stop),
-             system=system, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+    run_chat(options_from(locals()), system=system, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
              history_file=history_file, stats_file=stats_file, no_color=no_color,
              repetition_penalty=repetition_penalty)
 
@@ -408,8 +323,9 @@ def serve(
     Requests are served one at a time in arrival order (the X-Clover-Queue-Position header says how many were
     ahead; /health shows the queue). A client that disconnects stops its reply at once. Ctrl-C stops the server.
     """
-    from .chat import placement, weights_bits
-    from .serve import LOCAL_HOSTS, Server, listen, run
+    from .reply import loaded_line
+    from .listener import LOCAL_HOSTS, listen, run
+    from .serve import Server
     from .session import Session
     from .stats import StatsWriter
 
@@ -423,8 +339,7 @@ def serve(
         raise CloverError(f"--max-connections must be between 1 and 1000000, not {max_connections}")
     check_sampling(max_new_tokens, 0.0, 1.0)
     StatsWriter.check(stats_file)  # a --stats-file that cannot be written fails now, not after loading
-    opts = _options(model, revision, heads, draft, tree, tree_budget, load_in_8bit, device, dtype, trust_remote_code,
-                    allow_pickle, compile, load_in_4bit, device_map, max_memory, draft_model, early_stop)
+    opts = options_from(locals())
     sock = listen(host, port)  # a port in use fails now, before loading
     t0 = time.perf_counter()
     session = Session(opts)
@@ -434,9 +349,7 @@ def serve(
     bound = sock.getsockname()
     where = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
     say = lambda text: typer.echo(text, err=True)  # noqa: E731
-    say(f"clover serve · model {session.resolved.name} · {placement(session)} · dtype "
-        f"{str(session.dtype).replace('torch.', '')} · {weights_bits(session)} · loaded in "
-        f"{time.perf_counter() - t0:.1f}s")
+    say(loaded_line("serve", session, time.perf_counter() - t0))
     say(f"drafter {session.draft_name} · {session.compiler.describe()} · context {session.max_context} tokens")
     if host not in LOCAL_HOSTS:
         say(f"clover: warning: listening on {host}: other machines can reach this server"
@@ -466,7 +379,7 @@ def stats(
     measured time of a speculative step (draft + verify), the plain step timed as the median verify time of the
     session's steps that verified no drafted token; n/a when a session has fewer than three of them.
     """
-    from .stats import run_stats
+    from .dashboard import run_stats
 
     run_stats(stats_file, once=once or json_out, json_out=json_out, session=session, interval=interval)
 
@@ -617,7 +530,7 @@ def compile_step(
     try:
         config = AutoConfig.from_pretrained(resolved.path, trust_remote_code=trust_remote_code)
     except Exception as e:
-        raise CloverError(f"cannot read the model config in {resolved.path}: {str(e).splitlines()[0] if str(e) else e}")
+        raise CloverError(f"cannot read the model config in {resolved.path}: {one_line(e)}")
     heads_path = None if no_heads else registry.resolve_heads(heads, resolved)
     if heads_path is not None and registry.family(heads_path) in ("eagle", "eagle3"):
         typer.echo("EAGLE heads run eager (they have no compiled programs): compiling the target's step only",
@@ -682,7 +595,7 @@ def _compile_draft(name: Optional[str], resolved, target_context: int, trust_rem
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as e:
-        raise CloverError(f"cannot read the draft model's config in {path}: {str(e).splitlines()[0] if str(e) else e}")
+        raise CloverError(f"cannot read the draft model's config in {path}: {one_line(e)}")
     capacity = capacity_for(context_limit(config, target_context))
     out = package_dir(path, torch.float32, capacity)
     job = Job(path, out, capacity, trust_remote_code, False, force=force)
@@ -709,159 +622,7 @@ def _check_heads(path: Path, config):
         raise CloverError(f"heads {path}: unreadable model.safetensors ({why})") from None
 
 
-def _fail(message: str, code: int = 2):
-    message = " ".join(line.strip() for line in str(message).splitlines() if line.strip()) or "failed"
-    if _state["debug"] or os.environ.get("CLOVER_DEBUG", "") not in ("", "0"):
-        traceback.print_exc()
-    sys.stderr.write(f"clover: error: {visible(message)}\n")  # a path or a file's content in it stays inert
-    sys.stderr.flush()
-    raise SystemExit(code)
+if __name__ == "__main__":  # python -m clover_cli.cli, as the docs and scripts run it
+    from .process import main
 
-
-# Typer >= 0.20 vendors click (typer._click): its exceptions derive from typer.TyperException, not from click's.
-_USAGE_ERRORS = (click.exceptions.ClickException, getattr(typer, "TyperException", click.exceptions.ClickException))
-_ABORTS = (KeyboardInterrupt, EOFError, click.exceptions.Abort, getattr(typer, "Abort", click.exceptions.Abort))
-_EXITS = (click.exceptions.Exit, getattr(typer, "Exit", click.exceptions.Exit))
-
-
-def _usage_message(e) -> str:
-    message = " ".join(e.format_message().split())
-    ctx = getattr(e, "ctx", None)  # usage errors carry their command's context
-    if ctx is not None:
-        message += f" (see {ctx.command_path} --help)"
-    return message
-
-
-def _stdout_ok() -> bool:
-    """Flush standard output; when it can no longer be written (its reader left, its device is full), point it at
-    /dev/null so that what Python still holds for it is not tried again at exit ("Exception ignored ...")."""
-    if sys.stdout is None:  # started with its standard output closed
-        return False
-    try:
-        sys.stdout.flush()
-        return True
-    except (OSError, ValueError):
-        try:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-            os.close(devnull)
-        except (OSError, ValueError):
-            pass
-        return False
-
-
-def _run(argv) -> int:
-    """Parse and run one command. Click is called directly, not through typer's main: that one turns a closed
-    output pipe into a silent exit 1 before any of this module's handling could run."""
-    command = typer.main.get_command(app)
-    try:
-        with command.make_context("clover", sys.argv[1:] if argv is None else list(argv)) as ctx:
-            command.invoke(ctx)
-        code = 0
-    except _EXITS as e:  # --help, --version, typer.Exit(n)
-        code = e.exit_code
-    sys.stdout.flush()  # here, inside the error boundary, rather than at interpreter exit
-    return code
-
-
-def main(argv=None):
-    """The `clover` command. Run as a program (argv None), the process ends as soon as the command has: see
-    _leave. Called with argv (tests, scripts), it raises SystemExit as a program would exit."""
-    if argv is None:  # SIGTERM and SIGHUP leave as Ctrl-C does: through the same cleanup
-        from .signals import exit_on_signals
-
-        exit_on_signals()
-    try:
-        _main(argv)
-    except SystemExit as e:
-        if argv is None and os.environ.get("CLOVER_SLOW_EXIT", "") in ("", "0"):
-            _leave(e.code)
-        raise
-
-
-def _leave(code) -> None:
-    """End the process now, with `code`, as the interpreter would, minus its teardown.
-
-    What a normal exit does after the command, in order: wait for the threads that are not daemons, run the atexit
-    functions (a temporary directory's removal, logging's flush, ...), flush the output, then take down every module
-    and object one by one. After torch and a model have been loaded, that last part alone takes ~1.3 s (measured:
-    docs/BENCHMARKS.md) during which the user's shell waits and nothing is written. This does the first three and
-    skips the last (os._exit). CLOVER_SLOW_EXIT=1 keeps the interpreter's own exit."""
-    import atexit
-    import threading
-
-    shutdown = getattr(threading, "_shutdown", None)  # joins the non-daemon threads, as the interpreter does
-    exitfuncs = getattr(atexit, "_run_exitfuncs", None)
-    if shutdown is None or exitfuncs is None or os.name == "nt":  # not CPython on a POSIX system: its own exit
-        return
-    if code is None:
-        status = 0
-    elif isinstance(code, int):
-        status = code if 0 <= code <= 255 else 1
-    else:  # SystemExit("message"): the message on stderr, status 1, as Python does
-        status = 1
-    try:
-        shutdown()
-        exitfuncs()
-        if not isinstance(code, (int, type(None))):
-            sys.stderr.write(f"{code}\n")
-    except KeyboardInterrupt:  # Ctrl-C while threads were joined: leave at once, as interrupted
-        status = 130
-    except BaseException:  # noqa: BLE001 - whatever else: the command's own status stands
-        pass
-    _stdout_ok()
-    try:
-        sys.stderr.flush()
-    except (OSError, ValueError, AttributeError):
-        pass
-    try:  # what C libraries have buffered in their own stdio
-        import ctypes
-
-        ctypes.CDLL(None).fflush(None)
-    except Exception:  # noqa: BLE001 - no C library to flush: nothing buffered there
-        pass
-    os._exit(status)
-
-
-def _main(argv=None):
-    """The error boundary: whatever escapes a command ends as one line on stderr and an exit code: 2 for a problem
-    the user can fix (CloverError, a usage error), 1 for anything else, 130 for Ctrl-C. --debug or CLOVER_DEBUG=1
-    also print the traceback."""
-    _state["debug"] = False
-    try:
-        code = _run(argv)
-    except CloverError as e:
-        _fail(str(e), e.code)
-    except _USAGE_ERRORS as e:
-        if type(e).__name__ == "NoArgsIsHelpError":  # bare `clover`: the help (typer has printed it), as click does
-            help_text = e.format_message().strip()
-            if help_text:
-                sys.stderr.write(help_text + "\n")
-            raise SystemExit(2)
-        _fail(_usage_message(e))
-    except _ABORTS:
-        sys.stderr.write("\nclover: interrupted\n")
-        raise SystemExit(130)
-    except BrokenPipeError:  # the reader of the output went away (`clover ... | head -1`): nothing to say
-        _stdout_ok()
-        raise SystemExit(0)
-    except MemoryError:
-        # what ran out may be the model or what it was given (a prompt, a file): both are named
-        _fail("out of memory: the model with its context, or an input, did not fit; try a shorter input, a smaller "
-              "model, --load-in-8bit or a smaller --tree-budget")
-    except OSError as e:
-        if not _stdout_ok():
-            _fail(f"cannot write the output: {e.strerror or one_line(e)}", 1)
-        _fail(f"{e.strerror or one_line(e)}" + (f": {e.filename}" if e.filename else ""), 1)
-    except Exception as e:  # torch.cuda.OutOfMemoryError included
-        if type(e).__name__ == "OutOfMemoryError":
-            _fail("out of GPU memory; try --load-in-8bit, a smaller model or a smaller --tree-budget")
-        _fail(f"unexpected {one_line(e, kind=True)} (clover --debug or CLOVER_DEBUG=1 shows the "
-              f"traceback; please report it)", 1)
-    if code == 130:  # a KeyboardInterrupt a command turned into Exit(130)
-        sys.stderr.write("\nclover: interrupted\n")
-    raise SystemExit(code if isinstance(code, int) else 0)
-
-
-if __name__ == "__main__":
     main()

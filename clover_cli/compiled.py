@@ -59,6 +59,7 @@ from . import atomic
 from .errors import CloverError, one_line
 from .loading import keep_loaded
 from .options import MODES, compile_mode  # noqa: F401 - importable from here too
+from .options import env, env_set
 
 PROGRAM_VERSION = 12  # bump when the programs or their metadata change (12: file sizes and checksums): not reused
 MAX_CAPACITY = 8192  # KV buffers of the compiled program (tokens); longer contexts run eager past this point
@@ -133,7 +134,7 @@ PROGRAMS = program_table()
 def static_sizes(nbytes: int = 0) -> tuple[int, ...]:
     """The sizes CLOVER_COMPILE_SIZES lists ("1,4": fewer programs, a shorter build; "": none); without it STATIC,
     or FEW_STATIC for a model of `nbytes` of weights whose copies would pass COPIES_BYTES."""
-    text = os.environ.get("CLOVER_COMPILE_SIZES")
+    text = env("CLOVER_COMPILE_SIZES")
     if text is None:
         return FEW_STATIC if nbytes * (len(STATIC) + 1) > COPIES_BYTES else STATIC
     try:
@@ -243,7 +244,7 @@ def capacity_for(max_context: int) -> int:
 def cache_root() -> Path:
     from .stats import cache_dir
 
-    return Path(os.environ.get("CLOVER_COMPILE_CACHE") or cache_dir() / "compiled")
+    return Path(env("CLOVER_COMPILE_CACHE") or cache_dir() / "compiled")
 
 
 def _fingerprint_files(model_path: Path) -> list:
@@ -266,7 +267,7 @@ def package_key(model_path: Path, dtype: torch.dtype, capacity: int) -> str:
         "cpu": torch.backends.cpu.get_cpu_capability(), "model": str(Path(model_path).resolve()),
         "files": _fingerprint_files(Path(model_path)), "dtype": str(dtype), "capacity": capacity,
         # the sizes asked for; by default they follow from the model's size, which its files in the key fix
-        "static": static_sizes() if "CLOVER_COMPILE_SIZES" in os.environ else "default",
+        "static": static_sizes() if env_set("CLOVER_COMPILE_SIZES") else "default",
     }
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
     return f"{Path(model_path).name[:40]}-{digest}"

@@ -26,6 +26,7 @@ from filelock import FileLock, Timeout
 
 from . import atomic
 from .errors import CloverError
+from .options import env
 
 MAGIC = b"GGUF"
 SOURCE_FILE = "clover-gguf.json"  # in a converted directory: which file it came from, and how
@@ -42,7 +43,7 @@ def is_gguf_name(name: str) -> bool:
 def cache_root() -> Path:
     from .stats import cache_dir
 
-    return Path(os.environ.get("CLOVER_GGUF_CACHE") or cache_dir() / "gguf")
+    return Path(env("CLOVER_GGUF_CACHE") or cache_dir() / "gguf")
 
 
 @dataclass

@@ -17,6 +17,7 @@ from pathlib import Path
 from . import gguf_model
 from .errors import CloverError
 from .sources import PackageSource, SourceUnavailable, WheelPart
+from .options import env
 
 BUNDLED = Path(__file__).parent / "bundled" / "tiny"
 HEADS_SUBDIR = "heads"  # a model directory may carry its draft heads here
@@ -126,7 +127,7 @@ class ResolvedModel:
 
 
 def default_model() -> str:
-    return os.environ.get("CLOVER_MODEL") or DEFAULT_MODEL
+    return env("CLOVER_MODEL") or DEFAULT_MODEL
 
 
 def looks_like_repo(name: str) -> bool:

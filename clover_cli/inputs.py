@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from pathlib import Path
 
 from .errors import CloverError
@@ -83,3 +84,36 @@ def surrogate_problem(text: str, where: str) -> str | None:
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def read_prompt(path: str, keep_newline: bool = False) -> str:
+    """The prompt in a file (or standard input for "-"): UTF-8 text, without the one newline that ends a file
+    (so that it is the same prompt as the same text typed in a chat) unless keep_newline."""
+    if path == "-":
+        where = "standard input"
+        try:
+            data = read_limited(sys.stdin.buffer, MAX_PROMPT_BYTES, where)
+        except OSError as e:
+            raise CloverError(f"cannot read standard input: {e.strerror or e}")
+    else:
+        p = Path(path).expanduser()
+        if p.is_dir():
+            raise CloverError(f"prompt file {path} is a directory")
+        try:  # a regular file, or a pipe or device: a FIFO, /dev/stdin, a shell's <(...); in chunks, up to a cap
+            data = read_limited(p, MAX_PROMPT_BYTES, f"prompt file {path}")
+        except FileNotFoundError:
+            raise CloverError(f"prompt file not found: {path}")
+        except OSError as e:
+            raise CloverError(f"cannot read prompt file {path}: {e.strerror or e}")
+        where = path
+    if b"\x00" in data:
+        raise CloverError(f"{where} looks binary, not a text prompt")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise CloverError(f"{where} is not UTF-8 text")
+    if not text.strip():
+        raise CloverError(f"{where} is empty")
+    if not keep_newline and text.endswith("\n"):
+        text = text[:-2] if text.endswith("\r\n") else text[:-1]
+    return text

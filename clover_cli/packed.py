@@ -27,7 +27,6 @@ whose compiled step is active from the start runs no eager forward at all and ne
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from contextlib import contextmanager
@@ -35,6 +34,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .options import env
 
 PACKED_DTYPES = (torch.float32,)
 MAX_PACKED_BYTES = 4 << 30  # the packed copies double the linears' memory: larger models on a CPU are left as they are
@@ -62,7 +63,7 @@ def supported() -> bool:
     global _supported
     if _supported is None:
         _supported = False
-        if os.environ.get("CLOVER_PACKED", "1") != "0" and torch.backends.mkldnn.is_available():
+        if env("CLOVER_PACKED", "1") != "0" and torch.backends.mkldnn.is_available():
             try:
                 g = torch.Generator().manual_seed(0)  # not the global generator: seeded runs stay as they were
                 w, x = torch.randn(48, 32, generator=g), torch.randn(3, 32, generator=g)
@@ -196,7 +197,7 @@ def _pack_warm_time(linears: list) -> None:
         m.repack()
         shapes.setdefault(_shape_key(m), m)
     if size <= WARM_MAX_BYTES:
-        timed = os.environ.get("CLOVER_PACKED", "auto") != "1"
+        timed = env("CLOVER_PACKED", "auto") != "1"
         with torch.inference_mode():
             for key, m in shapes.items():
                 if key not in _warmed:

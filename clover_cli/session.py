@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import functools
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .drafters import MergedDrafter, NoDrafter, choice_temperature
 from .compiled import StepCompiler, StepCosts, compile_mode
-from .engine import Engine, Sampling, StepEvent, StopCheck
+from .engine import Engine, Sampling, StopCheck
 from .errors import CloverError
 from .drafters.ngram import load_prior
 from .drafters.registry import resolve_heads
@@ -321,50 +320,3 @@ def strip_stop(text: str, stop_strings) -> str:
         if i >= 0:
             cut = min(cut, i)
     return text[:cut]
-
-
-@dataclass
-class RunStats:
-    """Totals over one generation, as --json and the stats stream report them."""
-
-    new_tokens: int = 0
-    steps: int = 0  # target forward passes after prefill
-    drafted_accepted: int = 0
-    proposed: int = 0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    finish: str | None = None
-
-    def __post_init__(self):
-        self.depth_hits: list[int] = []  # depth_hits[d-1]: steps whose accepted path reached depth d
-        self.depth_tries: list[int] = []  # depth_tries[d-1]: steps whose tree reached depth d
-
-    def add(self, ev: StepEvent):
-        self.new_tokens += len(ev.tokens)
-        self.finish = ev.finish or self.finish
-        if ev.prefill:
-            self.prefill_s += ev.elapsed_s
-            return
-        self.steps += 1
-        self.decode_s += ev.elapsed_s
-        self.drafted_accepted += ev.accepted
-        self.proposed += ev.proposed
-        for d in range(1, ev.tree_depth + 1):
-            while len(self.depth_tries) < d:
-                self.depth_tries.append(0)
-                self.depth_hits.append(0)
-            self.depth_tries[d - 1] += 1
-            self.depth_hits[d - 1] += ev.accepted >= d
-
-    @property
-    def tau(self) -> float:
-        """Mean tokens per target forward after prefill (accepted drafted tokens + the target's own)."""
-        return (self.new_tokens - 1) / self.steps if self.steps else 0.0
-
-    @property
-    def accept_by_depth(self) -> list[float]:
-        return [h / t if t else 0.0 for h, t in zip(self.depth_hits, self.depth_tries)]
-
-    @property
-    def tokens_per_s(self) -> float:
-        return (self.new_tokens - 1) / self.decode_s if self.decode_s > 0 else 0.0

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from . import atomic
 from .errors import CloverError
+from .options import env
 
 DEFAULT_INDEX = "https://pypi.org/simple"
 TIMEOUT_S = 10.0  # per connection and read: an index that does not answer falls through within seconds
@@ -155,7 +156,7 @@ def offline() -> bool:
 
 
 def index_url() -> str:
-    return (os.environ.get("CLOVER_PACKAGE_INDEX") or os.environ.get("PIP_INDEX_URL") or DEFAULT_INDEX).rstrip("/")
+    return (env("CLOVER_PACKAGE_INDEX") or os.environ.get("PIP_INDEX_URL") or DEFAULT_INDEX).rstrip("/")
 
 
 @dataclass(frozen=True)

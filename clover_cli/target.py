@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +19,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .errors import CloverError
 from .packed import pack_linears, packed_linears, stock_linears
+from .options import env
 
 ATTN_NAME = "clover_tree"
 
@@ -37,7 +37,7 @@ _kernels = None
 def triton_kernels(device: torch.device):
     """The clover_kernels module when its Triton kernels are to run on `device`, else None (imported lazily)."""
     global _kernels
-    if device.type not in TRITON_DEVICE_TYPES or os.environ.get("CLOVER_TRITON", "1") == "0":
+    if device.type not in TRITON_DEVICE_TYPES or env("CLOVER_TRITON", "1") == "0":
         return None
     if _kernels is None:
         try:

@@ -1,5 +1,5 @@
 """How a model's chat replies end, over `clover bench`'s prompts, for one or more sampling settings: how many end in a
-loop (the last 48 tokens one block of at most 16 repeated: clover_cli.chat.ends_in_loop), how many end on EOS, how
+loop (the last 48 tokens one block of at most 16 repeated: clover_cli.reply.ends_in_loop), how many end on EOS, how
 long they are. What the default sampling settings of an alias are chosen from (docs/BENCHMARKS.md).
 
     python scripts/chat_quality.py smollm2 --settings 0:1.0,0:1.1,0:1.2 -n 256
@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
 
     from clover_cli.bench import load_prompts
-    from clover_cli.chat import ends_in_loop
+    from clover_cli.reply import ends_in_loop
     from clover_cli.engine import Sampling
     from clover_cli.options import Options
     from clover_cli.session import Session

@@ -31,7 +31,8 @@ def main():
     from clover_cli.drafters import NoDrafter
     from clover_cli.drafters.registry import drafter_for, load
     from clover_cli.engine import Engine, StopCheck
-    from clover_cli.session import Options, RunStats, Session
+    from clover_cli.session import Options, Session
+    from clover_cli.stats import Stats
 
     ap = argparse.ArgumentParser()
     ap.add_argument("heads", nargs="+", help="heads directories")
@@ -88,7 +89,7 @@ def main():
             for name, eng in engines.items():
                 eng.drafter = make(methods[name])
                 eng.reset()  # the engines share the target's cache: each run starts from a clean one
-                stats, new = RunStats(), []
+                stats, new = Stats(), []
                 for ev in eng.generate(ids, StopCheck(args.max_new_tokens, s.eos_ids)):
                     stats.add(ev)
                     new += ev.tokens

@@ -28,7 +28,8 @@ def main():
     from clover_cli.drafters.registry import load
     from clover_cli.engine import Engine, StopCheck
     from clover_cli.hub import BUNDLED
-    from clover_cli.session import Options, RunStats, Session, auto_drafter
+    from clover_cli.session import Options, Session, auto_drafter
+    from clover_cli.stats import Stats
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--limit", type=int, default=27)
@@ -88,7 +89,7 @@ def main():
                 eng = engines[name]
                 eng.drafter = make(name)
                 eng.reset()
-                stats = RunStats()
+                stats = Stats()
                 heads_steps["n"] = 0
                 for ev in eng.generate(ids, StopCheck(128, s.eos_ids)):
                     stats.add(ev)

@@ -40,7 +40,7 @@ from clover_cli.bench import BenchConfig, BenchSession, load_prompts
 from clover_cli.drafters import NoDrafter
 from clover_cli.drafters.draft_model import ModelDrafter
 from clover_cli.engine import Engine, Sampling, StopCheck
-from clover_cli.session import RunStats
+from clover_cli.stats import Stats
 
 VARIANTS = {
     "plain": None,
@@ -83,7 +83,7 @@ def main():
     prompts = every[:args.limit] if args.limit else every
     # what the learned early stop is fitted on before timing: prompts outside the timed ones where there are some
     fit_on = every[len(prompts):][:3] or prompts[-3:]
-    totals = {name: RunStats() for name in variants}
+    totals = {name: Stats() for name in variants}
     outputs = {name: [] for name in variants}
 
     def run(name, ids, n, seed):
@@ -93,7 +93,7 @@ def main():
         if spec is not None:
             s.compiler.ready_draft(eng.drafter, bs.draft_model_path)  # the draft's compiled step, as --draft model
         eng.reset()
-        stats, out = RunStats(), []
+        stats, out = Stats(), []
         for ev in eng.generate(ids, StopCheck(n, s.eos_ids), Sampling(args.temperature, 1.0, seed)):
             stats.add(ev)
             out += ev.tokens

@@ -213,7 +213,8 @@ def main():
 
     # 5. the bundled model end to end, with and without speculation
     from clover_cli.engine import Sampling
-    from clover_cli.session import Options, RunStats, Session
+    from clover_cli.session import Options, Session
+    from clover_cli.stats import Stats
 
     # float32: every drafter and either step must give one greedy output; auto: the device's default (bf16 on a GPU)
     for dtype_name in ("float32", "auto") if device.type == "cuda" else ("float32",):
@@ -231,11 +232,11 @@ def main():
             report[f"bundled_step_{tag}"] = f"{session.dtype}: {session.compiler.describe()}"
             for name in ("none", "clover", "auto", "none", "clover", "auto"):
                 session.switch_draft(name)
-                stats, out = RunStats(), []
+                stats, out = Stats(), []
                 for ev in session.generate(ids, args.new_tokens, Sampling()):
                     stats.add(ev)
                     out += ev.tokens
-                rates[name] = max(rates.get(name, 0.0), round(stats.tokens_per_s, 1))  # the better of two runs
+                rates[name] = max(rates.get(name, 0.0), round(stats.tokens_per_s or 0.0, 1))  # the better of two runs
                 outputs.setdefault(name, set()).add(tuple(out))
             report[f"bundled_tokens_per_s_{tag}"] = rates
         report[f"bundled_outputs_identical_{dtype_name}"] = all(len(seen) == 1 for seen in outputs.values()) and \

@@ -26,7 +26,8 @@ def main():
     from clover_cli.drafters.registry import load
     from clover_cli.engine import Engine, StopCheck
     from clover_cli.hub import BUNDLED
-    from clover_cli.session import Options, RunStats, Session, auto_drafter
+    from clover_cli.session import Options, Session, auto_drafter
+    from clover_cli.stats import Stats
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--limit", type=int, default=8)
@@ -62,7 +63,7 @@ def main():
         for _ in engine.generate(encoded[0][:64], StopCheck(8, s.eos_ids)):  # warm-up
             pass
         times.clear()
-        stats = RunStats()
+        stats = Stats()
         for ids in encoded:
             engine.reset()
             for event in engine.generate(ids, StopCheck(128, s.eos_ids)):

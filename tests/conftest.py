@@ -148,7 +148,7 @@ def one_thread():
 @pytest.fixture
 def run_cli(capsys):
     """Run `clover ...` in-process; returns (exit code, stdout, stderr)."""
-    from clover_cli.cli import main
+    from clover_cli.process import main
 
     def run(*args, stdin: str | None = None):
         old_stdin = sys.stdin

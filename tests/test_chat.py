@@ -15,7 +15,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from clover_cli.chat import Chat, Conversation, Out, fit_context, visible
+from clover_cli.chat.commands import Chat
+from clover_cli.chat.conversation import Conversation, fit_context
+from clover_cli.render import visible
+from clover_cli.reply import Out
 from clover_cli.engine import StepEvent
 from clover_cli.errors import CloverError
 
@@ -331,7 +334,7 @@ def test_prompt_comes_up_before_the_model(llama_dir, tmp_path):
     any prompt, in one line. (test_terminal_ctrl_c sends its first message at once: it waits for the model.)"""
     import pexpect
 
-    before_prompt = ("import sys, clover_cli.cli, clover_cli.chat as c, clover_cli.options as o\n"
+    before_prompt = ("import sys, clover_cli.cli, clover_cli.chat.repl as c, clover_cli.options as o\n"
                      f"opts = o.Options(model={str(llama_dir)!r})\n"
                      "c._history(None); c._completer(); c._may_download(opts); c._check_local(opts)\n"
                      "c._check_local(o.Options())\n"
@@ -419,7 +422,7 @@ def test_penalty_command_sets_the_repetition_penalty(llama_dir, tmp_path, run_cl
 def test_a_reply_that_ends_in_a_loop_gets_the_penalty_hint_once(tmp_path, run_cli, monkeypatch):
     """The bundled model's greedy replies often end in a loop: the first one that does is followed by one note that
     /penalty exists (and what it costs); none with a penalty set, and the default is no penalty."""
-    from clover_cli.chat import ends_in_loop
+    from clover_cli.reply import ends_in_loop
 
     assert ends_in_loop([1, 2, 3] * 16) and ends_in_loop([5] * 60) and not ends_in_loop([1, 2, 3] * 15)
     assert not ends_in_loop(list(range(48))) and not ends_in_loop([1, 2] * 23 + [3, 4])

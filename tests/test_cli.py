@@ -478,7 +478,7 @@ def test_a_sessions_long_lived_objects_are_left_out_of_cyclic_collection(llama_d
 EXIT_PROBE = """
 import atexit, sys, threading, time
 from pathlib import Path
-from clover_cli.cli import main
+from clover_cli.process import main
 
 out = Path(sys.argv[1])
 class Finalized:

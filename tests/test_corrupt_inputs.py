@@ -53,7 +53,7 @@ CONVERSATIONS = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"
 @pytest.fixture(scope="module")
 def run_src(tmp_path_factory, llama_dir):
     """A training run of 2 steps with its checkpoint, and its data (copied per test)."""
-    from clover_cli.cli import main
+    from clover_cli.process import main
 
     root = tmp_path_factory.mktemp("run")
     data = root / "chats.json"

@@ -398,7 +398,7 @@ def test_published_eagle3_from_the_hub(tmp_path):
     from test_hub import _commit, _git, _replace_files
     from transformers import AutoModelForCausalLM
 
-    from clover_cli.cli import main
+    from clover_cli.process import main
 
     root = tmp_path / "hub"
     ref = build_model(tmp_path / "ref", "llama", seed=5, num_hidden_layers=LAYERS)

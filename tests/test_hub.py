@@ -192,7 +192,7 @@ def prompt_file(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def local_text(prompt_file, hub):
     """What `clover generate` answers from the reference directories, in-process (the expected Hub results)."""
-    from clover_cli.cli import main
+    from clover_cli.process import main
 
     def answer(ref: str) -> str:
         buf = io.StringIO()

@@ -64,7 +64,7 @@ def data_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def checkpointed(tmp_path_factory, llama_dir, data_file):
     """A training run of 2 steps with its checkpoint (copied per test: tests change it)."""
-    from clover_cli.cli import main
+    from clover_cli.process import main
 
     out = tmp_path_factory.mktemp("run") / "h"
     with pytest.raises(SystemExit) as e:
@@ -448,7 +448,7 @@ def test_resume_with_other_settings(run_cli, llama_dir, data_file, run_dir, othe
 def _conversation(n_exchanges: int, seed: int = 0, system: str | None = "be brief"):
     import random
 
-    from clover_cli.chat import Conversation
+    from clover_cli.chat.conversation import Conversation
 
     rng = random.Random(seed)
     conv = Conversation(system)
@@ -469,7 +469,7 @@ def _counting_encode(seen: list):
 def test_fit_context_leaves_out_the_fewest_exchanges():
     """The window it finds is the one leaving out exchanges one at a time finds: the first (whole exchanges) whose
     rest fits."""
-    from clover_cli.chat import fit_context
+    from clover_cli.chat.conversation import fit_context
 
     for seed in range(30):
         for limit in (40, 90, 200, 400, 10_000):
@@ -487,7 +487,7 @@ def test_fit_context_leaves_out_the_fewest_exchanges():
 
 
 def test_fit_context_work_is_linear_in_the_conversation():
-    from clover_cli.chat import fit_context
+    from clover_cli.chat.conversation import fit_context
 
     for n in (500, 1000, 2000):
         conv, seen = _conversation(n // 2), []
@@ -809,7 +809,7 @@ def test_a_history_file_keeps_its_mode_when_prompts_go_into_it(tmp_path):
     """An existing --history-file was chmodded to 0600 (issue #45: as root every file is "ours", and
     `--history-file /dev/null` locked other users out of /dev/null). Only a file clover creates is made private;
     an existing one keeps its mode while the prompts typed are appended to it."""
-    from clover_cli.chat import _history
+    from clover_cli.chat.repl import _history
 
     path = tmp_path / "history"
     path.write_text("\n# 2026-01-01 00:00:00\n+an old prompt\n")
@@ -860,10 +860,10 @@ def test_a_long_prompt_adds_no_new_kernel_row_counts():
 def test_each_reply_gives_freed_memory_back(run_cli, llama_dir, monkeypatch):
     """The C allocator kept what a reply freed (a 200-turn chat's RSS grew by a third); after each reply that got as
     far as generating (one that fails there too), clover hands it back (malloc_trim on glibc)."""
-    from clover_cli import chat
+    from clover_cli import reply
 
     calls = []
-    monkeypatch.setattr(chat, "_malloc_trim", lambda pad: calls.append(pad) or 1)
+    monkeypatch.setattr(reply, "_malloc_trim", lambda pad: calls.append(pad) or 1)
     code, _, err = run_cli("chat", str(llama_dir), "-n", "4", "--stats-file", "off",
                            stdin="Hello\n" + "word " * 2000 + "\nHow are you?\n")
     assert code == 0, err

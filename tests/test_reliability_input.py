@@ -227,7 +227,7 @@ def test_chat_piped_bounded_inputs_keep_the_conversation(tmp_path, llama_dir):
 
 
 def test_chat_load_refuses_a_lone_surrogate(tmp_path, llama_dir):
-    from clover_cli.chat import Conversation
+    from clover_cli.chat.conversation import Conversation
     from clover_cli.errors import CloverError
 
     bad = tmp_path / "bad.json"
@@ -237,14 +237,14 @@ def test_chat_load_refuses_a_lone_surrogate(tmp_path, llama_dir):
 
 
 def test_load_caps_a_regular_file_too(tmp_path, monkeypatch):
-    from clover_cli import chat
+    from clover_cli.chat import conversation
     from clover_cli.errors import CloverError
 
-    monkeypatch.setattr(chat, "MAX_LOAD_BYTES", 1000)
+    monkeypatch.setattr(conversation, "MAX_LOAD_BYTES", 1000)
     big = tmp_path / "big.json"
     big.write_text(json.dumps([{"role": "user", "content": "a" * 2000}, {"role": "assistant", "content": "b"}]))
     with pytest.raises(CloverError, match=r"cannot load .*larger than 1000 bytes"):
-        chat.Conversation.load(str(big))
+        conversation.Conversation.load(str(big))
 
 
 def test_train_data_is_read_bounded(tmp_path, monkeypatch):
@@ -458,13 +458,13 @@ def test_serve_logs_a_few_errors_a_minute(monkeypatch, capsys):
     import io
     import logging
 
-    from clover_cli import serve
+    from clover_cli import listener
 
     now = [1000.0]  # the limit's own clock (patching time.monotonic would stop every event loop of the process)
     log, out = logging.getLogger("clover-test-flood"), io.StringIO()
     log.addHandler(logging.StreamHandler(out))
     log.propagate = False
-    log.addFilter(serve.RateLimitedLog(burst=5, clock=lambda: now[0]))
+    log.addFilter(listener.RateLimitedLog(burst=5, clock=lambda: now[0]))
     for i in range(1000):
         try:
             raise OSError(24, "Too many open files")
@@ -474,9 +474,9 @@ def test_serve_logs_a_few_errors_a_minute(monkeypatch, capsys):
     now[0] += 61
     log.error("later")
     assert out.getvalue().splitlines()[-1] == "later (995 more errors since the last one shown were not logged)"
-    monkeypatch.setattr(serve, "_errors", serve.RateLimit(burst=10))
+    monkeypatch.setattr(listener, "_errors", listener.RateLimit(burst=10))
     for i in range(100):
-        serve.log_error(f"failure {i}")
+        listener.log_error(f"failure {i}")
     assert capsys.readouterr().err.count("clover serve: error: failure") == 10
 
 

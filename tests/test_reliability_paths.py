@@ -62,7 +62,7 @@ def test_replacing_writes_judge_what_is_at_the_path(tmp_path):
 
 
 def test_a_replaced_file_keeps_its_mode_and_a_new_one_gets_the_mode_asked_for(tmp_path):
-    from clover_cli.chat import Conversation
+    from clover_cli.chat.conversation import Conversation
 
     conv = Conversation("be brief")
     conv.messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
@@ -76,7 +76,7 @@ def test_a_replaced_file_keeps_its_mode_and_a_new_one_gets_the_mode_asked_for(tm
 
 
 def test_save_refuses_a_fifo_and_a_symlink(tmp_path):
-    from clover_cli.chat import Conversation
+    from clover_cli.chat.conversation import Conversation
 
     fifo, link, target = nodes(tmp_path)
     conv = Conversation()
@@ -139,7 +139,7 @@ def test_appending_judges_what_was_opened(tmp_path):
 
 
 def test_appending_to_an_existing_file_leaves_its_mode(tmp_path):
-    from clover_cli.chat import _history
+    from clover_cli.chat.repl import _history
     from clover_cli.stats import StatsWriter
 
     history = tmp_path / "history"
@@ -184,7 +184,7 @@ def test_a_fifo_is_a_sink_for_stats_and_is_not_chmodded(tmp_path):
 
 def test_dev_null_is_accepted_for_history_and_stats_and_never_chmodded(monkeypatch):
     """The calls that could change /dev/null are replaced by ones that record and refuse: safe on any build."""
-    from clover_cli.chat import _history
+    from clover_cli.chat.repl import _history
     from clover_cli.stats import StatsWriter
 
     calls = []

@@ -33,7 +33,8 @@ N = 24  # tokens per reply
 @contextmanager
 def serving(session, **kwargs):
     """A Server for `session` on a free loopback port, run by uvicorn in a thread: yields it with `.url`."""
-    from clover_cli.serve import Server, listen, run
+    from clover_cli.listener import listen, run
+    from clover_cli.serve import Server
 
     server = Server(session, **kwargs)
     sock = listen("127.0.0.1", 0)
@@ -72,7 +73,7 @@ def server(llama_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(llama_dir, tmp_path_factory):
     """`clover generate --json` of each prompt (chat template, and --raw), as a subprocess would print it."""
-    from clover_cli.cli import main
+    from clover_cli.process import main
 
     root = tmp_path_factory.mktemp("prompts")
     out = {}
@@ -185,7 +186,7 @@ def test_openai_client_completions_are_generate_raw(server, reference):
 def test_a_repetition_penalty_is_clover_generates(server, llama_dir, tmp_path):
     """`repetition_penalty` in a request (as transformers, vLLM and TGI clients send it) gives what `clover generate
     --repetition-penalty` gives; a bad one is a 400."""
-    from clover_cli.cli import main
+    from clover_cli.process import main
 
     path = tmp_path / "p.txt"
     path.write_text(PROMPTS[1])

@@ -35,7 +35,7 @@ def data_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trained(fresh_model, data_file, tmp_path_factory):
-    from clover_cli.cli import main
+    from clover_cli.process import main
 
     out = tmp_path_factory.mktemp("heads") / "h"
     with pytest.raises(SystemExit) as e:
@@ -352,7 +352,7 @@ PROBE = """
 import atexit, json, os, sys
 import torch
 from clover_cli.train import loop as train_mod
-from clover_cli.cli import main
+from clover_cli.process import main
 
 rank, seen, box = int(os.environ["RANK"]), [], {}
 collate = train_mod.collate

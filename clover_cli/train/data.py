@@ -89,7 +89,7 @@ def regenerate(cfg: TrainConfig, model, tokenizer, template: str, stop_strings, 
     do into its own regenerated.<start>.<r>-of-<world>.jsonl; the main process then merges them in order into
     regenerated.jsonl, and every process reads that.
     """
-    from ..session import strip_stop
+    from ..reply import strip_stop
     from ..templates import render
 
     cache = Path(cfg.out) / "regenerated.jsonl"

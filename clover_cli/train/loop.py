@@ -31,7 +31,7 @@ def evaluate(heads, cfg, model, tokenizer, template, held_ids, held_masks, held_
 
     from ..engine import Engine, StopCheck
     from ..drafters.registry import drafter_for
-    from ..session import RunStats
+    from ..stats import Stats
     from ..target import Target
     from ..templates import render
 
@@ -55,7 +55,7 @@ def evaluate(heads, cfg, model, tokenizer, template, held_ids, held_masks, held_
     dtype = model.get_input_embeddings().weight.dtype
     draft_heads = copy.deepcopy(heads).to(dtype).eval()
     engine = Engine(target, drafter_for(draft_heads, target), budget=24, auto_budget=False)
-    stats = RunStats()
+    stats = Stats()
     eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     for messages in held_msgs[:EVAL_PROMPTS]:
         first_user = next((j for j, msg in enumerate(messages) if msg["role"] == "user"), None)
@@ -73,7 +73,7 @@ def evaluate(heads, cfg, model, tokenizer, template, held_ids, held_masks, held_
     if not any(n for _, n in agree):  # nothing held out (or nothing of it fits --max-len): nothing measured
         return None
     return {"accuracy": accuracy, "tau": stats.tau if stats.steps else None,
-            "accept_by_depth": stats.accept_by_depth}
+            "accept_by_depth": stats.hit_rates}
 
 
 # ----------------------------------------------------------------------------------------------------- main

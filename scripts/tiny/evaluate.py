@@ -37,17 +37,17 @@ def heldout_prompts(n: int, min_share: float = 0.97):
 
 def loops(tokens: list[int], tail: int = 48) -> bool:
     """Whether a reply ends in a loop: its last 48 tokens one block of 1-16 tokens repeated (the chat's test)."""
-    from clover_cli.chat import ends_in_loop
+    from clover_cli.reply import ends_in_loop
 
     return ends_in_loop(tokens, tail)
 
 
 def run(session, ids, n, temperature, seed):
     from clover_cli.engine import Sampling
-    from clover_cli.session import RunStats
+    from clover_cli.stats import Stats
 
     session.engine.reset()
-    stats = RunStats()
+    stats = Stats()
     out = []
     for ev in session.generate(ids, n, Sampling(temperature, 1.0, seed)):
         stats.add(ev)
@@ -56,7 +56,7 @@ def run(session, ids, n, temperature, seed):
 
 
 def summarise(runs) -> dict:
-    """τ (tokens after the first over steps) and per-depth acceptance over a list of RunStats."""
+    """τ (tokens after the first over steps) and per-depth acceptance over a list of stats.Stats."""
     new = sum(r.new_tokens - 1 for r in runs)
     steps = sum(r.steps for r in runs)
     depth = max((len(r.depth_tries) for r in runs), default=0)

@@ -115,7 +115,7 @@ def timing(target, draft, prompt, rounds=5, steps=64) -> dict:
 
 def loops(tokens: list[int], tail: int = 48) -> bool:
     """Whether a reply ends in a loop: its last 48 tokens one block of 1-16 tokens repeated (the chat's test)."""
-    from clover_cli.chat import ends_in_loop
+    from clover_cli.reply import ends_in_loop
 
     return ends_in_loop(tokens, tail)
 
