@@ -10,7 +10,8 @@ layers are skipped.
 
 Which layers to skip is chosen once per model, device and dtype by a short calibration on the first prompt
 (`calibrate`) and kept on disk beside the step costs (store.self_draft_path: store.cache_root() / "self"): a later
-run reads it. The first and last layers are never skipped. The calibration runs the full model once over the calibration tokens
+run reads it. The first and last layers are never skipped. The calibration runs the full model once over the
+calibration tokens
 (the prompt; a short prompt is extended by the target's own greedy continuation), then grows the skipped set
 greedily, one layer at a time, adding the layer whose skipping keeps the most top-1 agreement with the full model;
 each set is scored by the speedup a chain of its drafts would give,

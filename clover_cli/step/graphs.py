@@ -283,7 +283,7 @@ class HeadsCalls:
 
 
 class RowBuffers:
-    """Input buffers of a module applied row by row (rows independent): copied in, padded to a size of the table, run."""
+    """Input buffers of a module applied row by row (rows independent): copied in, padded to a size, run."""
 
     def __init__(self, sizes: tuple[int, ...], calls: HeadsCalls):
         self.sizes, self.calls, self.graphs = sizes, calls, calls.graphs

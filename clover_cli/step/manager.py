@@ -136,7 +136,7 @@ class StepCompiler:
         self.warn(f"no CUDA graphs: {why}; running eager")
 
     def _attach_graphs(self, drafter) -> bool:
-        """On CUDA: the heads' per-step modules as static calls captured as graphs (clover_cli/graphs.py)."""
+        """On CUDA: the heads' per-step modules as static calls captured as graphs (graphs.py)."""
         from .graphs import heads_graphs
 
         programs = heads_graphs(drafter, self.capacity)
