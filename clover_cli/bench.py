@@ -231,7 +231,7 @@ class BenchSession:
     """One loaded target with what every method needs."""
 
     def __init__(self, cfg: BenchConfig):
-        from .compiled import compile_mode
+        from .options import compile_mode
         from .drafters.registry import load as load_heads, resolve_heads
         from .session import Options, Session
 
@@ -342,11 +342,12 @@ class BenchSession:
                        ModelDrafter(self.draft_model, s.target, tree="chain", stop_below=0.0))
             s.compiler.ready_draft(drafter, self.draft_model_path)  # the draft's own compiled step
         elif method in SELF_METHODS:  # calibrated in the first (untimed warm-up) run, or read from the cache
-            from .drafters.self_draft import SelfDrafter, cache_path
+            from .drafters.self_draft import SelfDrafter
+            from .store import self_draft_path
 
             log = None if self.quiet else (lambda text: print(f"clover bench: {text}", file=sys.stderr))
             drafter = SelfDrafter(s.target, tree="mcsd" if method == "self" else "chain", log=log,
-                                  cache=cache_path(s.resolved.path, s.device, s.dtype),
+                                  cache=self_draft_path(s.resolved.path, s.device, s.dtype),
                                   **({} if method == "self" else {"stop_below": 0.0}))
         elif method == "eagle":
             from .drafters.eagle import EagleDrafter
@@ -556,9 +557,10 @@ def make_report(cfg, bs, methods, rows, prompts) -> dict:
 
         report["draft_model"] = {"name": bs.draft_model_name, "parameters": parameter_count(bs.draft_model)}
     if any(m in SELF_METHODS for m in methods):  # the self rows' skipped layers, as calibrated (and cached)
-        from .drafters.self_draft import cache_path, layer_count, load_choice
+        from .drafters.self_draft import layer_count, load_choice
+        from .store import self_draft_path
 
-        report["self_draft"] = load_choice(cache_path(s.resolved.path, s.device, s.dtype), layer_count(s.model))
+        report["self_draft"] = load_choice(self_draft_path(s.resolved.path, s.device, s.dtype), layer_count(s.model))
     if any(m in LLAMA_METHODS for m in methods):
         import llama_cpp
 

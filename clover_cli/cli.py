@@ -521,7 +521,10 @@ def compile_step(
     import torch
     from transformers import AutoConfig
 
-    from .compiled import Job, Package, capacity_for, find_heads, heads_dir, package_dir
+    from .step import capacity_for
+    from .step.aot import Package, find_heads
+    from .step.aot_build import Job
+    from .store import heads_dir, package_dir
     from .drafters import registry
     from .hub import resolve_model
     from .target import context_limit
@@ -560,24 +563,23 @@ def compile_step(
 
 def _build(job, shown: str) -> float | None:
     """Build what `job` lacks (seconds it took), or None when nothing was missing; one line when it fails."""
-    from . import compiled
+    from .step import aot, aot_build
 
-    for d, damage, what in ((job.out, compiled.damage, "compiled step"), (job.heads_out, compiled.heads_damage,
-                                                                          "heads")):
-        seen = compiled._fingerprint(d) if d is not None else None
+    for d, damage, what in ((job.out, aot.damage, "compiled step"), (job.heads_out, aot.heads_damage, "heads")):
+        seen = aot._fingerprint(d) if d is not None else None
         why = damage(d) if d is not None else None
         if why:  # every file checked against its checksum: a damaged package is built again, not "already compiled"
             typer.echo(f"clover: the {what}'s package {d} is damaged ({why}); building it again", err=True)
-            compiled.discard(d, seen)
+            aot.discard(d, seen)
     if not any(job.missing()):
         return None
     t0 = time.perf_counter()
     try:  # another process building it: waited for (one line), then what it did not build is built
-        built = compiled.build_locked(job, log=lambda text: typer.echo(text, err=True), wait=True, name=shown)
+        built = aot_build.build_locked(job, log=lambda text: typer.echo(text, err=True), wait=True, name=shown)
     except CloverError:
         raise
     except Exception as e:  # export or compiler failure
-        raise CloverError(compiled.failure_line(e))
+        raise CloverError(aot_build.failure_line(e))
     return time.perf_counter() - t0 if built else None
 
 
@@ -587,7 +589,10 @@ def _compile_draft(name: Optional[str], resolved, target_context: int, trust_rem
     import torch
     from transformers import AutoConfig
 
-    from .compiled import Job, Package, capacity_for, package_dir
+    from .step import capacity_for
+    from .step.aot import Package
+    from .step.aot_build import Job
+    from .store import package_dir
     from .drafters.draft_model import resolve_draft_model
     from .target import context_limit
 

@@ -26,7 +26,7 @@ from filelock import FileLock, Timeout
 
 from . import atomic
 from .errors import CloverError
-from .options import env
+from .store import content_hash, converted_dir, lock_path
 
 MAGIC = b"GGUF"
 SOURCE_FILE = "clover-gguf.json"  # in a converted directory: which file it came from, and how
@@ -38,12 +38,6 @@ DTYPES = ("float32", "float16", "bfloat16")
 
 def is_gguf_name(name: str) -> bool:
     return name.lower().endswith(".gguf")
-
-
-def cache_root() -> Path:
-    from .stats import cache_dir
-
-    return Path(env("CLOVER_GGUF_CACHE") or cache_dir() / "gguf")
 
 
 @dataclass
@@ -161,47 +155,7 @@ def _can_dequantize(type_name: str) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# content keys
-
-
-def content_hash(path: Path) -> str:
-    """The sha256 of the file's bytes, remembered per (path, size, mtime) so that a later run need not read it."""
-    path = Path(path).resolve()
-    st = path.stat()
-    stamp = [st.st_size, st.st_mtime_ns]
-    index_path = cache_root() / "hashes.json"
-    try:
-        index = json.loads(index_path.read_text())
-        known = index.get(str(path)) if isinstance(index, dict) else None
-        if isinstance(known, dict) and known.get("stamp") == stamp and isinstance(known.get("sha256"), str):
-            return known["sha256"]
-    except (OSError, ValueError, RecursionError):  # a damaged cache file: the hash is taken again
-        index = {}
-    if not isinstance(index, dict):
-        index = {}
-    from .sources import sha256_of
-
-    sha = sha256_of(path)
-    index[str(path)] = {"stamp": stamp, "sha256": sha}
-    try:
-        atomic.write_text(index_path, json.dumps(index))
-    except OSError:
-        pass  # a cache that cannot be written only costs a hash next time
-    return sha
-
-
-def lock_path(name: str) -> Path:
-    """Where the lock of one of clover's caches' entries lives: apart from the entries, in the cache's locks/ (a lock
-    file outlives its use: removing it could let a third process lock a file nobody else sees)."""
-    from .stats import cache_dir
-
-    locks = cache_dir() / "locks"
-    locks.mkdir(parents=True, exist_ok=True)
-    return locks / f"{name}.lock"
-
-
-def converted_dir(sha: str, dtype: str) -> Path:
-    return cache_root() / f"{sha[:20]}-{dtype}"
+# converted directories (their keys and paths: clover_cli/store.py)
 
 
 def is_converted(directory: Path) -> bool:

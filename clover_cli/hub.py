@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import gguf_model
+from . import gguf_model, store
 from .errors import CloverError
 from .sources import PackageSource, SourceUnavailable, WheelPart
 from .options import env
@@ -463,7 +463,7 @@ def will_fetch(name: str | None, revision: str | None = None, dtype: str = "auto
 
 def _is_converted(file: Path, dtype: str) -> bool:
     try:
-        return gguf_model.is_converted(gguf_model.converted_dir(gguf_model.content_hash(file), _gguf_dtype(dtype)))
+        return gguf_model.is_converted(store.converted_dir(store.content_hash(file), _gguf_dtype(dtype)))
     except (OSError, CloverError):
         return False
 
@@ -503,7 +503,7 @@ def local_copy(spec: ModelSpec) -> str:
     if file is None:
         return "-"
     size = disk_size(file)
-    converted = [d for d in gguf_model.cache_root().glob(f"{spec.package.sha256[:20]}-*") if gguf_model.is_converted(d)]
+    converted = [d for d in store.gguf_cache_root().glob(f"{spec.package.sha256[:20]}-*") if gguf_model.is_converted(d)]
     size += sum(disk_size(d) for d in converted)
     return f"package index, {human_size(size)}" + (" with its conversion" if converted else "")
 

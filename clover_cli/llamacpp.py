@@ -183,7 +183,7 @@ def gguf_for(resolved, model, tokenizer, cache: Path, quiet: bool = False) -> Pa
     """The cached GGUF of this model, written first when missing. It is named after the model's directory and
     keyed by its revision and its weight, config and tokenizer files' sizes and modification times; a new key
     replaces the directory's older GGUF (a float32 GGUF is as large as the model in float32)."""
-    from .loading import model_files
+    from .store import model_files
 
     source = Path(resolved.path).resolve()
     files = model_files(source, (".safetensors", ".bin", ".json"))

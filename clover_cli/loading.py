@@ -23,18 +23,6 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.floa
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
-def model_files(directory, suffixes) -> list[Path]:
-    """The files of a model directory with these suffixes that make the model, in name order: what keys a package
-    built from it (the compiled step, the GGUF). The n-gram prior beside the weights only drafts: not one of them."""
-    from .drafters.ngram import PRIOR_FILE
-
-    directory = Path(directory)
-    if not directory.is_dir():
-        return []
-    return sorted((f for f in directory.iterdir() if f.is_file() and f.suffix in suffixes and f.name != PRIOR_FILE),
-                  key=lambda f: f.name)
-
-
 def pick_device(device: str = "auto") -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 
 from .errors import CloverError
 
-MODES = ("auto", "on", "off")  # --compile, see clover_cli/compiled.py
+MODES = ("auto", "on", "off")  # --compile, see clover_cli/step/manager.py
 # self: the target with layers skipped as its own draft (clover_cli/drafters/self_draft.py)
 DRAFTS = ("auto", "clover", "medusa", "eagle", "eagle3", "ngram", "model", "self", "none")
 EARLY_STOPS = ("fixed", "learned")  # --early-stop: how a draft model's branches end (drafters/early_stop.py)
@@ -66,7 +66,7 @@ class Options:
     trust_remote_code: bool = False
     allow_pickle: bool = False
     max_context: int | None = None
-    compile: str | None = None  # auto, on or off (None: CLOVER_COMPILE, else auto); see clover_cli/compiled.py
+    compile: str | None = None  # auto, on or off (None: CLOVER_COMPILE, else auto); see clover_cli/step/manager.py
 
 
 def check_options(opts: Options) -> None:

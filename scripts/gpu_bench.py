@@ -5,7 +5,7 @@
 
 Measures (speed does not depend on weight values, so the 7B target has random weights):
   1. memory roofline: weight bytes / measured device copy bandwidth, against plain decode ms/token (our engine),
-     eager and (on CUDA) with the static step captured as CUDA graphs (clover_cli/graphs.py);
+     eager and (on CUDA) with the static step captured as CUDA graphs (clover_cli/step/graphs.py);
   2. verify-step time for trees of 1/16/32/64/128 nodes, relative to a 1-token step, at a 512-token context, both
      ways (128 nodes are past the graphs' largest size: they run eager);
   3. draft time of 5 Clover-2 heads (dynamic tree, 64-node budget), relative to a 1-token step, and of their catch-up
@@ -82,9 +82,9 @@ def copy_bandwidth(device, measure) -> float:
 def main():
     from clover_cli.drafters import NoDrafter
     from clover_cli.drafters.clover2 import CloverDrafter
-    from clover_cli.compiled import capacity_for
+    from clover_cli.step import capacity_for
     from clover_cli.engine import Engine, StopCheck
-    from clover_cli.graphs import attach, heads_graphs
+    from clover_cli.step.graphs import attach, heads_graphs
     from clover_cli.drafters.common import HeadsConfig
     from clover_cli.drafters.registry import build_heads
     from clover_cli.target import Target

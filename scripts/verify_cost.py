@@ -1,6 +1,6 @@
 """What a verify forward of the bundled model (or --model) costs by tree size: eager with stock linears, eager with
 prepacked CPU linears for every row count, eager as clover runs it (prepacked where pack_linears timed it faster:
-"auto"), and the compiled step (clover_cli/compiled.py; built first if it is not cached).
+"auto"), and the compiled step (clover_cli/step/; built first if it is not cached).
 
     python scripts/verify_cost.py                      # all four, alternating, 3 rounds; one JSON object
     python scripts/verify_cost.py --markdown --plot docs/step_cost.png   # also table rows and a chart

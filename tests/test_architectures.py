@@ -101,9 +101,9 @@ def test_greedy_is_exact_with_every_drafter(models, name):
 
 @pytest.mark.parametrize("name", ACCEPTED)
 def test_the_static_step_is_exact_on_every_architecture(models, name):
-    """The GPU's static step (clover_cli/graphs.py; uncaptured here) passes its own check against the eager step and
-    gives transformers' greedy output with each drafter, the heads' per-step modules as static calls too."""
-    from clover_cli.graphs import attach, check, heads_graphs
+    """The GPU's static step (clover_cli/step/graphs.py; uncaptured here) passes its own check against the eager step
+    and gives transformers' greedy output with each drafter, the heads' per-step modules as static calls too."""
+    from clover_cli.step.graphs import attach, check, heads_graphs
 
     model = models[name]
     target = Target(model)

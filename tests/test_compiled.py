@@ -1,4 +1,4 @@
-"""The compiled step (clover_cli/compiled.py): lossless against transformers' own generate with the compiled program
+"""The compiled step (clover_cli/step/): lossless against transformers' own generate with the compiled program
 running every step, on several architectures, drafters, trees and sampling settings; eager and compiled steps
 mixed in one generation; the package cache, the background build and its swap, fallbacks and the CLI.
 
@@ -14,8 +14,12 @@ import zlib
 import pytest
 import torch
 
-from clover_cli import compiled
-from clover_cli.compiled import CompiledStep, HeadsPrograms, Package, StepCompiler, build_for, build_heads_for
+from clover_cli import step as contract
+from clover_cli.step import aot, aot_export, manager
+from clover_cli.step.aot import CompiledStep, HeadsPrograms, Package
+from clover_cli.step.aot_export import build_for, build_heads_for
+from clover_cli.step.costs import StepCosts
+from clover_cli.step.manager import StepCompiler
 from clover_cli.drafters.clover2 import CloverDrafter
 from clover_cli.drafters.medusa import MedusaDrafter
 from clover_cli.engine import Engine, Sampling, StopCheck
@@ -29,7 +33,7 @@ STATIC_SIZES = {"llama": (1, 4), "mistral": (4,), "qwen2": ()}
 # Autotuning (inductor compiling and timing its own C++ products against oneDNN's) adds ~30 s to each fixed-size
 # program's build and changes which kernel does a product, not what the program computes: one program of each kind
 # is built as a user's is (mistral's step for 4 tokens, Medusa's heads), the others without it.
-# llama's weights are rounded to float16 values: its programs for 1 and 4 tokens keep them narrow (compiled.NARROW);
+# llama's weights are rounded to float16 values: its programs for 1 and 4 tokens keep them narrow (aot_export.NARROW);
 # the others' are float32 values, their programs as before.
 NARROWED = ("llama",)
 AUTOTUNE = {"llama": False, "mistral": True, "qwen2": False, "clover": False, "medusa": True}
@@ -41,11 +45,11 @@ def programs(tmp_path_factory):
     root = tmp_path_factory.mktemp("programs")
     # the test models' weights are far smaller than a CPU cache: narrow wherever they are exact, as a model too large
     # to stay cached would be
-    least, compiled.NARROW_MIN_BYTES = compiled.NARROW_MIN_BYTES, 0
+    least, aot_export.NARROW_MIN_BYTES = aot_export.NARROW_MIN_BYTES, 0
     try:
         return _build_programs(root)
     finally:
-        compiled.NARROW_MIN_BYTES = least
+        aot_export.NARROW_MIN_BYTES = least
 
 
 def _build_programs(root):
@@ -62,11 +66,11 @@ def _build_programs(root):
         # runs its 1-token steps)
         meta = build_for(target, root / family, log=lambda text: None, static=STATIC_SIZES[family],
                          autotune=AUTOTUNE[family])
-        assert [name for name, *_ in compiled.program_table(STATIC_SIZES[family])] == sorted(meta["ranges"])
+        assert [name for name, *_ in aot_export.program_table(STATIC_SIZES[family])] == sorted(meta["ranges"])
         assert meta["capacity"] == target.cache.capacity == 512
         assert set(meta["verify_s"]) >= {"1", "16", "32"} and all(v > 0 for v in meta["verify_s"].values())
         # the programs for 1, 2 or 4 tokens keep the weights narrow where they are exactly float16
-        narrow = {f"step-{n}.pt2": "float16" for n in STATIC_SIZES[family] if n <= compiled.NARROW_ROWS}
+        narrow = {f"step-{n}.pt2": "float16" for n in STATIC_SIZES[family] if n <= aot_export.NARROW_ROWS}
         assert meta["narrow"] == (narrow if family in NARROWED else {})
         out[family] = (model, root / family, meta["capacity"])
     return out
@@ -211,7 +215,7 @@ def test_long_prompts_run_in_pieces_and_stay_exact(programs, family):
         engine = Engine(target, drafter_for("ngram", model, target, rng, [], 0), budget=8, auto_budget=False)
         out, _ = run_engine(engine, prompt, StopCheck(12))
         assert out == hf_greedy(model, prompt, 12), n
-    assert {n for n in seen if n > compiled.SIZES[-1]} <= set(compiled.PIECES) and max(seen) > compiled.SIZES[-1]
+    assert {n for n in seen if n > aot.SIZES[-1]} <= set(aot.PIECES) and max(seen) > aot.SIZES[-1]
 
 
 def test_program_serves_only_what_fits(programs):
@@ -244,25 +248,25 @@ def test_a_wrong_program_is_refused(programs, monkeypatch):
     target = Target(model)
     target.forward(torch.tensor([5]))  # the buffers the check writes into
     step = Package.find(path).load()
-    compiled.check(step, target)
-    real = compiled.CompiledStep.__call__
+    aot_export.check(step, target)
+    real = aot.CompiledStep.__call__
 
     def off_by_a_bit(self, *args):
         pre, logits = real(self, *args)
         return pre, logits + 0.01 * logits.abs().max()
 
-    monkeypatch.setattr(compiled.CompiledStep, "__call__", off_by_a_bit)
-    with pytest.raises(compiled.CloverError, match="disagrees with the eager one"):
-        compiled.check(step, target)
+    monkeypatch.setattr(aot.CompiledStep, "__call__", off_by_a_bit)
+    with pytest.raises(aot_export.CloverError, match="disagrees with the eager one"):
+        aot_export.check(step, target)
 
 
 def test_a_failed_build_leaves_nothing(tmp_path):
     with pytest.raises(RuntimeError):
-        with compiled.building(tmp_path / "pkg") as tmp:
+        with aot_export.building(tmp_path / "pkg") as tmp:
             (tmp / "half.pt2").write_bytes(b"x")
             raise RuntimeError("the compiler failed")
     assert list(tmp_path.iterdir()) == []
-    with compiled.building(tmp_path / "pkg") as tmp:
+    with aot_export.building(tmp_path / "pkg") as tmp:
         (tmp / "whole.pt2").write_bytes(b"x")
     assert [p.name for p in (tmp_path / "pkg").iterdir()] == ["whole.pt2"]
 
@@ -273,7 +277,7 @@ def test_stored_costs_spare_the_calibration(programs, tmp_path, monkeypatch):
     monkeypatch.setenv("CLOVER_COMPILE_CACHE", str(tmp_path))
     model, _, _ = programs["llama"]
     target = Target(model)
-    costs = compiled.StepCosts(tmp_path / "model", torch.device("cpu"), torch.float32, None)
+    costs = StepCosts(tmp_path / "model", torch.device("cpu"), torch.float32, None)
     forwards = {"n": 0}
     real = target.forward
 
@@ -307,8 +311,8 @@ def test_a_stale_stored_table_follows_the_builds_costs(programs, tmp_path, monke
         active = True
         verify_s = {1: 1.0e-3, 4: 1.3e-3, 8: 2.0e-3}
 
-    assert compiled.StepCosts(tmp_path / "model", torch.device("cpu"), torch.float32, None).reference() is None
-    costs = compiled.StepCosts(tmp_path / "model", torch.device("cpu"), torch.float32, Built())
+    assert StepCosts(tmp_path / "model", torch.device("cpu"), torch.float32, None).reference() is None
+    costs = StepCosts(tmp_path / "model", torch.device("cpu"), torch.float32, Built())
     assert costs.padded and costs.reference() == Built.verify_s
     costs.save({1: 1.2e-3, 4: 1.6e-3, 8: 5.0e-3})  # stored on a busy afternoon
     target = Target(model)
@@ -341,7 +345,7 @@ def test_compiler_falls_back_to_eager_with_one_warning(llama_dir, tmp_path, monk
         def error(self):
             return "compiling failed: RuntimeError: no luck"
 
-    monkeypatch.setattr(compiled, "Builder", FailingBuilder)
+    monkeypatch.setattr(manager, "Builder", FailingBuilder)
     comp = StepCompiler("on", target, llama_dir, torch.float32, torch.device("cpu"), warn=warnings.append)
     assert comp.state == "missing"
     comp.start(background=False)
@@ -474,21 +478,21 @@ def test_package_lookup_ignores_incomplete_builds(tmp_path):
     d = tmp_path / "pkg"
     d.mkdir()
     assert Package.find(d) is None  # no metadata
-    ranges = {name: {"n": [1, 4], "past": [0, 3]} for name, *_ in compiled.PROGRAMS}
+    ranges = {name: {"n": [1, 4], "past": [0, 3]} for name, *_ in aot_export.PROGRAMS}
     files = {name: {"bytes": 0, "crc32": 0} for name in ranges}  # what an empty file's are
-    meta = {"program": compiled.PROGRAM_VERSION, "capacity": 8, "ranges": ranges, "files": files}
-    (d / compiled.META).write_text(json.dumps(meta))
+    meta = {"program": contract.PROGRAM_VERSION, "capacity": 8, "ranges": ranges, "files": files}
+    (d / aot.META).write_text(json.dumps(meta))
     assert Package.find(d) is None  # no program files
-    for name, *_ in compiled.PROGRAMS[:-1]:
+    for name, *_ in aot_export.PROGRAMS[:-1]:
         (d / name).write_bytes(b"")
     assert Package.find(d) is None  # one missing
-    (d / compiled.PROGRAMS[-1][0]).write_bytes(b"")
-    assert Package.find(d) is not None and compiled.damage(d) is None
-    (d / compiled.PROGRAMS[0][0]).write_bytes(b"x")
+    (d / aot_export.PROGRAMS[-1][0]).write_bytes(b"")
+    assert Package.find(d) is not None and aot.damage(d) is None
+    (d / aot_export.PROGRAMS[0][0]).write_bytes(b"x")
     assert Package.find(d) is None  # a file of another size than it was built with
-    assert "1 bytes, not 0" in compiled.damage(d)
-    (d / compiled.PROGRAMS[0][0]).write_bytes(b"")
-    (d / compiled.META).write_text(json.dumps({**meta, "program": compiled.PROGRAM_VERSION - 1}))
+    assert "1 bytes, not 0" in aot.damage(d)
+    (d / aot_export.PROGRAMS[0][0]).write_bytes(b"")
+    (d / aot.META).write_text(json.dumps({**meta, "program": contract.PROGRAM_VERSION - 1}))
     assert Package.find(d) is None  # built by an older clover
 
 
@@ -498,20 +502,20 @@ def test_static_sizes_route_small_steps_to_their_own_programs(monkeypatch):
     from clover_cli.errors import CloverError
 
     monkeypatch.delenv("CLOVER_COMPILE_SIZES")
-    assert compiled.static_sizes() == compiled.STATIC == (1, 2, 4, 8, 16)
+    assert contract.static_sizes() == contract.STATIC == (1, 2, 4, 8, 16)
     # each program holds a copy of the weights: a larger model gets fewer programs
-    assert compiled.static_sizes(36 << 20) == compiled.STATIC
-    assert compiled.static_sizes(1 << 30) == compiled.FEW_STATIC == (1, 4)
+    assert contract.static_sizes(36 << 20) == contract.STATIC
+    assert contract.static_sizes(1 << 30) == contract.FEW_STATIC == (1, 4)
     for text, sizes in (("1,4", (1, 4)), (" 4, 1,4 ", (1, 4)), ("", ())):
         monkeypatch.setenv("CLOVER_COMPILE_SIZES", text)
-        assert compiled.static_sizes() == compiled.static_sizes(1 << 30) == sizes  # what is asked for, any size
+        assert contract.static_sizes() == contract.static_sizes(1 << 30) == sizes  # what is asked for, any size
     for bad in ("0", "1,x", "81", "-1"):
         monkeypatch.setenv("CLOVER_COMPILE_SIZES", bad)
         with pytest.raises(CloverError, match="CLOVER_COMPILE_SIZES"):
-            compiled.static_sizes()
-    names = [(name, lo, hi) for name, lo, hi, *_ in compiled.program_table((1, 4))]
+            contract.static_sizes()
+    names = [(name, lo, hi) for name, lo, hi, *_ in aot_export.program_table((1, 4))]
     assert names == [("step-1.pt2", 1, 1), ("step-4.pt2", 4, 4), ("step.pt2", 5, None)]
-    assert [name for name, *_ in compiled.program_table(())] == ["step.pt2"]
+    assert [name for name, *_ in aot_export.program_table(())] == ["step.pt2"]
 
     step = CompiledStep.__new__(CompiledStep)
     step.capacity = 100
@@ -529,39 +533,39 @@ def test_static_sizes_route_small_steps_to_their_own_programs(monkeypatch):
 def test_narrow_weights_are_chosen_only_where_exact_and_compute_the_linear(monkeypatch):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.ReLU(), torch.nn.Linear(24, 8, bias=False))
-    monkeypatch.setattr(compiled, "NARROW_MIN_BYTES", 0)
-    assert compiled.narrow_dtype(model) is None  # float32 values
+    monkeypatch.setattr(aot_export, "NARROW_MIN_BYTES", 0)
+    assert aot_export.narrow_dtype(model) is None  # float32 values
     with torch.no_grad():
         for layer in (model[0], model[2]):
             layer.weight.copy_(layer.weight.half().float())
-    assert compiled.narrow_dtype(model) == torch.float16
+    assert aot_export.narrow_dtype(model) == torch.float16
     size = 4 * (16 * 24 + 24 * 8)
-    monkeypatch.setattr(compiled, "NARROW_MIN_BYTES", size)  # weights that small stay cached: not narrowed
-    assert compiled.narrow_dtype(model) is None
-    monkeypatch.setattr(compiled, "NARROW_MIN_BYTES", size - 1)
-    assert compiled.narrow_dtype(model) == torch.float16
-    assert compiled.NARROW_MIN_BYTES > 0 and compiled.last_level_cache_bytes() >= 1 << 20
+    monkeypatch.setattr(aot_export, "NARROW_MIN_BYTES", size)  # weights that small stay cached: not narrowed
+    assert aot_export.narrow_dtype(model) is None
+    monkeypatch.setattr(aot_export, "NARROW_MIN_BYTES", size - 1)
+    assert aot_export.narrow_dtype(model) == torch.float16
+    assert aot_export.NARROW_MIN_BYTES > 0 and aot_export.last_level_cache_bytes() >= 1 << 20
     with torch.no_grad():  # bfloat16 values, and one float16 cannot hold (above its largest)
         for layer in (model[0], model[2]):
             layer.weight.copy_(layer.weight.bfloat16().float())
-        assert compiled.narrow_dtype(model) == torch.float16  # small bfloat16 values: float16 holds them too
+        assert aot_export.narrow_dtype(model) == torch.float16  # small bfloat16 values: float16 holds them too
         model[2].weight[0, 0] = 2.0 ** 20
-    assert compiled.narrow_dtype(model) == torch.bfloat16
+    assert aot_export.narrow_dtype(model) == torch.bfloat16
     with torch.no_grad():
         model[0].weight[0, 0] = 1.0 + 2.0 ** -20  # neither holds it
-    assert compiled.narrow_dtype(model) is None
-    assert compiled.narrow_dtype(torch.nn.Sequential(torch.nn.ReLU())) is None
+    assert aot_export.narrow_dtype(model) is None
+    assert aot_export.narrow_dtype(torch.nn.Sequential(torch.nn.ReLU())) is None
     with torch.no_grad():
         model[0].weight[0, 0] = 1.0
     x = torch.randn(3, 16)
     want = model(x)
     originals = [model[0], model[2]]
-    with compiled.narrow_linears(model, torch.bfloat16) as swapped:
-        assert swapped == 2 and all(isinstance(model[i], compiled.NarrowLinear) for i in (0, 2))
+    with aot_export.narrow_linears(model, torch.bfloat16) as swapped:
+        assert swapped == 2 and all(isinstance(model[i], aot_export.NarrowLinear) for i in (0, 2))
         assert model[0].weight.dtype == torch.bfloat16 and model[0].bias is originals[0].bias
         assert torch.allclose(model(x), want, rtol=1e-5, atol=1e-5)
     assert [model[0], model[2]] == originals  # put back, the very modules
-    with pytest.raises(RuntimeError), compiled.narrow_linears(model, torch.bfloat16):
+    with pytest.raises(RuntimeError), aot_export.narrow_linears(model, torch.bfloat16):
         raise RuntimeError("a failed export")
     assert [model[0], model[2]] == originals
 
@@ -582,7 +586,7 @@ def test_build_timings_take_turns_between_sizes():
             self.calls.append(tokens.numel())
 
     step = Step()
-    out = compiled.measure(step, target, repeats=3)
+    out = aot_export.measure(step, target, repeats=3)
     assert step.calls == [1, 2, 4, 8] * 4
     assert sorted(out, key=int) == ["1", "2", "4", "8"] and all(0 < v < 1 for v in out.values())
 
@@ -604,17 +608,17 @@ def test_register_blocking_narrows_inductors_table_only_while_it_runs():
 
     before, blockings = everything(), fp32_avx512()
     assert (16, 16) in blockings and len(set(blockings)) > 1  # what the programs choose among (torch 2.13)
-    with compiled.register_blocking((16, 16)):
+    with aot_export.register_blocking((16, 16)):
         assert fp32_avx512() == [(16, 16)]
         # other instruction sets and types are left alone
         assert sum(map(len, table.values())) == sum(map(len, before.values())) - len(blockings) + 1
     assert everything() == before
-    with pytest.raises(RuntimeError), compiled.register_blocking((16, 16)):
+    with pytest.raises(RuntimeError), aot_export.register_blocking((16, 16)):
         raise RuntimeError("a failed build")
     assert everything() == before
-    with compiled.register_blocking((3, 5)):  # a blocking inductor does not have: nothing changes
+    with aot_export.register_blocking((3, 5)):  # a blocking inductor does not have: nothing changes
         assert everything() == before
-    with compiled.register_blocking(None):
+    with aot_export.register_blocking(None):
         assert everything() == before
 
 
@@ -713,11 +717,11 @@ def eager_clover_and_programs(programs, heads_programs):
 
 def test_wrong_heads_programs_are_refused(programs, heads_programs, monkeypatch):
     _, drafter, programs_ = eager_clover_and_programs(programs, heads_programs)
-    compiled.check_heads(programs_, drafter)
+    aot_export.check_heads(programs_, drafter)
     real = HeadsPrograms.augment
     monkeypatch.setattr(HeadsPrograms, "augment", lambda self, *args: real(self, *args) + 0.01)
-    with pytest.raises(compiled.CloverError, match="heads disagree"):
-        compiled.check_heads(programs_, drafter)
+    with pytest.raises(aot_export.CloverError, match="heads disagree"):
+        aot_export.check_heads(programs_, drafter)
 
 
 def test_few_rows_run_the_small_heads_programs(programs, heads_programs, monkeypatch):
@@ -726,13 +730,13 @@ def test_few_rows_run_the_small_heads_programs(programs, heads_programs, monkeyp
     gives what the eager module gives."""
     model, drafter, programs_ = eager_clover_and_programs(programs, heads_programs)
     ran = []
-    real = compiled.Program.__call__
-    monkeypatch.setattr(compiled.Program, "__call__",
+    real = aot.Program.__call__
+    monkeypatch.setattr(aot.Program, "__call__",
                         lambda self, *inputs: ran.append(self.name) or real(self, *inputs))
-    H, g, small = model.config.hidden_size, torch.Generator().manual_seed(5), compiled.SMALL_ROWS
+    H, g, small = model.config.hidden_size, torch.Generator().manual_seed(5), aot.SMALL_ROWS
     with torch.inference_mode():
         # the tests' CLOVER_COMPILE_SIZES=1,4: fixed-size augment programs for 1 and 4 positions (2 and 3 padded to 4)
-        assert compiled.augment_sizes() == (1, 4) and small == 4
+        assert aot_export.augment_sizes() == (1, 4) and small == 4
         for n, want in ((1, "augment-1.pt2"), (2, "augment-4.pt2"), (small, "augment-4.pt2"),
                         (small + 1, "augment.pt2")):
             keys, values = drafter.cache.buffers()

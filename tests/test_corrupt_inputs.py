@@ -173,9 +173,9 @@ def test_a_corrupt_input_is_one_line(run_cli, inputs, monkeypatch, command, targ
                  prompts=inputs / "prompts.jsonl", data=inputs / "run" / "chats.json", run=inputs / "run",
                  stats=inputs / "stats.jsonl", out=inputs / "out")
     argv = [a.format(**names) for a in COMMANDS[command]]
-    from clover_cli import compiled
+    from clover_cli.step import aot_build
 
-    monkeypatch.setattr(compiled, "build_for", lambda *a, **k: pytest.fail("a corrupt input got as far as compiling"))
+    monkeypatch.setattr(aot_build, "build_for", lambda *a, **k: pytest.fail("a corrupt input got as far as compiling"))
     code, out, err = run_cli(*argv, stdin="Hello\n" if command.startswith("chat") else None)
     assert code != 0, (code, err)
     assert "Traceback" not in err, err

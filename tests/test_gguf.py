@@ -29,7 +29,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from clover_cli import gguf_model, hub  # noqa: E402
+from clover_cli import gguf_model, hub, store  # noqa: E402
 from clover_cli.errors import CloverError  # noqa: E402
 from conftest import CORPUS, build_tokenizer, tiny_config  # noqa: E402
 from helpers import hf_greedy, run_engine  # noqa: E402
@@ -232,7 +232,7 @@ def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
-    root = gguf_model.cache_root()
+    root = store.gguf_cache_root()
     assert root == tmp_path / "xdg" / "clover" / "gguf"
     return root
 
@@ -555,7 +555,7 @@ def test_a_killed_conversions_leftovers_are_removed_and_a_damaged_one_rebuilt(gg
     """A temporary directory a killed converter left (its pid gone) goes at the next conversion; a converted
     directory that lost its weights, or that an older converter made, is converted again."""
     written = ggufs("llama", "Q4_1")
-    out = gguf_model.converted_dir(gguf_model.content_hash(written.path), "float32")
+    out = store.converted_dir(store.content_hash(written.path), "float32")
     stale = out.with_name(f".{out.name}.clover-999999999.tmp")
     stale.mkdir(parents=True)
     (stale / "model.safetensors").write_bytes(b"half")
@@ -587,7 +587,7 @@ def test_real_smollm2_gguf_is_lossless(cache):
     from clover_cli.engine import Engine, StopCheck
     from clover_cli.target import Target
 
-    if gguf_model.content_hash(REAL_SMOLLM2) != SMOLLM2_PACKAGE.sha256:
+    if store.content_hash(REAL_SMOLLM2) != SMOLLM2_PACKAGE.sha256:
         pytest.skip(f"{REAL_SMOLLM2} is not the pinned SmolLM2 file (a partial or other copy)")
     resolved = hub.resolve_model(str(REAL_SMOLLM2), quiet=True)
     assert resolved.gguf == REAL_SMOLLM2 and converted_dirs(cache) == [resolved.path]

@@ -9,7 +9,8 @@ from collections import Counter, defaultdict
 import pytest
 import torch
 
-from clover_cli.drafters.ngram import PRIOR_FILE, NgramDrafter, load_prior, prior_table, save_prior
+from clover_cli.drafters.ngram import NgramDrafter, load_prior, prior_table, save_prior
+from clover_cli.store import PRIOR_FILE
 from clover_cli.engine import Engine, StopCheck
 from clover_cli.errors import CloverError
 from clover_cli.target import Target
@@ -105,7 +106,7 @@ def test_a_damaged_prior_beside_the_model_is_one_line(llama_dir, tmp_path, run_c
 
 def test_the_prior_is_not_part_of_what_keys_the_compiled_step(llama_dir, tmp_path):
     """Writing (or rebuilding) a model's prior keeps its compiled step: the programs do not depend on it."""
-    from clover_cli.compiled import package_key
+    from clover_cli.store import package_key
 
     model = tmp_path / "model"
     shutil.copytree(llama_dir, model)

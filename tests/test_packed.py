@@ -247,7 +247,7 @@ def test_a_session_packs_the_target_only_when_its_forwards_run_eager(llama_dir, 
     """The session's target is packed lazily: with --compile off (and whenever the compiled step is not active) it is
     packed at load, behind the chat's prompt, not in the first reply; while the compiled step runs every forward it
     stays unpacked (the load skips the cost)."""
-    from clover_cli import compiled
+    from clover_cli.step import manager
     from clover_cli.session import Options, Session
 
     def targets_pending(session):
@@ -256,7 +256,7 @@ def test_a_session_packs_the_target_only_when_its_forwards_run_eager(llama_dir, 
     eager = Session(Options(model=str(llama_dir), draft="ngram", compile="off"), quiet=True)
     assert targets_pending(eager) and not any(targets_pending(eager))
     # as if a compiled package had been found: the step is active from the start
-    monkeypatch.setattr(compiled.StepCompiler, "active", property(lambda self: True))
+    monkeypatch.setattr(manager.StepCompiler, "active", property(lambda self: True))
     skipped = Session(Options(model=str(llama_dir), draft="ngram", compile="off"), quiet=True)
     assert all(targets_pending(skipped))
     # heads whose programs are not attached run eager, through the target's lm_head: packed at load
@@ -273,6 +273,6 @@ def test_a_session_packs_the_target_only_when_its_forwards_run_eager(llama_dir, 
                                   compile="off"), quiet=True)
     assert targets_pending(eager_heads) and not any(targets_pending(eager_heads))
     # and a context longer than the compiled programs hold runs its forwards eager past them: packed too
-    monkeypatch.setattr(compiled, "capacity_for", lambda context: 16)
+    monkeypatch.setattr(manager, "capacity_for", lambda context: 16)
     longer = Session(Options(model=str(llama_dir), draft="ngram", compile="off"), quiet=True)
     assert not any(targets_pending(longer))

@@ -52,7 +52,7 @@ def test_offload_with_draft_heads(run_cli, prompt_path):
 
 
 def test_compiled_step_refuses_placed_and_4bit_models(llama_dir):
-    from clover_cli.compiled import unsupported
+    from clover_cli.step import unsupported
     from clover_cli.loading import load
 
     cpu = torch.device("cpu")

@@ -696,7 +696,7 @@ def test_the_regenerated_data_repair_is_atomic(tmp_path):
 def test_what_a_crashed_writer_left_is_cleaned(heads_dir, llama_dir, tmp_path):
     """Temporary files and directories of a writer that died are removed by the next write of the same name; those
     of a live process stay (it may still rename them into place)."""
-    from clover_cli import compiled
+    from clover_cli.step import aot_export
 
     out = tmp_path / "h"
     shutil.copytree(heads_dir, out)
@@ -716,7 +716,7 @@ def test_what_a_crashed_writer_left_is_cleaned(heads_dir, llama_dir, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(llama_dir)
     save_heads(build_heads(HeadsConfig.for_target(model.config, num_heads=2, num_layers=1), model), out, "card\n")
     assert not any(p.exists() for p in stale) and kept.exists()
-    with compiled.building(tmp_path / "pkg") as tmp:
+    with aot_export.building(tmp_path / "pkg") as tmp:
         (tmp / "whole.pt2").write_bytes(b"x")
     assert not stale_dir.exists() and sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".pkg")) == []
 

@@ -47,7 +47,8 @@ def package_of(model_dir: Path) -> Path:
     keys it)."""
     from transformers import AutoConfig
 
-    from clover_cli.compiled import capacity_for, package_dir
+    from clover_cli.step import capacity_for
+    from clover_cli.store import package_dir
     from clover_cli.target import context_limit
 
     return package_dir(Path(model_dir), torch.float32, capacity_for(context_limit(AutoConfig.from_pretrained(
@@ -72,17 +73,18 @@ def prompt_file(tmp_path) -> Path:
 def test_the_background_build_runs_no_code_from_the_working_directory(tmp_path, monkeypatch):
     """A folder holding a `clover_cli` package of its own: starting a build there must not import it (the child
     runs clover's own code, found where the parent found it: an editable install here)."""
-    from clover_cli import compiled
+    from clover_cli.step import aot_build
 
     evil = tmp_path / "evil"
     (evil / "clover_cli").mkdir(parents=True)
     marker = tmp_path / "pwned"
     (evil / "clover_cli" / "__init__.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
-    (evil / "clover_cli" / "compiled.py").write_text("raise SystemExit(3)\n")
+    (evil / "clover_cli" / "step").mkdir()
+    (evil / "clover_cli" / "step" / "aot_build.py").write_text("raise SystemExit(3)\n")
     monkeypatch.chdir(evil)
     (evil / "model").mkdir()  # a relative model path: the child, started elsewhere, must still find it
-    job = compiled.Job(Path("model"), tmp_path / "cache" / "pkg", 64)
-    builder = compiled.Builder(job)
+    job = aot_build.Job(Path("model"), tmp_path / "cache" / "pkg", 64)
+    builder = aot_build.Builder(job)
     builder.wait(180)
     assert builder.done()
     assert not marker.exists(), "the build imported code from the working directory"
@@ -163,9 +165,9 @@ def fake_package(d: Path, meta) -> Path:
 
 
 def good_meta(capacity=512):
-    from clover_cli import compiled
+    from clover_cli import step as contract
 
-    return {"program": compiled.PROGRAM_VERSION, "capacity": capacity,
+    return {"program": contract.PROGRAM_VERSION, "capacity": capacity,
             "ranges": {"step.pt2": {"n": [1, capacity - 1], "past": [0, capacity - 2]}}, "verify_s": {"1": 0.001}}
 
 
@@ -186,15 +188,15 @@ def damaged_metas():
 
 @pytest.mark.parametrize("name,meta", list(damaged_metas()), ids=[n for n, _ in damaged_metas()])
 def test_a_damaged_package_meta_is_found_damaged_never_raises(tmp_path, name, meta):
-    from clover_cli import compiled
+    from clover_cli.step import aot
 
     d = fake_package(tmp_path / "pkg", meta)
-    assert compiled.Package.find(d) is None
-    why = compiled.damage(d)
+    assert aot.Package.find(d) is None
+    why = aot.damage(d)
     assert why and "\n" not in why, why
     heads = fake_package(tmp_path / "heads", meta)
-    assert compiled.find_heads(heads) is None
-    assert compiled.heads_damage(heads)
+    assert aot.find_heads(heads) is None
+    assert aot.heads_damage(heads)
 
 
 @pytest.mark.parametrize("meta", [json.dumps({**good_meta(), "capacity": "x"}), "{not json"],
@@ -211,7 +213,7 @@ def test_generate_discards_a_damaged_package_with_one_line(llama_dir, run_cli, p
 
 def test_the_background_build_rebuilds_a_damaged_package(llama_dir, monkeypatch):
     """chat's path: a damaged package is discarded and built again in the background."""
-    from clover_cli import compiled
+    from clover_cli.step import manager
     from clover_cli.session import Options, Session
 
     d = fake_package(package_of(llama_dir), {**good_meta(), "ranges": 7})
@@ -225,7 +227,7 @@ def test_the_background_build_rebuilds_a_damaged_package(llama_dir, monkeypatch)
         def done(self):
             return False
 
-    monkeypatch.setattr(compiled, "Builder", Recording)
+    monkeypatch.setattr(manager, "Builder", Recording)
     s = Session(Options(model=str(llama_dir), draft="ngram", compile="auto"), quiet=True)
     assert not d.exists() and s.compiler.state == "missing"
     s.compiler.start(background=True)
@@ -243,13 +245,13 @@ GARBAGE = ["", "\xff", "null", "[]", "7", "\"text\"", "{\"1\": [1]}", "{\"1\": \
 def test_cache_files_tolerate_any_garbage(tmp_path, capsys):
     """Step-cost tables, the default drafter's learned choice, the learned early stop and --draft self's choice:
     garbage in any of them (valid JSON of the wrong shape included) is ignored, with one line at most."""
-    from clover_cli import compiled
+    from clover_cli.step.costs import StepCosts
     from clover_cli.drafters import ChoiceStats
     from clover_cli.drafters.early_stop import EarlyStop
     from clover_cli.drafters.self_draft import load_choice
 
     for i, text in enumerate(GARBAGE):
-        costs = compiled.StepCosts(tmp_path / f"model{i}", torch.device("cpu"), torch.float32, None)
+        costs = StepCosts(tmp_path / f"model{i}", torch.device("cpu"), torch.float32, None)
         path = costs._path()
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
@@ -258,7 +260,7 @@ def test_cache_files_tolerate_any_garbage(tmp_path, capsys):
                                  and all(0 < v < float("inf") for v in table.values())), (text[:40], table)
         choices = ChoiceStats()
         before = choices.state()
-        compiled.StepCosts.load_choices(choices, path)
+        StepCosts.load_choices(choices, path)
         assert choices.state() == before, text[:40]
         stop = EarlyStop()
         assert stop.load(path) is False and stop.w is None, text[:40]
@@ -298,7 +300,8 @@ def test_the_first_calibration_of_a_slow_step_is_bounded(llama_dir, monkeypatch)
     sizes it did not reach follow the ones it did, and all are stored (their costs refreshed as they run)."""
     from transformers import AutoModelForCausalLM
 
-    from clover_cli import compiled, engine
+    from clover_cli.step.costs import StepCosts
+    from clover_cli import engine
     from clover_cli.drafters.ngram import NgramDrafter
     from clover_cli.target import Target
 
@@ -319,7 +322,7 @@ def test_the_first_calibration_of_a_slow_step_is_bounded(llama_dir, monkeypatch)
 
     target.forward = slow
     monkeypatch.setattr(engine, "time", Clock)
-    costs = compiled.StepCosts(llama_dir, torch.device("cpu"), torch.float16, None)
+    costs = StepCosts(llama_dir, torch.device("cpu"), torch.float16, None)
     e = engine.Engine(target, NgramDrafter(), budget=64, costs=costs)
     e.calibrate(5)
     assert len(forwards) <= 8, len(forwards)
@@ -394,7 +397,7 @@ def install(built: Path, llama_dir) -> Path:
 @pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncated", "bytes-changed"])
 def test_a_damaged_program_is_discarded_and_rebuilt(built, llama_dir, run_cli, prompt_file, monkeypatch, damage):
-    from clover_cli import compiled
+    from clover_cli.step import aot_build
 
     out = install(built, llama_dir)
     program = out / "step.pt2"
@@ -414,7 +417,7 @@ def test_a_damaged_program_is_discarded_and_rebuilt(built, llama_dir, run_cli, p
         shutil.copytree(built, job.out)
         return {"step": {}}
 
-    monkeypatch.setattr(compiled, "build_locked", rebuild)
+    monkeypatch.setattr(aot_build, "build_locked", rebuild)
     code, stdout, err = run_cli("compile", str(llama_dir), "--no-heads")
     assert code == 0, err
     assert builds == [out] and "already compiled" not in stdout, stdout

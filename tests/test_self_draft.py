@@ -12,7 +12,8 @@ import random
 import pytest
 import torch
 
-from clover_cli.drafters.self_draft import (SelfDrafter, cache_path, calibrate, load_choice, merit, skipping)
+from clover_cli.drafters.self_draft import SelfDrafter, calibrate, load_choice, merit, skipping
+from clover_cli.store import self_draft_path
 from clover_cli.engine import Engine, Sampling, StopCheck
 from clover_cli.errors import CloverError
 from clover_cli.target import Target
@@ -193,8 +194,8 @@ def test_calibration_chooses_a_valid_set_and_is_cached(tmp_path):
     where.write_text("{")
     assert load_choice(where, 6) is None
     # the cache location: per model, dtype and device, under the compile cache
-    a = cache_path(tmp_path, "cpu", torch.float32)
-    assert a != cache_path(tmp_path, "cpu", torch.bfloat16) and a.parent.name == "self"
+    a = self_draft_path(tmp_path, "cpu", torch.float32)
+    assert a != self_draft_path(tmp_path, "cpu", torch.bfloat16) and a.parent.name == "self"
 
 
 def test_too_few_layers_is_refused():

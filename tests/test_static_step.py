@@ -1,4 +1,4 @@
-"""The static-shape step (clover_cli/graphs.py) against the eager step and transformers' own greedy generate.
+"""The static-shape step (clover_cli/step/graphs.py) against the eager step and transformers' own greedy generate.
 
 On a CPU the static step runs as plain operators (what CI checks: the padded rows, the device-side KV writes, the
 mask built from the committed length and the tree, sliding windows); on a CUDA device the same tests run it
@@ -18,7 +18,7 @@ from clover_cli.drafters.clover2 import CloverDrafter
 from clover_cli.drafters.medusa import MedusaDrafter
 from clover_cli.drafters.ngram import NgramDrafter
 from clover_cli.engine import Engine, StopCheck
-from clover_cli.graphs import SIZES, StaticStep, attach, heads_graphs
+from clover_cli.step.graphs import SIZES, StaticStep, attach, heads_graphs
 from clover_cli.target import Target
 from clover_cli.tree import DraftTree
 from conftest import tiny_config
@@ -230,7 +230,7 @@ def test_the_session_compiler_attaches_static_calls_on_cuda(tmp_path):
     """StepCompiler on a CUDA device (here: told so, with the model on the CPU, where the static calls run
     uncaptured): the static step attached at once, nothing built, the heads' static calls attached to the drafter
     and to another one (ready_heads), and what the banner says; --compile off and 8-bit stay eager."""
-    from clover_cli.compiled import StepCompiler
+    from clover_cli.step.manager import StepCompiler
 
     model = make_model("llama", 4, "cpu")
     model.save_pretrained(tmp_path / "model")
@@ -289,8 +289,8 @@ def test_a_capture_that_fails_falls_back_to_eager_once():
 def test_the_session_compiler_checks_the_static_step_first(tmp_path, monkeypatch):
     """A static step that computes something else than the eager one (here: attention that sees every key), or
     whose first capture fails, is never used: the session runs eager with one warning line."""
-    from clover_cli import graphs
-    from clover_cli.compiled import StepCompiler
+    from clover_cli.step import graphs
+    from clover_cli.step.manager import StepCompiler
 
     model = make_model("llama", 7, "cpu")
     model.save_pretrained(tmp_path / "model")
@@ -344,7 +344,7 @@ def test_a_draft_model_whose_capture_fails_midway_still_proposes(monkeypatch):
     """A draft model's static step whose capture fails at a new size in the middle of a proposal (out of memory at a
     larger span, say): the proposal finishes on the eager step, the same way it started, and proposes what the
     static step would have."""
-    from clover_cli import graphs
+    from clover_cli.step import graphs
     from clover_cli.drafters.draft_model import ModelDrafter
 
     model, draft = make_model("llama", 0, "cpu"), make_model("llama", 1, "cpu")

@@ -122,7 +122,7 @@ class ChoiceStats:
         return (alone + gain) / max(sorted(recent)[len(recent) // 2], 1e-9)
 
     def state(self) -> dict:
-        """What has been learned, as JSON-able data (kept on disk between processes: compiled.StepCosts.choices_path)."""
+        """What has been learned, as JSON-able data (kept on disk between processes: StepCosts.choices_path)."""
         return {"version": self.VERSION, "sums": {f"{kind}/{b}": v for (kind, b), v in self.sums.items()},
                 "seconds": {f"{b}/{int(way)}": v for (b, way), v in self.seconds.items()},
                 "decisions": {str(b): n for b, n in self.decisions.items()}}

@@ -139,7 +139,7 @@ class Clover2Heads(nn.Module):
     def augment(self, hidden, next_emb, position_embeddings, position_ids, cache=None, attention_mask=None,
                 **attention):
         """hidden, next_emb: [B, T, H]. Returns the augmented state [B, T, H] (causal over T, after the cache; or as
-        `attention_mask` and the `attention` keywords tell the attention function: clover_cli/graphs.py)."""
+        `attention_mask` and the `attention` keywords tell the attention function: clover_cli/step/graphs.py)."""
         u = self.fuse(hidden, next_emb)
         for layer in self.layers:
             out = layer(u, attention_mask=attention_mask, position_ids=position_ids, **{cache_kwarg(layer): cache},
@@ -186,7 +186,7 @@ def build(cfg: HeadsConfig, target_model) -> nn.Module:
 class CloverAugment(torch.nn.Module):
     """What a Clover-2 proposal first catches up on: the augmenting block over the newly committed positions,
     (target hidden [n, H], next tokens [n], positions [n], the heads' cache) -> states [n, H]. Run eager, or exported
-    and compiled (clover_cli/compiled.py) with the cache made over its buffers."""
+    and compiled (clover_cli/step/aot_export.py) with the cache made over its buffers."""
 
     def __init__(self, heads, target: Target):
         super().__init__()
@@ -257,7 +257,7 @@ class CloverDrafter(GrowsTree):
         self.min_score = 0.0  # set by the engine: nodes scored below it do not pay for their verification
 
     def attach_programs(self, programs) -> None:
-        """Run the compiled twins from now on (clover_cli.compiled.CloverPrograms); the cache takes their capacity,
+        """Run the compiled twins from now on (clover_cli.step.aot.HeadsPrograms); the cache takes their capacity,
         and its buffers are made now, so that the first catch-up (the prompt) runs compiled too."""
         self.cache.grow_to(programs.capacity)
         param = next(self.heads.parameters())

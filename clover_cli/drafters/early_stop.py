@@ -19,18 +19,19 @@ tokens committed since (the accepted path and the next token), and every drafted
 accepted path gets a label: accepted or not. After every REFIT new labels the weights are refitted (Newton steps on a
 window of the last WINDOW labels, a little L2). Until MIN_FIT labels have been seen the fixed rule is used. The
 model belongs to the draft model (its runner): the drafters a session or a benchmark makes afresh keep learning it.
-A session also keeps it on disk (`store_path`: per target and draft model, by their files), so the next process
-starts from what the last one learned instead of the fixed rule.
+A session also keeps it on disk (`store.early_stop_path`: per target and draft model, by their files), so the next
+process starts from what the last one learned instead of the fixed rule.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from pathlib import Path
 
 import torch
+
+from ..store import read_cache_json
 
 FEATURES = ("bias", "p", "log p", "entropy", "depth / 8", "recent")
 
@@ -132,8 +133,6 @@ class EarlyStop:
         """Restore from `path` when it holds a state (a missing or damaged file leaves this as it is)."""
         if path is None:
             return False
-        from ..compiled import read_cache_json
-
         return read_cache_json(Path(path), lambda state: self.restore(state) or True) is not None
 
     def save(self, path: Path | None) -> None:
@@ -164,12 +163,3 @@ class EarlyStop:
         if torch.isfinite(w).all():
             self.w = w
         self._new = 0
-
-
-def store_path(target_path, draft_path, dtype) -> Path:
-    """Where a session keeps the learned early stop of this target and draft model (both by path and files)."""
-    from ..compiled import _fingerprint_files, cache_root
-
-    key = [(str(Path(p).resolve()), _fingerprint_files(Path(p))) for p in (target_path, draft_path)]
-    digest = hashlib.sha256(json.dumps([key, str(dtype)]).encode()).hexdigest()[:20]
-    return cache_root() / "early_stop" / f"{Path(draft_path).name[:40]}-{digest}.json"

@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 from ..errors import CloverError
+from ..store import PRIOR_FILE
 from ..tree import DraftTree
 
-PRIOR_FILE = "clover-ngram.safetensors"  # tensor "trigrams" [n, 4] int64 rows (a, b, c, count)
 MIN_CHAIN_P = 0.1  # a tri-gram chain stops at a token predicted with less than this
 
 

@@ -9,8 +9,9 @@ kept in step with the accepted tokens. The target verifies every token, so the o
 layers are skipped.
 
 Which layers to skip is chosen once per model, device and dtype by a short calibration on the first prompt
-(`calibrate`) and kept on disk beside the step costs (compiled.cache_root() / "self"): a later run reads it. The
-first and last layers are never skipped. The calibration runs the full model once over the calibration tokens
+(`calibrate`) and kept on disk beside the step costs (store.self_draft_path: store.cache_root() / "self"): a later
+run reads it. The first and last layers are never skipped. The calibration runs the full model once over the
+calibration tokens
 (the prompt; a short prompt is extended by the target's own greedy continuation), then grows the skipped set
 greedily, one layer at a time, adding the layer whose skipping keeps the most top-1 agreement with the full model;
 each set is scored by the speedup a chain of its drafts would give,
@@ -28,7 +29,6 @@ tokens and perhaps a compiled step, is not what is timed: c is an estimate.)
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import time
 from pathlib import Path
@@ -37,6 +37,7 @@ import torch
 
 from ..errors import CloverError
 from ..packed import finish_packing
+from ..store import read_cache_json
 from ..target import Target, cache_kwarg, decoder_layers, find_final_norm
 from .draft_model import ModelDrafter
 
@@ -253,22 +254,11 @@ def calibrate(model, context: list[int], seconds: float = CALIBRATION_SECONDS) -
             "seconds": round(time.perf_counter() - start, 3), "tried": tried}
 
 
-def cache_path(model_path, device, dtype) -> Path:
-    """Where the chosen set is kept: per model (path and files), dtype, device and kind of CPU."""
-    from ..compiled import cache_root, package_key
-
-    dev = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else str(torch.device(device).type)
-    tag = hashlib.sha256(dev.encode()).hexdigest()[:10]
-    return cache_root() / "self" / f"{package_key(Path(model_path), dtype, 0)}-{tag}.json"
-
-
 def load_choice(path: Path | None, n_layers: int) -> dict | None:
     """The stored choice in `path` for a model of `n_layers`, or None (none there, another model's, or damaged:
     read_cache_json says so in one line)."""
     if path is None:
         return None
-    from ..compiled import read_cache_json
-
     def parse(choice):
         skip = [int(i) for i in choice["skip"]]
         if not all(isinstance(i, int) and not isinstance(i, bool) for i in choice["skip"]) \

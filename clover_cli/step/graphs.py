@@ -13,7 +13,7 @@ buffers, so eager steps (a prefill longer than the largest size) and graph repla
 conversation. The accepted nodes' keys and values move afterwards as in eager mode (`TreeKVCache.commit`).
 
 The draft heads' per-step modules run the same way (`heads_graphs`: Clover-2's catch-up over its own cache and its
-levels, per bucket of rows; Medusa's heads). `check` runs a small tree through the eager and the static step before
+levels, per padded size of rows; Medusa's heads). `check` runs a small tree through the eager and the static step before
 a session uses it; a capture that fails later sends the target (or the heads) back to eager for good, said once.
 """
 
@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import torch
 
-from .errors import one_line
-from .target import STATIC_KWARG, TreeKVCache, TreeKVLayer
+from ..errors import one_line
+from ..target import STATIC_KWARG, TreeKVCache, TreeKVLayer
+from . import fits, heads_kind, padded_size
 
+# The rows a static call runs as (padded_size): a CUDA graph is captured per (rows, span), and none past the last size
+# (a longer step, a prefill, runs eager).
 SIZES = (1, 2, 4, 8, 16, 32, 64)
 FIRST_SPAN = 256
 
@@ -102,16 +105,11 @@ class Graphs:
         return self.graphs.keys()
 
 
-def bucket(n: int, sizes: tuple[int, ...]) -> int | None:
-    """The smallest of `sizes` (ascending) >= n, or None."""
-    return next((size for size in sizes if size >= n), None)
-
-
-def fits(sizes: tuple[int, ...], capacity: int, cache, n: int) -> bool:
-    """Whether a static call of the bucket for n rows can write into `cache` (buffers made, of this capacity)."""
-    rows = bucket(n, sizes)
-    return (rows is not None and cache.capacity == capacity and cache.length + rows <= capacity
-            and cache.buffers() is not None)
+def fits_rows(sizes: tuple[int, ...], capacity: int, cache, n: int) -> bool:
+    """Whether a static call of the padded size for n rows can write into `cache` (buffers made, of this capacity;
+    the rows may fill them to the last slot: see step.fits_at)."""
+    rows = padded_size(n, sizes)
+    return rows is not None and fits(cache, capacity, rows)
 
 
 def span_for(end: int, capacity: int) -> int:
@@ -173,13 +171,13 @@ class StaticStep:
         self.on_failure = None  # called with a one-line reason when a capture fails (the target then runs eager)
 
     def rows_for(self, n: int) -> int | None:
-        return bucket(n, self.sizes)
+        return padded_size(n, self.sizes)
 
     def span_for(self, end: int) -> int:
         return span_for(end, self.capacity)
 
     def fits(self, cache, n: int) -> bool:
-        return fits(self.sizes, self.capacity, cache, n)
+        return fits_rows(self.sizes, self.capacity, cache, n)
 
     @torch.inference_mode()
     def __call__(self, cache, tokens, positions, tree_mask, logits_for):
@@ -222,7 +220,7 @@ def check(step: StaticStep, tolerance: float | None = None) -> str | None:
     through the eager step and through the static one (captured, on CUDA) must give the same logits and hidden
     states. Catches a model whose attention ignores the mask it is given, a value of the first step baked into a
     graph, and a forward that cannot be captured. The cache is left empty."""
-    from .tree import DraftTree
+    from ..tree import DraftTree
 
     target = step.target
     vocab = target.config.vocab_size
@@ -260,7 +258,7 @@ def check(step: StaticStep, tolerance: float | None = None) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The draft heads' per-step modules, the same way (a twin of compiled.HeadsPrograms for the drafters' attach_programs)
+# The draft heads' per-step modules, the same way (a twin of aot.HeadsPrograms for the drafters' attach_programs)
 
 class HeadsCalls:
     """What the heads' static calls share: their graphs, and a way out when one cannot be captured (the drafter's
@@ -285,7 +283,7 @@ class HeadsCalls:
 
 
 class RowBuffers:
-    """Input buffers of a module applied row by row (rows independent): copied in, padded to a bucket, run."""
+    """Input buffers of a module applied row by row (rows independent): copied in, padded to a size, run."""
 
     def __init__(self, sizes: tuple[int, ...], calls: HeadsCalls):
         self.sizes, self.calls, self.graphs = sizes, calls, calls.graphs
@@ -294,7 +292,7 @@ class RowBuffers:
     @torch.inference_mode()
     def run(self, key, module, states, tokens):
         r = states.shape[0]
-        rows = bucket(r, self.sizes)
+        rows = padded_size(r, self.sizes)
         if rows is None:
             return module(states, tokens)
         if self.states is None or self.states.dtype != states.dtype or self.states.shape[1] != states.shape[1]:
@@ -310,7 +308,7 @@ class RowBuffers:
 
 class CloverGraphs(HeadsCalls):
     """Clover-2's catch-up (the augmenting block over up to SIZES[-1] new positions, writing the heads' own cache as
-    the target's step writes its cache) and its two level modules (per bucket of rows), as static calls."""
+    the target's step writes its cache) and its two level modules (per padded size of rows), as static calls."""
 
     kind = "clover"
 
@@ -327,12 +325,12 @@ class CloverGraphs(HeadsCalls):
                        lambda states, tokens: rows.run(1, later, states, tokens))
 
     def fits(self, cache, n: int) -> bool:
-        return fits(self.sizes, self.capacity, cache, n)
+        return fits_rows(self.sizes, self.capacity, cache, n)
 
     @torch.inference_mode()
     def augment(self, hidden, tokens, positions, cache):
         n = tokens.numel()
-        rows = bucket(n, self.sizes)
+        rows = padded_size(n, self.sizes)
         span = span_for(cache.length + rows, self.capacity)
         if self.hidden is None or self.hidden.dtype != hidden.dtype or self.hidden.shape[1] != hidden.shape[1]:
             self.hidden = hidden.new_zeros(self.sizes[-1], hidden.shape[1])
@@ -370,8 +368,6 @@ class MedusaGraphs(HeadsCalls):
 
 def heads_graphs(drafter, capacity: int, capture: bool | None = None):
     """The static twin of a Clover-2 or Medusa drafter's per-step modules (None for other drafters)."""
-    from .compiled import heads_kind
-
     kind = heads_kind(drafter)
     if kind == "clover":
         return CloverGraphs(drafter, capacity, capture=capture)
