@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from . import atomic
+from .drafters.names import DRAFTS
 from .errors import CloverError
 from .render import visible
 
@@ -45,7 +46,7 @@ COMMANDS = {
     "/system": ("[TEXT | --clear]", "show, set or clear the system message"),
     "/temp": ("[X]", "show or set the sampling temperature, 0 to 10 (0 = greedy)"),
     "/penalty": ("[P]", "show or set the repetition penalty, above 0 and up to 10 (1 = none)"),
-    "/draft": ("[NAME]", "show or switch the drafter: auto, clover, medusa, eagle, ngram, model, self, none"),
+    "/draft": ("[NAME]", f"show or switch the drafter: {', '.join(DRAFTS)}"),
     "/stats": ("", "acceptance statistics of this chat so far"),
     "/exit": ("", "leave (also /quit and Ctrl-D)"),
 }
@@ -344,7 +345,7 @@ class Chat:
     def respond(self, before):
         """Generate a reply to the conversation (which ends with a user message). On an error, or Ctrl-C before
         the first token, the conversation goes back to `before`."""
-        from .engine import Sampling
+        from .decode.verify import Sampling
         from .render import Detokenizer
         from .session import strip_stop
         from .stats import SessionStats, step_record
@@ -710,8 +711,6 @@ class ReplyPrinter:
 def _completer():
     from prompt_toolkit.completion import Completer, Completion, PathCompleter
     from prompt_toolkit.document import Document
-
-    from .options import DRAFTS
 
     paths = PathCompleter(expanduser=True)
 

@@ -376,7 +376,8 @@ def regenerate(cfg: TrainConfig, model, tokenizer, template: str, stop_strings, 
 
     def replies_engine(prompts):
         from .drafters.ngram import NgramDrafter
-        from .engine import Engine, StopCheck
+        from .decode.engine import Engine
+        from .decode.verify import StopCheck
 
         if target_box.get("target") is None:
             from .target import Target
@@ -649,7 +650,8 @@ def evaluate(heads, cfg, model, tokenizer, template, held_ids, held_masks, held_
     """Per-head top-1 agreement on held-out conversations, and τ of the real engine on held-out prompts."""
     import copy
 
-    from .engine import Engine, StopCheck
+    from .decode.engine import Engine
+    from .decode.verify import StopCheck
     from .drafters.registry import drafter_for
     from .session import RunStats
     from .target import Target

@@ -28,9 +28,10 @@ from clover_cli.atomic import write_text
 
 def main():
     from clover_cli.bench import load_prompts
-    from clover_cli.drafters import NoDrafter
+    from clover_cli.drafters.base import NoDrafter
     from clover_cli.drafters.registry import drafter_for, load
-    from clover_cli.engine import Engine, StopCheck
+    from clover_cli.decode.engine import Engine
+    from clover_cli.decode.verify import StopCheck
     from clover_cli.session import Options, RunStats, Session
 
     ap = argparse.ArgumentParser()

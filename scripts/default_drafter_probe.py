@@ -22,13 +22,15 @@ import torch
 
 def main():
     from clover_cli.bench import balanced_order, load_prompts
-    from clover_cli.drafters import ChoiceStats, MergedDrafter
+    from clover_cli.drafters.merged import ChoiceStats, MergedDrafter
     from clover_cli.drafters.clover2 import CloverDrafter
     from clover_cli.drafters.ngram import NgramDrafter
     from clover_cli.drafters.registry import load
-    from clover_cli.engine import Engine, StopCheck
+    from clover_cli.decode.engine import Engine
+    from clover_cli.decode.verify import StopCheck
     from clover_cli.hub import BUNDLED
-    from clover_cli.session import Options, RunStats, Session, auto_drafter
+    from clover_cli.drafters.factory import auto_drafter
+    from clover_cli.session import Options, RunStats, Session
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--limit", type=int, default=27)
@@ -50,7 +52,7 @@ def main():
             return self.way
 
     stored = ChoiceStats()
-    s.engine.costs.load_choices(stored, s.engine.costs.choices_path(str(BUNDLED / "heads")))
+    s.engine.policy.cost_store.load_choices(stored, s.engine.policy.cost_store.choices_path(str(BUNDLED / "heads")))
     print("stored choice:", sum(stored.decisions.values()), "decisions")
     policies = {"ngram": None, "learned (default)": ChoiceStats(), "learned, stored": stored,
                 "always heads": Fixed(True), "never heads": Fixed(False)}
@@ -64,8 +66,8 @@ def main():
 
     # skip_unpaid=False: each row drafts at every step the cost model allows, so that the rows differ only in when
     # the heads run (engine.DraftValue would also skip whole proposals where the heads do not pay)
-    engines = {name: Engine(s.target, make(name), budget=s.engine.budget, auto_budget=s.engine.auto_budget,
-                            costs=s.engine.costs, skip_unpaid=False) for name in policies}
+    engines = {name: Engine(s.target, make(name), budget=s.engine.policy.budget, auto_budget=s.engine.policy.auto_budget,
+                            cost_store=s.engine.policy.cost_store, skip_unpaid=False) for name in policies}
     totals = {name: [0.0, 0, 0, 0] for name in policies}  # decode seconds, tokens, steps, steps with the heads
     heads_steps = {"n": 0}
     propose = MergedDrafter.propose

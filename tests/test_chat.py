@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from clover_cli.chat import Chat, Conversation, Out, fit_context, visible
-from clover_cli.engine import StepEvent
+from clover_cli.decode.engine import StepEvent
 from clover_cli.errors import CloverError
 
 PROMPT = ">>>"

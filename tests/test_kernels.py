@@ -228,8 +228,8 @@ def test_verify_greedy_bonus_is_the_first_maximum(device):
 
 
 def test_verify_greedy_reference_is_the_engine_rule():
-    from clover_cli.engine import Sampling, accept
-    from clover_cli.tree import DraftTree
+    from clover_cli.decode.verify import Sampling, accept
+    from clover_cli.decode.tree import DraftTree
 
     rng = random.Random(0)
     gen = torch.Generator().manual_seed(0)
@@ -310,8 +310,8 @@ def test_verify_sample_rejected_siblings_leave_their_mass(device):
 
 def test_verify_sample_reference_is_the_engine_rule():
     """Same acceptances as clover_cli.engine.accept when fed the uniforms the engine draws, in its order."""
-    from clover_cli.engine import Sampling, accept, warp
-    from clover_cli.tree import DraftTree
+    from clover_cli.decode.verify import Sampling, accept, warp
+    from clover_cli.decode.tree import DraftTree
 
     rng = random.Random(1)
     gen = torch.Generator().manual_seed(1)
@@ -546,7 +546,8 @@ def test_target_forward_and_commit_through_kernels(kernels_on):
 def test_engine_through_kernels_is_lossless(kernels_on, family):
     """Greedy speculative decoding with the kernels equals transformers' greedy generate (Mistral's 24-token
     window also exercises the fallback to SDPA once the window is active)."""
-    from clover_cli.engine import Engine, StopCheck
+    from clover_cli.decode.engine import Engine
+    from clover_cli.decode.verify import StopCheck
     from clover_cli.target import Target
     from helpers import OracleDrafter, hf_greedy, run_engine
 

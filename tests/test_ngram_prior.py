@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from clover_cli.drafters.ngram import PRIOR_FILE, NgramDrafter, load_prior, prior_table, save_prior
-from clover_cli.engine import Engine, StopCheck
+from clover_cli.decode.engine import Engine
+from clover_cli.decode.verify import StopCheck
 from clover_cli.errors import CloverError
 from clover_cli.target import Target
 from helpers import hf_greedy, run_engine
