@@ -10,7 +10,7 @@ prompt by prompt in `clover bench`'s balanced order (a rotation would keep each 
 after one with the heads on every step measured ~5% slower), `--rounds` times over the prompts, 128 new tokens,
 greedy, after one warm-up run each. Prints decode tokens/s, target steps and steps that ran the heads per row, then
 the learned decisions per bin and the estimated tokens/s of each way in each bin (bins: what lookup alone expects,
-drafters.ChoiceStats.BINS).
+drafters.merged.ChoiceStats.BINS).
 """
 
 from __future__ import annotations
@@ -65,9 +65,10 @@ def main():
         return auto_drafter(d, policies[name], s.ngram_prior)
 
     # skip_unpaid=False: each row drafts at every step the cost model allows, so that the rows differ only in when
-    # the heads run (engine.DraftValue would also skip whole proposals where the heads do not pay)
-    engines = {name: Engine(s.target, make(name), budget=s.engine.policy.budget, auto_budget=s.engine.policy.auto_budget,
-                            cost_store=s.engine.policy.cost_store, skip_unpaid=False) for name in policies}
+    # the heads run (decode.budget.DraftValue would also skip whole proposals where the heads do not pay)
+    policy = s.engine.policy
+    engines = {name: Engine(s.target, make(name), budget=policy.budget, auto_budget=policy.auto_budget,
+                            cost_store=policy.cost_store, skip_unpaid=False) for name in policies}
     totals = {name: [0.0, 0, 0, 0] for name in policies}  # decode seconds, tokens, steps, steps with the heads
     heads_steps = {"n": 0}
     propose = MergedDrafter.propose

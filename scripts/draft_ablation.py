@@ -77,7 +77,7 @@ def main():
                     "chain, fixed top candidates": dict(tree="chain", sample=False),
                     "chain, sampled candidates (q-aware)": dict(tree="chain", sample=True)}
     # skip_unpaid=False: every variant drafts at each step the cost model allows, as the trees themselves are compared
-    # here (`clover bench`'s rows stop asking a draft whose calls do not pay: engine.DraftValue)
+    # here (`clover bench`'s rows stop asking a draft whose calls do not pay: decode.budget.DraftValue)
     engines = {name: Engine(s.target, NoDrafter(), budget=bs.budget, auto_budget=bs.auto, cost_store=s.engine.policy.cost_store,
                             skip_unpaid=False) for name in variants}
     every = [s.encode_chat(p["messages"]) for p in load_prompts(None, None)]

@@ -309,7 +309,7 @@ def test_verify_sample_rejected_siblings_leave_their_mass(device):
 
 
 def test_verify_sample_reference_is_the_engine_rule():
-    """Same acceptances as clover_cli.engine.accept when fed the uniforms the engine draws, in its order."""
+    """Same acceptances as clover_cli.decode.verify.accept when fed the uniforms the engine draws, in its order."""
     from clover_cli.decode.verify import Sampling, accept, warp
     from clover_cli.decode.tree import DraftTree
 

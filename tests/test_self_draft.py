@@ -240,7 +240,7 @@ def test_cli_generate_and_bench_with_self(run_cli, tmp_path, prompts_file):
     session = Session(Options(model=str(model_dir), draft="none"), quiet=True)
     ids = session.encode_raw("Hello! How can I help you today?")
     plain = [t for ev in session.generate(ids, 12, Sampling()) for t in ev.tokens]
-    session.engine.policy.values[0.0] = object()  # what the last drafter's calls were worth (engine.DraftValue) ...
+    session.engine.policy.values[0.0] = object()  # what the last drafter's calls were worth (decode.budget.DraftValue) ...
     session.switch_draft("self")
     assert session.engine.policy.values == {}  # ... is not the new one's
     assert session.draft_name == "self" and session.drafter.skip == report["self_draft"]["skip"]

@@ -330,7 +330,7 @@ class AcceptanceCurve:
 
 def mode_key(temperature: float, repetition_penalty: float = 1.0):
     """The sampling mode a sampling setup learns under: its costs' calibration, its acceptance curve, what its drafter
-    calls are worth (DraftValue) and the default drafter's learned choice (drafters.ChoiceStats, kept on disk per
+    calls are worth (DraftValue) and the default drafter's learned choice (drafters.merged.ChoiceStats, kept on disk per
     mode). Drafts fare differently at each temperature, and against a penalised target: each learns on its own.
     The temperature counts to two decimals, so that a server's requests at 0.8 and 0.80000001 share one (and a
     near-zero temperature, which samples the argmax, greedy decoding's). The key is the temperature alone without
