@@ -273,14 +273,14 @@ class BenchSession:
             self.assistant = load(assistant_path, device=str(s.device),
                                   dtype=str(s.dtype).replace("torch.", "")).model
             self.assistant.set_attn_implementation("sdpa")
-        from .drafters import choice_temperature
+        from .decode.budget import mode_key, mode_parts
         from .session import parse_budget
 
         self.budget, self.auto = parse_budget(cfg.tree_budget)
         self.engines = {}
         self.choices = {}  # method -> (ChoiceStats of its merged drafters, the file it is kept in)
-        self.repetition_penalty = cfg.repetition_penalty  # the learned choice is kept per penalty and temperature
-        self.temperature = choice_temperature(cfg.temperature)
+        # the learned choice is kept per sampling mode (temperature and penalty), as a session keeps it
+        self.temperature, self.repetition_penalty = mode_parts(mode_key(cfg.temperature, cfg.repetition_penalty))
         self.quiet = cfg.json_out
         self.llama_runners, self.llama_ctx, self.llama_gguf, self.llama_draft_gguf = {}, s.max_context, None, None
         self.llama_threads = torch.get_num_threads()
@@ -322,55 +322,38 @@ class BenchSession:
 
     def engine(self, method: str):
         """A fresh drafter every run; the engine (and its measured cost model) is kept per method."""
-        from .drafters import ChoiceStats, NoDrafter
-        from .drafters.clover2 import CloverDrafter
-        from .drafters.medusa import MedusaDrafter
-        from .drafters.ngram import NgramDrafter
-        from .engine import Engine
+        from .decode.engine import Engine
+        from .drafters.factory import make_drafter
+        from .drafters.merged import ChoiceStats
 
         s = self.session
-        if method == "plain":
-            drafter = NoDrafter()
-        elif method == "ngram":
-            drafter = NgramDrafter(prior=s.ngram_prior)
-        elif method == "medusa":
-            drafter = MedusaDrafter(self.medusa_heads, s.target)
-        elif method in MODEL_METHODS:
-            from .drafters.draft_model import ModelDrafter
-
-            drafter = (ModelDrafter(self.draft_model, s.target) if method == "model" else
-                       ModelDrafter(self.draft_model, s.target, tree="chain", stop_below=0.0))
+        heads = {"medusa": self.medusa_heads, "eagle": self.eagle_heads}.get(method, self.clover_heads)
+        if method in MODEL_METHODS:
+            drafter = make_drafter("model", s.target, draft_model=self.draft_model, static=method == "model-chain")
             s.compiler.ready_draft(drafter, self.draft_model_path)  # the draft's own compiled step
         elif method in SELF_METHODS:  # calibrated in the first (untimed warm-up) run, or read from the cache
-            from .drafters.self_draft import SelfDrafter
             from .store import self_draft_path
 
             log = None if self.quiet else (lambda text: print(f"clover bench: {text}", file=sys.stderr))
-            drafter = SelfDrafter(s.target, tree="mcsd" if method == "self" else "chain", log=log,
-                                  cache=self_draft_path(s.resolved.path, s.device, s.dtype),
-                                  **({} if method == "self" else {"stop_below": 0.0}))
-        elif method == "eagle":
-            from .drafters.eagle import EagleDrafter
-
-            drafter = EagleDrafter(self.eagle_heads, s.target)  # runs eager: EAGLE heads have no compiled programs
-        else:
-            drafter = CloverDrafter(self.clover_heads, s.target)
-            if method == "clover+ngram":
-                from .session import auto_drafter
-
-                # exactly what --draft auto runs; what it learns about when the heads pay carries over between runs,
-                # as in a chat session, and starts from what earlier processes stored, as a session's does
-                if method not in self.choices:
-                    self.choices[method] = ChoiceStats(), s.engine.costs.choices_path(
-                        self.clover_path, self.repetition_penalty, self.temperature)
-                    s.engine.costs.load_choices(*self.choices[method])
-                drafter = auto_drafter(drafter, self.choices[method][0], s.ngram_prior)
+            drafter = make_drafter("self", s.target, static=method == "self-chain", log=log,
+                                   self_cache=self_draft_path(s.resolved.path, s.device, s.dtype))
+        elif method == "clover+ngram":
+            # exactly what --draft auto runs; what it learns about when the heads pay carries over between runs,
+            # as in a chat session, and starts from what earlier processes stored, as a session's does
+            if method not in self.choices:
+                self.choices[method] = ChoiceStats(), s.engine.policy.cost_store.choices_path(
+                    self.clover_path, self.repetition_penalty, self.temperature)
+                s.engine.policy.cost_store.load_choices(*self.choices[method])
+            drafter = make_drafter("auto", s.target, heads=heads, prior=s.ngram_prior,
+                                   choices=self.choices[method][0])
+        else:  # plain, ngram, and the heads alone: medusa, eagle (eager: EAGLE heads have no compiled programs), clover
+            drafter = make_drafter({"plain": "none"}.get(method, method), s.target, heads=heads,
+                                   prior=s.ngram_prior if method == "ngram" else None)
         if method in ("medusa", "clover", "clover+ngram"):  # the heads' compiled programs, when the step is
-            heads_drafter = getattr(drafter, "first", drafter)
-            s.compiler.ready_heads(heads_drafter, self.medusa_path if method == "medusa" else self.clover_path)
+            s.compiler.ready_heads(drafter.primary, self.medusa_path if method == "medusa" else self.clover_path)
         if method not in self.engines:
             self.engines[method] = Engine(s.target, drafter, budget=self.budget, auto_budget=self.auto,
-                                          costs=s.engine.costs)
+                                          cost_store=s.engine.policy.cost_store)
         eng = self.engines[method]
         eng.drafter = drafter
         eng.reset()
@@ -378,7 +361,7 @@ class BenchSession:
 
     def run(self, method: str, ids: list[int], cfg: BenchConfig, seed: int):
         """(token ids, decode seconds, total seconds, stats.Stats or None)."""
-        from .engine import Sampling, StopCheck
+        from .decode.verify import Sampling, StopCheck
         from .stats import Stats
 
         s = self.session
@@ -424,7 +407,7 @@ class BenchSession:
             new += ev.tokens
         t1 = time.perf_counter()
         if method in self.choices:
-            s.engine.costs.save_choices(*self.choices[method])
+            s.engine.policy.cost_store.save_choices(*self.choices[method])
         return new, stats.decode_s, t1 - t0, stats
 
 

@@ -13,6 +13,7 @@ from typing import Optional
 import typer
 
 from . import __version__, process
+from .drafters.names import DRAFTS
 from .errors import CloverError, one_line
 from .inputs import read_prompt
 from .options import check_sampling, options_from
@@ -50,8 +51,8 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 class Common:
     revision = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit) of the model.")
     heads = typer.Option(None, "--heads", help="Draft heads: a local directory or a Hub repo id.")
-    draft = typer.Option("auto", "--draft", help="Drafter: auto, clover, medusa, eagle, eagle3, ngram, model, self "
-                                                 "or none. auto = the model's heads merged with n-gram lookup when "
+    draft = typer.Option("auto", "--draft", help=f"Drafter: {', '.join(DRAFTS[:-1])} "
+                                                 f"or {DRAFTS[-1]}. auto = the model's heads merged with n-gram lookup when "
                                                  "it has heads, else ngram. model = a smaller draft model "
                                                  "(--draft-model) drafting a multi-candidate (MCSD) tree. self = the "
                                                  "model itself with some middle layers skipped (chosen on the first "
@@ -185,7 +186,7 @@ def generate(
     compile: Optional[str] = Common.compile,
 ):
     """Generate one reply to a prompt file, streaming it (or --json for scripts)."""
-    from .engine import Sampling
+    from .decode.verify import Sampling
     from .inputs import check_text_size
     from .render import use_colour
     from .reply import Discard, Out, ReplyPrinter, stream

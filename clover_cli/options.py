@@ -8,14 +8,11 @@ import math
 import os
 from dataclasses import dataclass, fields
 
+from .drafters.names import DRAFTS
 from .errors import CloverError
 
 MODES = ("auto", "on", "off")  # --compile, see clover_cli/step/manager.py
-# self: the target with layers skipped as its own draft (clover_cli/drafters/self_draft.py)
-DRAFTS = ("auto", "clover", "medusa", "eagle", "eagle3", "ngram", "model", "self", "none")
 EARLY_STOPS = ("fixed", "learned")  # --early-stop: how a draft model's branches end (drafters/early_stop.py)
-HEADS_DRAFTS = {"clover": "clover2", "medusa": "medusa", "eagle": "eagle",
-                "eagle3": "eagle3"}  # drafter -> the heads it runs
 
 # Every CLOVER_* environment variable clover reads, with what it does. Each is read through env() when it is
 # needed (not at import: a test or a script may set one after importing clover).

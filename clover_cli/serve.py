@@ -362,7 +362,7 @@ class Server:
         return JSONResponse(self._response(rid, job, result), headers=headers)
 
     def _prompt(self, body: dict, chat: bool) -> Prompt:
-        from .engine import Sampling
+        from .decode.verify import Sampling
 
         _check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
         if body.get("model") is not None and not isinstance(body["model"], str):

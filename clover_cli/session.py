@@ -8,20 +8,23 @@ from pathlib import Path
 
 import torch
 
-from .drafters import MergedDrafter, NoDrafter, choice_temperature
-from .engine import Engine, Sampling, StopCheck
-from .errors import CloverError
+from .decode.budget import mode_key, mode_parts
+from .decode.engine import Engine
+from .decode.verify import Sampling, StopCheck
+from .drafters.factory import make_drafter
+from .drafters.names import HEADS_DRAFTS
 from .drafters.ngram import load_prior
 from .drafters.registry import resolve_heads
+from .errors import CloverError
 from .hub import looks_like_repo, resolve_model
 from .loading import keep_loaded, load
-from .target import Target, check_exact
-from .options import (DRAFTS, HEADS_DRAFTS, Options, check_options, compile_mode,  # noqa: F401 - importable here too
-                      parse_budget)
+from .options import DRAFTS, Options, check_options, compile_mode, parse_budget  # noqa: F401 - importable here too
+from .packed import finish_packing
 from .step.costs import StepCosts
 from .step.manager import StepCompiler
-from .packed import finish_packing
+from .target import Target, check_exact
 from .templates import STOP_STRINGS, chat_template, render
+
 
 class Session:
     def __init__(self, opts: Options, quiet: bool = False):
@@ -66,8 +69,8 @@ class Session:
         self.drafter = self._drafter(opts)
         self._choices_from = None  # (the ChoiceStats, the file) the default drafter's choice was last restored from
         self.engine = Engine(self.target, self.drafter, budget=budget, auto_budget=auto,
-                             costs=StepCosts(self.resolved.path, self.device, self.dtype, self.compiler))
-        self.compiler.listeners.append(self.engine.use_verify_costs)
+                             cost_store=StepCosts(self.resolved.path, self.device, self.dtype, self.compiler))
+        self.compiler.listeners.append(self.engine.policy.use_verify_costs)
         self.compiler.use_drafter(self.drafter, self.heads_path, self._draft_path())
         self._pack_if_eager()
         self.eos_ids = self._eos_ids()
@@ -101,19 +104,33 @@ class Session:
         return load_prior(self.resolved.path, self.model.config.vocab_size)
 
     def _drafter(self, opts: Options):
-        from .drafters.ngram import NgramDrafter
-
-        if opts.draft == "none":
-            return NoDrafter()
-        if opts.draft == "ngram":
-            return NgramDrafter(prior=self.ngram_prior)
+        """The drafter --draft asks for, with what it runs on found or loaded here (drafters/factory.py makes it)."""
+        made = functools.partial(make_drafter, opts.draft, self.target, static=opts.tree == "static")
+        if opts.draft in ("none", "ngram"):
+            return made(prior=self.ngram_prior if opts.draft == "ngram" else None)
         if opts.draft == "model":
-            return self._model_drafter(opts)
-        if opts.draft == "self":
-            return self._self_drafter(opts)
+            from .drafters.draft_model import load_draft_model, resolve_draft_model
+
+            if self.draft_model_path is None:
+                self.draft_model_name, self.draft_model_path = resolve_draft_model(opts.draft_model, self.resolved,
+                                                                                   self.quiet)
+            if self.draft_model is None:
+                self.draft_model = load_draft_model(self.draft_model_name, self.draft_model_path, self.resolved.name,
+                                                    self.model, self.tokenizer, opts.trust_remote_code)
+            stop_file = None
+            if opts.early_stop == "learned" and opts.tree != "static":
+                from .store import early_stop_path
+
+                stop_file = early_stop_path(self.resolved.path, self.draft_model_path, self.dtype)
+            return made(draft_model=self.draft_model, learned_stop=stop_file is not None, stop_file=stop_file)
+        if opts.draft == "self":  # the target with layers skipped (chosen on the first prompt, then cached on disk)
+            from .store import self_draft_path
+
+            return made(self_cache=self_draft_path(self.resolved.path, self.device, self.dtype),
+                        log=None if self.quiet else self._warn, learned_stop=opts.early_stop == "learned")
         if self.heads_path is None:
             if opts.draft == "auto":
-                return NgramDrafter(prior=self.ngram_prior)
+                return made(prior=self.ngram_prior)
             raise CloverError(f"no {opts.draft} heads for {self.resolved.name}: pass --heads DIR|REPO, "
                               f"or make them with `clover train`")
         if any(m.weight.device.type == "meta" for m in (self.model.get_input_embeddings(),
@@ -122,7 +139,7 @@ class Session:
             if opts.draft != "auto":
                 raise CloverError(f"{why}: keep them on a device in the map, or use --draft ngram")
             self._warn(f"{why}: drafting by n-gram lookup only")
-            return NgramDrafter(prior=self.ngram_prior)
+            return made(prior=self.ngram_prior)
         from .drafters import registry
 
         heads = registry.load(self.heads_path, self.model)
@@ -134,42 +151,11 @@ class Session:
         want = HEADS_DRAFTS.get(opts.draft, arch)
         if arch != want:
             raise CloverError(f"--draft {opts.draft} needs {want} heads, but {self.heads_path} holds {arch} heads")
-        grow = {"static": True} if opts.tree == "static" else {}
-        drafter = registry.drafter_for(heads, self.target, **grow)
-        return auto_drafter(drafter, prior=self.ngram_prior) if opts.draft == "auto" else drafter
+        return made(heads=heads, prior=self.ngram_prior if opts.draft == "auto" else None)
 
     def _draft_path(self):
         """The draft model's directory while --draft model is in use (its step is compiled too), else None."""
         return self.draft_model_path if self.opts.draft == "model" else None
-
-    def _model_drafter(self, opts: Options):
-        from .drafters.draft_model import ModelDrafter, load_draft_model, resolve_draft_model
-
-        if self.draft_model_path is None:
-            self.draft_model_name, self.draft_model_path = resolve_draft_model(opts.draft_model, self.resolved,
-                                                                               self.quiet)
-        if self.draft_model is None:
-            self.draft_model = load_draft_model(self.draft_model_name, self.draft_model_path, self.resolved.name,
-                                                self.model, self.tokenizer, opts.trust_remote_code)
-        if opts.tree == "static":
-            return ModelDrafter(self.draft_model, self.target, tree="chain", stop_below=0.0)
-        if opts.early_stop == "learned":
-            from .store import early_stop_path
-
-            return ModelDrafter(self.draft_model, self.target, learned_stop=True,
-                                stop_file=early_stop_path(self.resolved.path, self.draft_model_path, self.dtype))
-        return ModelDrafter(self.draft_model, self.target)
-
-    def _self_drafter(self, opts: Options):
-        """--draft self: the target with layers skipped (chosen on the first prompt, then cached on disk)."""
-        from .drafters.self_draft import SelfDrafter
-        from .store import self_draft_path
-
-        log = None if self.quiet else self._warn
-        where = self_draft_path(self.resolved.path, self.device, self.dtype)
-        if opts.tree == "static":
-            return SelfDrafter(self.target, tree="chain", cache=where, log=log, stop_below=0.0)
-        return SelfDrafter(self.target, cache=where, log=log, learned_stop=opts.early_stop == "learned")
 
     def switch_draft(self, name: str):
         """Use another drafter from now on (the next reply re-reads the conversation into it)."""
@@ -186,8 +172,7 @@ class Session:
         self.drafter = self._drafter(opts)
         self.opts = opts
         self.engine.drafter = self.drafter
-        if self.engine.values is not None:
-            self.engine.values = {}  # what the last drafter's calls were worth says nothing of this one's
+        self.engine.policy.forget_drafter()  # what the last drafter's calls were worth says nothing of this one's
         self.engine.reset()
         self.compiler.use_drafter(self.drafter, self.heads_path, self._draft_path())
         self._pack_if_eager()
@@ -197,8 +182,8 @@ class Session:
         times size the trees) unless the compiled step runs every forward that uses them: not when it is inactive,
         when the context can outgrow its programs, or when heads run eager (those without a draft vocabulary
         project through the target's lm_head). --draft self packs them for its own layers."""
-        heads = getattr(self.drafter, "first", self.drafter)
-        eager_heads = hasattr(heads, "heads") and getattr(heads, "programs", None) is None
+        heads = self.drafter.primary
+        eager_heads = heads.heads is not None and heads.programs is None
         if not self.compiler.active or self.target.max_context > self.compiler.capacity or eager_heads:
             finish_packing(self.model)
 
@@ -267,10 +252,8 @@ class Session:
                               "or a shorter conversation")
         finally:
             if stored is not None:
-                self.engine.costs.save_choices(*stored)
-            save = getattr(self.engine.drafter, "save_learning", None)
-            if save is not None:
-                save()  # the learned early stop of --draft model
+                self.engine.policy.cost_store.save_choices(*stored)
+            self.engine.drafter.save_learning()  # the learned early stop of --draft model
 
     def _stored_choices(self, temperature: float = 0.0, repetition_penalty: float = 1.0):
         """(the default drafter's learned choice, its file), restored from the store when the drafter is new or the
@@ -278,32 +261,17 @@ class Session:
         one-shot reply is too short to (docs/BENCHMARKS.md); None for other drafters. One choice per temperature
         and repetition penalty, as the engine keeps its cost model: the heads pay far less often against a
         penalised or sampled target, and a sampled chat must not teach a greedy `clover generate` otherwise."""
-        if getattr(self.drafter, "choices", None) is None or self.heads_path is None or self.engine.costs is None:
+        store = self.engine.policy.cost_store
+        if self.drafter.choices is None or self.heads_path is None or store is None:
             return None
-        temperature = choice_temperature(temperature)
-        by_mode = self.drafter.__dict__.setdefault("choices_by_mode", {(0.0, 1.0): self.drafter.choices})
-        choices = self.drafter.choices = by_mode.setdefault((temperature, repetition_penalty),
-                                                            type(self.drafter.choices)())
-        path = self.engine.costs.choices_path(self.heads_path, repetition_penalty, temperature)
+        mode = mode_key(temperature, repetition_penalty)  # the engine's key for its costs, curves and values too
+        choices = self.drafter.choices_for(mode)
+        temperature, repetition_penalty = mode_parts(mode)
+        path = store.choices_path(self.heads_path, repetition_penalty, temperature)
         if self._choices_from != (choices, path):  # ChoiceStats compares by identity
-            self.engine.costs.load_choices(choices, path)
+            store.load_choices(choices, path)
             self._choices_from = (choices, path)
         return choices, path
-
-
-LOOKUP_ENOUGH = 3.0  # measured on the bundled model, CPU: 1.98x vs 1.83x plain without the skip (docs/BENCHMARKS.md)
-
-
-def auto_drafter(heads_drafter, choices=None, prior=None) -> MergedDrafter:
-    """The default drafter when there are heads: the heads, and n-gram lookup for what already occurred (with the
-    model's n-gram `prior`, if any). Whether a step runs the heads is learned from the tokens per second steps gave
-    with and without them (`choices`, shared by the drafters of one session or bench method); before that, lookup
-    alone when it already expects LOOKUP_ENOUGH accepted tokens (a repeat)."""
-    from .drafters import ChoiceStats
-    from .drafters.ngram import NgramDrafter
-
-    return MergedDrafter(heads_drafter, NgramDrafter(prior=prior), enough=LOOKUP_ENOUGH,
-                         choices=choices or ChoiceStats())
 
 
 def heads_target_mismatch(made_for: str | None, repo: str | None) -> str | None:
@@ -313,13 +281,3 @@ def heads_target_mismatch(made_for: str | None, repo: str | None) -> str | None:
             and made_for.lower() != repo.lower()):
         return made_for
     return None
-
-
-def strip_stop(text: str, stop_strings) -> str:
-    """Cut a reply at the first stop string it contains."""
-    cut = len(text)
-    for s in stop_strings:
-        i = text.find(s)
-        if i >= 0:
-            cut = min(cut, i)
-    return text[:cut]

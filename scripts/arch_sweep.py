@@ -53,9 +53,10 @@ def tiny(model_type: str):
 
 
 def run(model_type: str) -> str:
-    from clover_cli.drafters import NoDrafter
+    from clover_cli.drafters.base import NoDrafter
     from clover_cli.drafters.ngram import NgramDrafter
-    from clover_cli.engine import Engine, StopCheck
+    from clover_cli.decode.engine import Engine
+    from clover_cli.decode.verify import StopCheck
     from clover_cli.errors import CloverError
     from clover_cli.target import Target, check_exact
     from helpers import hf_greedy, run_engine

@@ -25,7 +25,7 @@ import torch
 def main():
     from clover_cli.data import ascii_share, is_heldout, iter_conversations
     from clover_cli.drafters.ngram import save_prior
-    from clover_cli.engine import StopCheck
+    from clover_cli.decode.verify import StopCheck
     from clover_cli.session import Options, Session
     from clover_cli.store import PRIOR_FILE
 

@@ -33,7 +33,7 @@ def main(argv=None) -> int:
 
     from clover_cli.bench import load_prompts
     from clover_cli.reply import ends_in_loop
-    from clover_cli.engine import Sampling
+    from clover_cli.decode.verify import Sampling
     from clover_cli.options import Options
     from clover_cli.session import Session
 

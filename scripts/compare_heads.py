@@ -11,7 +11,7 @@ a warm-up. Every output is checked token for token against plain decoding (the d
 per target forward after prefill. `--tree eagle2` gives every drafter the same tree rule (EAGLE-2's), so that the
 heads are compared rather than their families' tree policies. `--acceptance raw` scores tree nodes by the drafters'
 own probabilities (as before 2026-11-26); `learned` (the engine's default) by the chance of acceptance each engine
-learns from its verifications (engine.AcceptanceCurve), kept from prompt to prompt as in a chat session.
+learns from its verifications (decode.budget.AcceptanceCurve), kept from prompt to prompt as in a chat session.
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ from clover_cli.atomic import write_text
 
 def main():
     from clover_cli.bench import load_prompts
-    from clover_cli.drafters import NoDrafter
+    from clover_cli.drafters.base import NoDrafter
     from clover_cli.drafters.registry import drafter_for, load
-    from clover_cli.engine import Engine, StopCheck
+    from clover_cli.decode.engine import Engine
+    from clover_cli.decode.verify import StopCheck
     from clover_cli.session import Options, Session
     from clover_cli.stats import Stats
 

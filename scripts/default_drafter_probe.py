@@ -10,7 +10,7 @@ prompt by prompt in `clover bench`'s balanced order (a rotation would keep each 
 after one with the heads on every step measured ~5% slower), `--rounds` times over the prompts, 128 new tokens,
 greedy, after one warm-up run each. Prints decode tokens/s, target steps and steps that ran the heads per row, then
 the learned decisions per bin and the estimated tokens/s of each way in each bin (bins: what lookup alone expects,
-drafters.ChoiceStats.BINS).
+drafters.merged.ChoiceStats.BINS).
 """
 
 from __future__ import annotations
@@ -22,13 +22,15 @@ import torch
 
 def main():
     from clover_cli.bench import balanced_order, load_prompts
-    from clover_cli.drafters import ChoiceStats, MergedDrafter
+    from clover_cli.drafters.merged import ChoiceStats, MergedDrafter
     from clover_cli.drafters.clover2 import CloverDrafter
     from clover_cli.drafters.ngram import NgramDrafter
     from clover_cli.drafters.registry import load
-    from clover_cli.engine import Engine, StopCheck
+    from clover_cli.decode.engine import Engine
+    from clover_cli.decode.verify import StopCheck
     from clover_cli.hub import BUNDLED
-    from clover_cli.session import Options, Session, auto_drafter
+    from clover_cli.drafters.factory import auto_drafter
+    from clover_cli.session import Options, Session
     from clover_cli.stats import Stats
 
     ap = argparse.ArgumentParser()
@@ -51,7 +53,7 @@ def main():
             return self.way
 
     stored = ChoiceStats()
-    s.engine.costs.load_choices(stored, s.engine.costs.choices_path(str(BUNDLED / "heads")))
+    s.engine.policy.cost_store.load_choices(stored, s.engine.policy.cost_store.choices_path(str(BUNDLED / "heads")))
     print("stored choice:", sum(stored.decisions.values()), "decisions")
     policies = {"ngram": None, "learned (default)": ChoiceStats(), "learned, stored": stored,
                 "always heads": Fixed(True), "never heads": Fixed(False)}
@@ -64,9 +66,10 @@ def main():
         return auto_drafter(d, policies[name], s.ngram_prior)
 
     # skip_unpaid=False: each row drafts at every step the cost model allows, so that the rows differ only in when
-    # the heads run (engine.DraftValue would also skip whole proposals where the heads do not pay)
-    engines = {name: Engine(s.target, make(name), budget=s.engine.budget, auto_budget=s.engine.auto_budget,
-                            costs=s.engine.costs, skip_unpaid=False) for name in policies}
+    # the heads run (decode.budget.DraftValue would also skip whole proposals where the heads do not pay)
+    policy = s.engine.policy
+    engines = {name: Engine(s.target, make(name), budget=policy.budget, auto_budget=policy.auto_budget,
+                            cost_store=policy.cost_store, skip_unpaid=False) for name in policies}
     totals = {name: [0.0, 0, 0, 0] for name in policies}  # decode seconds, tokens, steps, steps with the heads
     heads_steps = {"n": 0}
     propose = MergedDrafter.propose

@@ -37,9 +37,10 @@ import torch
 
 from clover_cli import atomic
 from clover_cli.bench import BenchConfig, BenchSession, load_prompts
-from clover_cli.drafters import NoDrafter
+from clover_cli.drafters.base import NoDrafter
 from clover_cli.drafters.draft_model import ModelDrafter
-from clover_cli.engine import Engine, Sampling, StopCheck
+from clover_cli.decode.engine import Engine
+from clover_cli.decode.verify import Sampling, StopCheck
 from clover_cli.stats import Stats
 
 VARIANTS = {
@@ -76,8 +77,8 @@ def main():
                     "chain, fixed top candidates": dict(tree="chain", sample=False),
                     "chain, sampled candidates (q-aware)": dict(tree="chain", sample=True)}
     # skip_unpaid=False: every variant drafts at each step the cost model allows, as the trees themselves are compared
-    # here (`clover bench`'s rows stop asking a draft whose calls do not pay: engine.DraftValue)
-    engines = {name: Engine(s.target, NoDrafter(), budget=bs.budget, auto_budget=bs.auto, costs=s.engine.costs,
+    # here (`clover bench`'s rows stop asking a draft whose calls do not pay: decode.budget.DraftValue)
+    engines = {name: Engine(s.target, NoDrafter(), budget=bs.budget, auto_budget=bs.auto, cost_store=s.engine.policy.cost_store,
                             skip_unpaid=False) for name in variants}
     every = [s.encode_chat(p["messages"]) for p in load_prompts(None, None)]
     prompts = every[:args.limit] if args.limit else every

@@ -80,15 +80,16 @@ def copy_bandwidth(device, measure) -> float:
 
 
 def main():
-    from clover_cli.drafters import NoDrafter
+    from clover_cli.drafters.base import NoDrafter
     from clover_cli.drafters.clover2 import CloverDrafter
     from clover_cli.step import capacity_for
-    from clover_cli.engine import Engine, StopCheck
+    from clover_cli.decode.engine import Engine
+    from clover_cli.decode.verify import StopCheck
     from clover_cli.step.graphs import attach, heads_graphs
     from clover_cli.drafters.common import HeadsConfig
     from clover_cli.drafters.registry import build_heads
     from clover_cli.target import Target
-    from clover_cli.tree import DraftTree
+    from clover_cli.decode.tree import DraftTree
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="7b", choices=SHAPES)
@@ -212,7 +213,7 @@ def main():
     model.set_attn_implementation("clover_tree")
 
     # 5. the bundled model end to end, with and without speculation
-    from clover_cli.engine import Sampling
+    from clover_cli.decode.verify import Sampling
     from clover_cli.session import Options, Session
     from clover_cli.stats import Stats
 

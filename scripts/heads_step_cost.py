@@ -24,9 +24,11 @@ def main():
     from clover_cli.bench import load_prompts
     from clover_cli.drafters.clover2 import CloverDrafter
     from clover_cli.drafters.registry import load
-    from clover_cli.engine import Engine, StopCheck
+    from clover_cli.decode.engine import Engine
+    from clover_cli.decode.verify import StopCheck
     from clover_cli.hub import BUNDLED
-    from clover_cli.session import Options, Session, auto_drafter
+    from clover_cli.drafters.factory import auto_drafter
+    from clover_cli.session import Options, Session
     from clover_cli.stats import Stats
 
     ap = argparse.ArgumentParser()
@@ -57,7 +59,7 @@ def main():
                        timed(later, lambda states, _: f"level, {states.shape[0]} nodes"))
     drafter.propose = timed(drafter.propose, lambda *_: "whole proposal")
     engine = Engine(s.target, auto_drafter(drafter, prior=s.ngram_prior) if args.default else drafter,
-                    budget=s.engine.budget, auto_budget=s.engine.auto_budget, costs=s.engine.costs)
+                    budget=s.engine.policy.budget, auto_budget=s.engine.policy.auto_budget, cost_store=s.engine.policy.cost_store)
     encoded = [s.encode_chat(p["messages"]) for p in load_prompts(None, args.limit)]
     with torch.inference_mode():
         for _ in engine.generate(encoded[0][:64], StopCheck(8, s.eos_ids)):  # warm-up

@@ -6,10 +6,11 @@ import random
 
 import torch
 
-from clover_cli.tree import DraftTree, TreeBuilder
+from clover_cli.decode.tree import DraftTree, TreeBuilder
+from clover_cli.drafters.base import Drafter
 
 
-class OracleDrafter:
+class OracleDrafter(Drafter):
     """Proposes random trees that follow a known continuation with probability `p_right` per node.
 
     It knows `reference` (the target's own greedy continuation after `prompt_len` tokens), so accepted paths get
@@ -75,7 +76,7 @@ def hf_greedy(model, prompt: list[int], n: int, eos=None) -> list[int]:
 
 
 def run_engine(engine, prompt, stop, sampling=None):
-    from clover_cli.engine import Sampling
+    from clover_cli.decode.verify import Sampling
 
     out, events = [], []
     for ev in engine.generate(prompt, stop, sampling or Sampling()):

@@ -14,14 +14,15 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from clover_cli.drafters import NoDrafter
+from clover_cli.drafters.base import NoDrafter
 from clover_cli.drafters.clover2 import CloverDrafter
 from clover_cli.drafters.medusa import MedusaDrafter
 from clover_cli.drafters.ngram import NgramDrafter
-from clover_cli.engine import Engine, StopCheck
+from clover_cli.decode.engine import Engine
+from clover_cli.decode.verify import StopCheck
 from clover_cli.errors import CloverError
 from clover_cli.target import Target, check_exact
-from clover_cli.tree import DraftTree
+from clover_cli.decode.tree import DraftTree
 from helpers import hf_greedy, run_engine
 from test_lossless import random_heads
 

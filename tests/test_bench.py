@@ -66,7 +66,7 @@ def test_bench_with_a_repetition_penalty_compares_with_hf_penalised(model_with_h
     apply it, and every row is identical to hf."""
     import transformers
 
-    from clover_cli import engine
+    from clover_cli.decode import engine
 
     model, heads = model_with_heads
     seen = {"hf": [], "clover": []}

@@ -19,7 +19,7 @@ from clover_cli.chat.commands import Chat
 from clover_cli.chat.conversation import Conversation, fit_context
 from clover_cli.render import visible
 from clover_cli.reply import Out
-from clover_cli.engine import StepEvent
+from clover_cli.decode.engine import StepEvent
 from clover_cli.errors import CloverError
 
 PROMPT = ">>>"

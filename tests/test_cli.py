@@ -463,7 +463,7 @@ def test_a_sessions_long_lived_objects_are_left_out_of_cyclic_collection(llama_d
     what it loaded (gc.freeze); what comes later (a reply's objects) is still watched."""
     import gc
 
-    from clover_cli.engine import Sampling
+    from clover_cli.decode.verify import Sampling
     from clover_cli.session import Options, Session
 
     session = Session(Options(model=str(llama_dir), draft="ngram", compile="off"), quiet=True)

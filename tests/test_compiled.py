@@ -22,7 +22,8 @@ from clover_cli.step.costs import StepCosts
 from clover_cli.step.manager import StepCompiler
 from clover_cli.drafters.clover2 import CloverDrafter
 from clover_cli.drafters.medusa import MedusaDrafter
-from clover_cli.engine import Engine, Sampling, StopCheck
+from clover_cli.decode.engine import Engine
+from clover_cli.decode.verify import Sampling, StopCheck
 from clover_cli.target import Target
 from helpers import hf_greedy, run_engine
 from test_lossless import check_prompts_and_follow_ups, drafter_for, make_model, random_heads
@@ -286,19 +287,19 @@ def test_stored_costs_spare_the_calibration(programs, tmp_path, monkeypatch):
         return real(*args, **kwargs)
 
     target.forward = counted
-    first = Engine(target, drafter_for("ngram", model, target, random.Random(0), [], 0), budget=8, costs=costs)
-    first.calibrate(5)
+    first = Engine(target, drafter_for("ngram", model, target, random.Random(0), [], 0), budget=8, cost_store=costs)
+    first.policy.calibrate(first.target, 5)
     measured = forwards["n"]
-    assert measured >= 5 and costs.load() == first.cost.verify_s
+    assert measured >= 5 and costs.load() == first.policy.cost_model.verify_s
     forwards["n"] = 0
-    second = Engine(target, drafter_for("ngram", model, target, random.Random(0), [], 0), budget=8, costs=costs)
-    second.calibrate(5)
-    assert forwards["n"] == 0 and second.cost.verify_s == first.cost.verify_s
+    second = Engine(target, drafter_for("ngram", model, target, random.Random(0), [], 0), budget=8, cost_store=costs)
+    second.policy.calibrate(second.target, 5)
+    assert forwards["n"] == 0 and second.policy.cost_model.verify_s == first.policy.cost_model.verify_s
     # real forwards of the sizes in the table refresh it, and the refreshed table is saved after the reply
     _, events = run_engine(second, [5, 6, 7, 5, 6, 7, 5, 6], StopCheck(20))
-    assert {ev.proposed + 1 for ev in events if not ev.prefill} & set(first.cost.verify_s)
-    assert not second.cost.refreshed  # saved
-    assert costs.load() == second.cost.verify_s != first.cost.verify_s
+    assert {ev.proposed + 1 for ev in events if not ev.prefill} & set(first.policy.cost_model.verify_s)
+    assert not second.policy.cost_model.refreshed  # saved
+    assert costs.load() == second.policy.cost_model.verify_s != first.policy.cost_model.verify_s
 
 
 def test_a_stale_stored_table_follows_the_builds_costs(programs, tmp_path, monkeypatch):
@@ -316,12 +317,14 @@ def test_a_stale_stored_table_follows_the_builds_costs(programs, tmp_path, monke
     assert costs.padded and costs.reference() == Built.verify_s
     costs.save({1: 1.2e-3, 4: 1.6e-3, 8: 5.0e-3})  # stored on a busy afternoon
     target = Target(model)
-    engine = Engine(target, drafter_for("ngram", model, target, random.Random(0), [], 0), budget=8, costs=costs)
-    engine.calibrate(5)
-    assert engine.cost.verify_s[8] == pytest.approx(5.0e-3) and engine.cost.shape == Built.verify_s
+    engine = Engine(target, drafter_for("ngram", model, target, random.Random(0), [], 0), budget=8, cost_store=costs)
+    engine.policy.calibrate(engine.target, 5)
+    assert (engine.policy.cost_model.verify_s[8] == pytest.approx(5.0e-3)
+            and engine.policy.cost_model.shape == Built.verify_s)
     for _ in range(3):
-        engine.cost.refresh(1, 1.1e-3)
-    assert engine.cost.verify_s[8] == pytest.approx(2.2e-3) and engine.cost.verify_s[4] == pytest.approx(1.43e-3)
+        engine.policy.cost_model.refresh(1, 1.1e-3)
+    assert (engine.policy.cost_model.verify_s[8] == pytest.approx(2.2e-3)
+            and engine.policy.cost_model.verify_s[4] == pytest.approx(1.43e-3))
 
 
 def test_compiler_falls_back_to_eager_with_one_warning(llama_dir, tmp_path, monkeypatch):
@@ -787,7 +790,7 @@ def test_the_default_drafters_choice_is_kept_between_processes(llama_dir, tmp_pa
 
     from clover_cli.drafters.common import HeadsConfig
     from clover_cli.drafters.registry import build_heads, save_heads
-    from clover_cli.engine import Sampling
+    from clover_cli.decode.verify import Sampling
     from clover_cli.session import Options, Session
     from transformers import AutoModelForCausalLM
 
@@ -806,7 +809,7 @@ def test_the_default_drafters_choice_is_kept_between_processes(llama_dir, tmp_pa
     out_first = [t for ev in first.generate(prompt, 24, Sampling()) for t in ev.tokens]
     learned = first.drafter.choices.state()
     assert sum(learned["decisions"].values()) >= 2
-    stored = first.engine.costs.choices_path(first.heads_path)
+    stored = first.engine.policy.cost_store.choices_path(first.heads_path)
     assert json.loads(stored.read_text()) == learned
     second = session()
     assert second.drafter.choices.state()["decisions"] == {}
@@ -816,7 +819,7 @@ def test_the_default_drafters_choice_is_kept_between_processes(llama_dir, tmp_pa
     assert sum(second.drafter.choices.state()["decisions"].values()) > sum(learned["decisions"].values())
     assert json.loads(stored.read_text()) == second.drafter.choices.state()
     # other heads (files changed) are another file; a damaged file is ignored and written anew
-    assert second.engine.costs.choices_path(llama_dir) != stored
+    assert second.engine.policy.cost_store.choices_path(llama_dir) != stored
     stored.write_text('{"sums": {"alone/0": [1.0, ')
     third = session()
     assert [t for ev in third.generate(prompt, 24, Sampling()) for t in ev.tokens] == out_first
@@ -826,7 +829,7 @@ def test_the_default_drafters_choice_is_kept_between_processes(llama_dir, tmp_pa
     unpenalised = third.drafter.choices
     before = json.loads(stored.read_text())
     list(third.generate(prompt, 24, Sampling(repetition_penalty=1.5)))
-    penalised = third.engine.costs.choices_path(third.heads_path, 1.5)
+    penalised = third.engine.policy.cost_store.choices_path(third.heads_path, 1.5)
     assert penalised != stored and json.loads(stored.read_text()) == before
     assert json.loads(penalised.read_text()) == third.drafter.choices.state() and third.drafter.choices is not unpenalised
     assert sum(third.drafter.choices.state()["decisions"].values()) >= 1
@@ -835,7 +838,7 @@ def test_the_default_drafters_choice_is_kept_between_processes(llama_dir, tmp_pa
     # and a sampled reply likewise: a temperature's choice is its own
     before = json.loads(stored.read_text())
     list(third.generate(prompt, 24, Sampling(temperature=0.8, seed=1)))
-    sampled = third.engine.costs.choices_path(third.heads_path, 1.0, 0.8)
+    sampled = third.engine.policy.cost_store.choices_path(third.heads_path, 1.0, 0.8)
     assert sampled not in (stored, penalised) and json.loads(stored.read_text()) == before
     assert json.loads(sampled.read_text()) == third.drafter.choices.state() and third.drafter.choices is not unpenalised
     at_08 = third.drafter.choices

@@ -23,7 +23,8 @@ from test_layouts import VOCAB, make_target, pre_norm_hidden, ref_rms, ref_rope
 from test_lossless import check_prompts_and_follow_ups, make_model, random_heads
 from clover_cli.drafters.eagle import EagleDrafter
 from clover_cli.drafters.registry import detect, family, load
-from clover_cli.engine import Engine, StopCheck
+from clover_cli.decode.engine import Engine
+from clover_cli.decode.verify import StopCheck
 from clover_cli.errors import CloverError
 from clover_cli.target import Target
 

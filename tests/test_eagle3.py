@@ -21,11 +21,12 @@ import torch.nn.functional as F
 from conftest import build_model
 from helpers import check_trained_heads_cli, hf_greedy, run_engine
 from test_layouts import VOCAB, make_target, ref_rms, ref_rope
-from clover_cli.drafters import MergedDrafter
+from clover_cli.drafters.merged import MergedDrafter
 from clover_cli.drafters.eagle3 import Eagle3Drafter
 from clover_cli.drafters.registry import detect, family, load
 from clover_cli.drafters.ngram import NgramDrafter
-from clover_cli.engine import Engine, StopCheck
+from clover_cli.decode.engine import Engine
+from clover_cli.decode.verify import StopCheck
 from clover_cli.errors import CloverError
 from clover_cli.target import Target
 

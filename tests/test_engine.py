@@ -9,11 +9,13 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from clover_cli.drafters.base import Drafter
 from clover_cli.drafters.ngram import NgramDrafter
-from clover_cli.engine import (AcceptanceCurve, CostModel, DraftValue, Engine, Sampling, StopCheck, accept, sample,
-                               warp)
+from clover_cli.decode.budget import AcceptanceCurve, CostModel, DraftValue
+from clover_cli.decode.engine import Engine
+from clover_cli.decode.verify import Sampling, StopCheck, accept, sample, warp
 from clover_cli.target import Target, cache_kwarg
-from clover_cli.tree import DraftTree, TreeBuilder
+from clover_cli.decode.tree import DraftTree, TreeBuilder
 from helpers import OracleDrafter, hf_greedy, run_engine
 from test_lossless import make_model
 
@@ -175,7 +177,7 @@ def test_sibling_rejection_samples_exactly(temperature, top_p):
     assert _tv(biased, probs) > bound
 
 
-class RandomTreeDrafter:
+class RandomTreeDrafter(Drafter):
     """Random trees over a tiny vocabulary: likely and unlikely tokens, several siblings, depth up to 3."""
 
     name = "random"
@@ -406,7 +408,7 @@ def test_prune_keeps_best_nodes_with_their_ancestors():
 
 
 def test_merged_trees_are_valid_unions():
-    from clover_cli.tree import merge_trees
+    from clover_cli.decode.tree import merge_trees
 
     rng = random.Random(1)
     for _ in range(200):
@@ -430,7 +432,7 @@ def test_merged_trees_are_valid_unions():
 
 
 def test_prune_and_merge_keep_each_nodes_drafter_rank_and_probability():
-    from clover_cli.tree import merge_trees
+    from clover_cli.decode.tree import merge_trees
 
     rng = random.Random(2)
     info = lambda tok, k: (tok % 3, (tok % 97) / 194 + k / 2)  # noqa: E731  (a token's (rank, p) in tree k)
@@ -545,10 +547,10 @@ def test_engine_learns_the_acceptance_curve_of_a_heads_drafter_and_stays_exact(l
         out, _ = run_engine(engine, prompt, StopCheck(24))
         assert out == hf_greedy(model, prompt, 24)
     if learn:
-        curve = engine.curves[0.0]
+        curve = engine.policy.curves[0.0]
         assert drafter.curve is curve and sum(map(sum, curve.seen)) > 0
     else:
-        assert engine.curves is None and drafter.curve is None
+        assert engine.policy.curves is None and drafter.curve is None
 
 
 # ------------------------------------------------------------------------------------------------ n-gram
@@ -633,7 +635,7 @@ def test_ngram_reset_makes_it_compare_the_context_again():
 
 
 def test_greedy_argmax_rows_pick_the_first_maximum_as_torch_does():
-    from clover_cli.engine import argmax_rows
+    from clover_cli.decode.verify import argmax_rows
 
     g = torch.Generator().manual_seed(0)
     for rows, vocab in ((1, 7), (5, 8192), (33, 100)):
@@ -645,7 +647,7 @@ def test_greedy_argmax_rows_pick_the_first_maximum_as_torch_does():
 
 
 def test_verify_upto_is_verify_for_every_size():
-    from clover_cli.engine import CostModel
+    from clover_cli.decode.budget import CostModel
 
     rng = random.Random(3)
     for padded in (False, True):
@@ -657,7 +659,7 @@ def test_verify_upto_is_verify_for_every_size():
 
 
 def test_cost_model_min_score_follows_speed_and_calibration():
-    from clover_cli.engine import CostModel
+    from clover_cli.decode.budget import CostModel
 
     cost = CostModel(verify_s={1: 0.010, 17: 0.018})
     assert cost.min_score() == 0.0  # nothing timed yet: every node may be grown

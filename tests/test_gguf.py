@@ -282,7 +282,8 @@ PROMPTS = ["Tell me about the quick brown fox and the lazy dog.",
 
 
 def make_drafter(kind: str, model, target, draft_model, seed: int):
-    from clover_cli.drafters import MergedDrafter, NoDrafter
+    from clover_cli.drafters.base import NoDrafter
+    from clover_cli.drafters.merged import MergedDrafter
     from clover_cli.drafters.clover2 import CloverDrafter
     from clover_cli.drafters.draft_model import ModelDrafter
     from clover_cli.drafters.eagle import EagleDrafter
@@ -367,7 +368,8 @@ def shared_cache(tmp_path_factory):
 def test_every_drafter_is_lossless_on_a_converted_gguf(arch, file_type, ggufs, shared_cache, monkeypatch):
     """Every drafter, over two chat prompts and 24 new tokens each, gives exactly transformers' greedy `generate` on
     the converted model; the draft model is the same weights in another quantization, converted from a GGUF too."""
-    from clover_cli.engine import Engine, StopCheck
+    from clover_cli.decode.engine import Engine
+    from clover_cli.decode.verify import StopCheck
     from clover_cli.target import Target
 
     monkeypatch.setenv("CLOVER_GGUF_CACHE", str(shared_cache))  # the draft model's conversion is shared
@@ -582,9 +584,10 @@ def test_a_killed_conversions_leftovers_are_removed_and_a_damaged_one_rebuilt(gg
 def test_real_smollm2_gguf_is_lossless(cache):
     """The real SmolLM2-135M-Instruct Q4_1 file: converted, its chat template applied, n-gram and plain decoding give
     exactly transformers' greedy output over 32 tokens of two chat prompts."""
-    from clover_cli.drafters import NoDrafter
+    from clover_cli.drafters.base import NoDrafter
     from clover_cli.drafters.ngram import NgramDrafter
-    from clover_cli.engine import Engine, StopCheck
+    from clover_cli.decode.engine import Engine
+    from clover_cli.decode.verify import StopCheck
     from clover_cli.target import Target
 
     if store.content_hash(REAL_SMOLLM2) != SMOLLM2_PACKAGE.sha256:

@@ -293,7 +293,8 @@ def test_target_forward_and_commit_through_kernels(kernels_on):
 def test_engine_through_kernels_is_lossless(kernels_on, family):
     """Greedy speculative decoding with the kernels equals transformers' greedy generate (Mistral's 24-token
     window also exercises the fallback to SDPA once the window is active)."""
-    from clover_cli.engine import Engine, StopCheck
+    from clover_cli.decode.engine import Engine
+    from clover_cli.decode.verify import StopCheck
     from clover_cli.target import Target
     from helpers import OracleDrafter, hf_greedy, run_engine
 

@@ -21,12 +21,13 @@ import torch.nn.functional as F
 
 from conftest import build_model, tiny_config
 from helpers import clover_command, hf_greedy, run_engine
-from clover_cli.drafters import MergedDrafter
+from clover_cli.drafters.merged import MergedDrafter
 from clover_cli.drafters.clover2 import CloverDrafter
 from clover_cli.drafters.medusa import MedusaDrafter, MedusaLevels
 from clover_cli.drafters.registry import detect, load
 from clover_cli.drafters.ngram import NgramDrafter
-from clover_cli.engine import Engine, StopCheck
+from clover_cli.decode.engine import Engine
+from clover_cli.decode.verify import StopCheck
 from clover_cli.errors import CloverError
 from clover_cli.target import Target
 

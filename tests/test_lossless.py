@@ -13,12 +13,15 @@ import zlib
 import pytest
 import torch
 
-from clover_cli.drafters import MergedDrafter, NoDrafter
+from clover_cli.drafters.base import NoDrafter
+from clover_cli.drafters.merged import MergedDrafter
 from clover_cli.drafters.eagle import EagleDrafter
 from clover_cli.drafters.clover2 import CloverDrafter
 from clover_cli.drafters.medusa import MedusaDrafter
 from clover_cli.drafters.ngram import NgramDrafter
-from clover_cli.engine import PROBE_NODES, Engine, Sampling, StopCheck
+from clover_cli.decode.budget import PROBE_NODES
+from clover_cli.decode.engine import Engine
+from clover_cli.decode.verify import Sampling, StopCheck
 from clover_cli.drafters.common import HeadsConfig
 from clover_cli.drafters.registry import build_heads
 from clover_cli.target import Target
@@ -157,7 +160,8 @@ def test_auto_budget_is_lossless_and_measures_cost():
     engine = Engine(target, OracleDrafter(reference, len(prompt), 96, 0.9, 0), budget=32, auto_budget=True)
     out, events = run_engine(engine, prompt, StopCheck(30))
     assert out == reference
-    assert engine.cost is not None and 1 in engine.cost.verify_s and 33 in engine.cost.verify_s
+    cost = engine.policy.cost_model
+    assert cost is not None and 1 in cost.verify_s and 33 in cost.verify_s
     assert all(e.proposed <= 32 for e in events)
 
 
@@ -196,18 +200,19 @@ def test_a_low_calibration_recovers_and_is_kept_per_temperature():
     engine = Engine(target, OracleDrafter(reference, len(prompt), 96, 1.0, 0), budget=16, auto_budget=True)
     out, _ = run_engine(engine, prompt, StopCheck(4))  # calibrates the cost model
     # fixed costs (a 16-node tree at 1.5x a plain step): what follows must not hang on this machine's timing noise
-    engine.cost.verify_s = {1: 1.0, 2: 1.05, 4: 1.1, 8: 1.25, 17: 1.5}
-    engine.cost.use_mode(0.7)
-    engine.cost.calibration = 0.0  # as if sampling at 0.7 had accepted nothing
-    engine.cost.use_mode(0.5)
-    engine.cost.use_mode(0.0)
-    assert engine.cost.calibration > 0.5 and engine.cost.by_mode[0.7] == 0.0  # greedy keeps its own
-    engine.cost.use_mode(0.5)
-    engine.cost.by_mode[0.0] = 0.0  # now greedy itself starts hopeless
+    engine.policy.cost_model.verify_s = {1: 1.0, 2: 1.05, 4: 1.1, 8: 1.25, 17: 1.5}
+    engine.policy.cost_model.use_mode(0.7)
+    engine.policy.cost_model.calibration = 0.0  # as if sampling at 0.7 had accepted nothing
+    engine.policy.cost_model.use_mode(0.5)
+    engine.policy.cost_model.use_mode(0.0)
+    assert (engine.policy.cost_model.calibration > 0.5
+            and engine.policy.cost_model.by_mode[0.7] == 0.0)  # greedy keeps its own
+    engine.policy.cost_model.use_mode(0.5)
+    engine.policy.cost_model.by_mode[0.0] = 0.0  # now greedy itself starts hopeless
     engine.reset()
     out, events = run_engine(engine, prompt, StopCheck(60))
     assert out == reference
-    assert engine.cost.calibration > 0.3
+    assert engine.policy.cost_model.calibration > 0.3
     assert sum(e.accepted for e in events[len(events) // 2:]) > len(events) // 2, "drafting resumed"
 
 
@@ -239,7 +244,7 @@ def test_draft_vocabulary_round_trip_and_refusals(tmp_path):
 
 
 def test_merged_drafter_skips_the_heads_when_lookup_is_confident():
-    from clover_cli.tree import DraftTree
+    from clover_cli.decode.tree import DraftTree
 
     class Fixed:
         name, calls = "fixed", 0
@@ -336,7 +341,7 @@ def test_clover_catch_up_window_runs_the_last_positions_at_their_own_positions()
 
 def _chain_drafter(n, score=0.3):
     """A drafter proposing the chain 5, 6, ..., 4 + n under the root, each node scored `score`."""
-    from clover_cli.tree import DraftTree
+    from clover_cli.decode.tree import DraftTree
 
     class Chain(NoDrafter):
         def propose(self, context, budget):
@@ -350,7 +355,7 @@ def test_merged_drafter_learns_when_its_first_drafter_pays(monkeypatch):
     each step timed from its proposal to the end of its verification, and notices when that changes."""
     import time as time_module
 
-    from clover_cli.drafters import ChoiceStats
+    from clover_cli.drafters.merged import ChoiceStats
 
     clock = {"t": 0.0}
     monkeypatch.setattr(time_module, "perf_counter", lambda: clock["t"])
@@ -383,7 +388,7 @@ def test_merged_drafter_times_only_each_proposals_own_step(monkeypatch):
     soon be left out."""
     import time as time_module
 
-    from clover_cli.drafters import ChoiceStats
+    from clover_cli.drafters.merged import ChoiceStats
 
     clock = {"t": 0.0}
     monkeypatch.setattr(time_module, "perf_counter", lambda: clock["t"])
@@ -411,7 +416,7 @@ def test_merged_drafter_credits_its_first_drafter_only_with_what_it_adds(monkeyp
     (what the second alone would have had on the very steps that ran both) must keep it off."""
     import time as time_module
 
-    from clover_cli.drafters import ChoiceStats
+    from clover_cli.drafters.merged import ChoiceStats
 
     clock = {"t": 0.0}
     monkeypatch.setattr(time_module, "perf_counter", lambda: clock["t"])
@@ -430,8 +435,8 @@ def test_merged_drafter_credits_its_first_drafter_only_with_what_it_adds(monkeyp
 
 
 def test_accepted_in_walks_the_tree_from_its_root():
-    from clover_cli.drafters import _accepted_in
-    from clover_cli.tree import DraftTree
+    from clover_cli.drafters.merged import _accepted_in
+    from clover_cli.decode.tree import DraftTree
 
     tree = DraftTree([1, 5, 6, 7, 8], [-1, 0, 1, 0, 3], [1.0, 0.5, 0.4, 0.3, 0.2])  # 1 -> 5 -> 6 and 1 -> 7 -> 8
     assert [_accepted_in(tree, a) for a in ([], [5], [5, 6], [5, 6, 9], [7, 8], [8], [5, 8])] == [0, 1, 2, 2, 2, 0, 1]
@@ -439,7 +444,7 @@ def test_accepted_in_walks_the_tree_from_its_root():
 
 def test_choice_stats_is_not_turned_by_one_pause():
     """A step that took 100 times its usual time (the process paused) must not turn a bin to the other way."""
-    from clover_cli.drafters import ChoiceStats
+    from clover_cli.drafters.merged import ChoiceStats
 
     choices = ChoiceStats()
     for _ in range(20):
@@ -457,7 +462,7 @@ def test_choice_stats_state_round_trips_and_refuses_what_is_not_one(monkeypatch)
     import json
     import time as time_module
 
-    from clover_cli.drafters import ChoiceStats
+    from clover_cli.drafters.merged import ChoiceStats
 
     clock = {"t": 0.0}
     monkeypatch.setattr(time_module, "perf_counter", lambda: clock["t"])
@@ -490,7 +495,7 @@ def test_choice_stats_state_round_trips_and_refuses_what_is_not_one(monkeypatch)
 def test_choice_stats_tries_the_other_way_less_the_slower_it_is(slower, every):
     """The way the estimates do not favour is still tried now and then (a change must be noticed), the less often
     the slower it is: each try costs about `slower` - 1 steps."""
-    from clover_cli.drafters import ChoiceStats
+    from clover_cli.drafters.merged import ChoiceStats
 
     assert every in (ChoiceStats.EXPLORE, ChoiceStats.EXPLORE_FAR, ChoiceStats.EXPLORE_FARTHER)
     choices = ChoiceStats()

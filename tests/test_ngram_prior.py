@@ -11,7 +11,8 @@ import torch
 
 from clover_cli.drafters.ngram import NgramDrafter, load_prior, prior_table, save_prior
 from clover_cli.store import PRIOR_FILE
-from clover_cli.engine import Engine, StopCheck
+from clover_cli.decode.engine import Engine
+from clover_cli.decode.verify import StopCheck
 from clover_cli.errors import CloverError
 from clover_cli.target import Target
 from helpers import hf_greedy, run_engine

@@ -192,7 +192,8 @@ def test_calibration_and_drafting_stay_inside_the_context(short_dir, monkeypatch
     from transformers import AutoModelForCausalLM
 
     from clover_cli.drafters.ngram import NgramDrafter
-    from clover_cli.engine import Engine, StopCheck
+    from clover_cli.decode.engine import Engine
+    from clover_cli.decode.verify import StopCheck
     from clover_cli.target import Target, TreeKVCache
     from helpers import run_engine
 
@@ -203,11 +204,12 @@ def test_calibration_and_drafting_stay_inside_the_context(short_dir, monkeypatch
     stored = []
     store = type("Store", (), {"padded": False, "load": lambda self: None, "save": lambda self, t: stored.append(t),
                                "reference": lambda self: None})
-    engine = Engine(target, NgramDrafter(), budget=64, auto_budget=True, costs=store())
+    engine = Engine(target, NgramDrafter(), budget=64, auto_budget=True, cost_store=store())
     prompt = ([5, 6, 7, 8, 9] * 60)[:256 - room]  # a repeating prompt: lookup drafts deep chains
     out, _ = run_engine(engine, prompt, StopCheck(room))
     assert len(out) == room and max(asked) <= 256
-    assert engine.cost is None or max(engine.cost.verify_s) <= room  # one token of room: no step, no measuring
+    cost = engine.policy.cost_model
+    assert cost is None or max(cost.verify_s) <= room  # one token of room: no step, no measuring
     assert stored == [], "a table cut short by the context must not stand for this device in later processes"
 
 
@@ -392,7 +394,7 @@ def test_a_stream_that_fails_mid_session_is_reported_once(run_cli, llama_dir, pr
 
 @pytest.mark.parametrize("temperature", [1e-40, 5e-324, 1e-5])
 def test_warp_is_a_distribution_at_any_temperature(temperature):
-    from clover_cli.engine import Sampling, warp
+    from clover_cli.decode.verify import Sampling, warp
 
     logits = torch.tensor([[3.0, 1.0, 3.0 - 1e-3, -50.0]])
     for top_p in (1.0, 0.5):

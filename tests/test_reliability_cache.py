@@ -246,7 +246,7 @@ def test_cache_files_tolerate_any_garbage(tmp_path, capsys):
     """Step-cost tables, the default drafter's learned choice, the learned early stop and --draft self's choice:
     garbage in any of them (valid JSON of the wrong shape included) is ignored, with one line at most."""
     from clover_cli.step.costs import StepCosts
-    from clover_cli.drafters import ChoiceStats
+    from clover_cli.drafters.merged import ChoiceStats
     from clover_cli.drafters.early_stop import EarlyStop
     from clover_cli.drafters.self_draft import load_choice
 
@@ -301,7 +301,7 @@ def test_the_first_calibration_of_a_slow_step_is_bounded(llama_dir, monkeypatch)
     from transformers import AutoModelForCausalLM
 
     from clover_cli.step.costs import StepCosts
-    from clover_cli import engine
+    from clover_cli.decode import budget, engine
     from clover_cli.drafters.ngram import NgramDrafter
     from clover_cli.target import Target
 
@@ -321,13 +321,13 @@ def test_the_first_calibration_of_a_slow_step_is_bounded(llama_dir, monkeypatch)
         return real(*args, **kwargs)
 
     target.forward = slow
-    monkeypatch.setattr(engine, "time", Clock)
+    monkeypatch.setattr(budget, "time", Clock)
     costs = StepCosts(llama_dir, torch.device("cpu"), torch.float16, None)
-    e = engine.Engine(target, NgramDrafter(), budget=64, costs=costs)
-    e.calibrate(5)
+    e = engine.Engine(target, NgramDrafter(), budget=64, cost_store=costs)
+    e.policy.calibrate(e.target, 5)
     assert len(forwards) <= 8, len(forwards)
-    assert sorted(e.cost.verify_s) == [1, 2, 4, 8, 16, 32, 64, 65]
-    assert costs.load() == e.cost.verify_s
+    assert sorted(e.policy.cost_model.verify_s) == [1, 2, 4, 8, 16, 32, 64, 65]
+    assert costs.load() == e.policy.cost_model.verify_s
 
 
 # --- 13. two builders at once -----------------------------------------------------------------------------------

@@ -191,7 +191,7 @@ def test_top_p_tiny_keeps_the_top_token(tmp_path, llama_dir, run_cli):
     holds the most likely token, so such a top_p samples the argmax: the greedy reply."""
     import torch
 
-    from clover_cli.engine import Sampling, warp
+    from clover_cli.decode.verify import Sampling, warp
 
     logits = torch.randn(3, 50)
     for top_p in (1e-300, 1e-45, 1e-8):

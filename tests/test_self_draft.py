@@ -14,7 +14,8 @@ import torch
 
 from clover_cli.drafters.self_draft import SelfDrafter, calibrate, load_choice, merit, skipping
 from clover_cli.store import self_draft_path
-from clover_cli.engine import Engine, Sampling, StopCheck
+from clover_cli.decode.engine import Engine
+from clover_cli.decode.verify import Sampling, StopCheck
 from clover_cli.errors import CloverError
 from clover_cli.target import Target
 from helpers import hf_greedy, run_engine
@@ -134,7 +135,7 @@ def test_sampling_keeps_the_targets_distribution():
     """Under sampling the second emitted token (the first one the draft's tree is verified for: the first comes from
     the prefill) follows the target's own distribution, its marginal sum_x p(x) p(y | x), over many seeded runs
     through the engine with a self draft (total variation within what exact draws of this size give)."""
-    from clover_cli.engine import warp
+    from clover_cli.decode.verify import warp
 
     vocab = 24
     model = make_model(3, vocab=vocab, num_hidden_layers=4)
@@ -240,8 +241,8 @@ def test_cli_generate_and_bench_with_self(run_cli, tmp_path, prompts_file):
     session = Session(Options(model=str(model_dir), draft="none"), quiet=True)
     ids = session.encode_raw("Hello! How can I help you today?")
     plain = [t for ev in session.generate(ids, 12, Sampling()) for t in ev.tokens]
-    session.engine.values[0.0] = object()  # what the last drafter's calls were worth (engine.DraftValue) ...
+    session.engine.policy.values[0.0] = object()  # what the last drafter's calls were worth (decode.budget.DraftValue) ...
     session.switch_draft("self")
-    assert session.engine.values == {}  # ... is not the new one's
+    assert session.engine.policy.values == {}  # ... is not the new one's
     assert session.draft_name == "self" and session.drafter.skip == report["self_draft"]["skip"]
     assert [t for ev in session.generate(ids, 12, Sampling()) for t in ev.tokens] == plain

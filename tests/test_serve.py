@@ -432,7 +432,7 @@ def test_client_hanging_up_mid_stream_stops_its_reply(slow, llama_dir):
     assert slow.runs[-1][1] < 60, f"the reply went on after the client left ({slow.runs[-1][1]} of 400 tokens)"
     # the next request is served normally, from a consistent cache: the reply of a fresh engine
     fresh = load(llama_dir, draft="none")
-    from clover_cli.engine import Sampling
+    from clover_cli.decode.verify import Sampling
 
     ids = fresh.encode_chat([{"role": "user", "content": PROMPTS[1]}])
     want = fresh.decode([t for ev in fresh.generate(ids, N, Sampling()) for t in ev.tokens])

@@ -13,14 +13,15 @@ import zlib
 import pytest
 import torch
 
-from clover_cli.drafters import MergedDrafter
+from clover_cli.drafters.merged import MergedDrafter
 from clover_cli.drafters.clover2 import CloverDrafter
 from clover_cli.drafters.medusa import MedusaDrafter
 from clover_cli.drafters.ngram import NgramDrafter
-from clover_cli.engine import Engine, StopCheck
+from clover_cli.decode.engine import Engine
+from clover_cli.decode.verify import StopCheck
 from clover_cli.step.graphs import SIZES, StaticStep, attach, heads_graphs
 from clover_cli.target import Target
-from clover_cli.tree import DraftTree
+from clover_cli.decode.tree import DraftTree
 from conftest import tiny_config
 from helpers import run_engine
 from test_lossless import drafter_for as lossless_drafter, random_heads
@@ -319,7 +320,7 @@ def test_the_session_compiler_checks_the_static_step_first(tmp_path, monkeypatch
 def test_sampling_through_the_static_step_draws_what_eager_draws(temperature, top_p, device):
     """Sampling reads the static step's logits: with the same seed, the same tokens as the eager step (whose
     exactness against the target's distribution tests/test_engine.py checks), Clover-2 heads drafting."""
-    from clover_cli.engine import Sampling
+    from clover_cli.decode.verify import Sampling
 
     model = make_model("qwen2", 8, device)
     twin = make_model("qwen2", 8, "cpu")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from ..drafters.names import DRAFTS
 from ..errors import CloverError, one_line
 from ..reply import Out, ends_in_loop
 from .conversation import Conversation, fit_context
@@ -30,7 +31,7 @@ COMMANDS = {
     "/system": ("[TEXT | --clear]", "show, set or clear the system message"),
     "/temp": ("[X]", "show or set the sampling temperature, 0 to 10 (0 = greedy)"),
     "/penalty": ("[P]", "show or set the repetition penalty, above 0 and up to 10 (1 = none)"),
-    "/draft": ("[NAME]", "show or switch the drafter: auto, clover, medusa, eagle, ngram, model, self, none"),
+    "/draft": ("[NAME]", f"show or switch the drafter: {', '.join(DRAFTS)}"),
     "/stats": ("", "acceptance statistics of this chat so far"),
     "/exit": ("", "leave (also /quit and Ctrl-D)"),
 }
@@ -79,7 +80,7 @@ class Chat:
     def respond(self, before):
         """Generate a reply to the conversation (which ends with a user message). On an error, or Ctrl-C before
         the first token, the conversation goes back to `before`."""
-        from ..engine import Sampling
+        from ..decode.verify import Sampling
         from ..reply import ReplyPrinter, release_free_memory, stream
 
         s = self.session

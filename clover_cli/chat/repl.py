@@ -29,7 +29,7 @@ def _completer():
     from prompt_toolkit.completion import Completer, Completion, PathCompleter
     from prompt_toolkit.document import Document
 
-    from ..options import DRAFTS
+    from ..drafters.names import DRAFTS
 
     paths = PathCompleter(expanduser=True)
 

@@ -19,7 +19,8 @@ import torch.nn as nn
 from ..errors import CloverError
 from ..packed import pack_linears
 from ..target import TreeKVCache
-from ..tree import TreeBuilder
+from ..decode.tree import TreeBuilder
+from .base import Drafter
 
 
 FORMAT_VERSION = 1
@@ -174,7 +175,7 @@ class TreeGrower:
     """Chooses the children of each expanded node: dynamic (by probability) or static (fixed rank paths).
 
     A child's score is its parent's times the chance that the target accepts it: the drafter's probability for it,
-    or, when the engine gives the grower an acceptance curve (`curve`, engine.AcceptanceCurve), what verification
+    or, when the engine gives the grower an acceptance curve (`curve`, decode.budget.AcceptanceCurve), what verification
     has shown a candidate of that probability and rank among its siblings to be worth (greedy decoding accepts a
     head's top candidate of probability 0.3 about 70% of the time, its second one about 12% whatever its
     probability). The probability cuts below stay on the drafter's own probabilities.
@@ -224,8 +225,10 @@ class TreeGrower:
         return children[: self.width]
 
 
-class GrowsTree:
+class GrowsTree(Drafter):
     """A drafter whose tree a TreeGrower (`self.grower`) grows: the engine hands it an acceptance curve."""
+
+    learns_acceptance = True
 
     @property
     def curve(self):

@@ -37,7 +37,8 @@ import torch
 from ..errors import CloverError
 from ..packed import packed_linears
 from ..target import Target, context_limit
-from ..tree import DraftTree, TreeBuilder
+from ..decode.tree import DraftTree, TreeBuilder
+from .base import Drafter
 
 TREES = ("mcsd", "chain")
 ROOT_K = 3  # MCSD: candidates at the root
@@ -162,7 +163,7 @@ def runner(draft_model, target: Target) -> Target:
     return made
 
 
-class ModelDrafter:
+class ModelDrafter(Drafter):
     """A draft model proposing a chain or an MCSD tree (see the module docstring)."""
 
     observes = False  # it runs its own model over the context: nothing of the target's is read
@@ -187,7 +188,7 @@ class ModelDrafter:
         self.ids: list[int] = []  # the tokens whose keys and values the draft's cache holds, in order
         self.min_score = 0.0  # set by the engine: nodes scored below it do not pay for their verification
         # set by the engine for each generation; at temperature > 0 (and `sample`) the candidates are samples of the
-        # draft's distribution at the same temperature, verified q-aware (engine.accept), else its top tokens
+        # draft's distribution at the same temperature, verified q-aware (decode.verify.accept), else its top tokens
         self.sampling = None
         self.sample = sample
         self._rng: torch.Generator | None = None
@@ -399,7 +400,7 @@ class ModelDrafter:
         continued by one draw from q at its tip. Whether a node gets children, and how many, depends only on its own
         q and the nodes drafted before it, never on the values drawn for those children: what q-aware verification
         needs to stay exact. Each node that got children records its q in `proposals`."""
-        from ..engine import sample, warp
+        from ..decode.verify import sample, warp
 
         builder = TreeBuilder(context[-1])
         proposals: dict[int, torch.Tensor] = {}

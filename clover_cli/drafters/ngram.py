@@ -25,8 +25,9 @@ from pathlib import Path
 import torch
 
 from ..errors import CloverError
+from ..decode.tree import DraftTree
 from ..store import PRIOR_FILE
-from ..tree import DraftTree
+from .base import Drafter
 
 MIN_CHAIN_P = 0.1  # a tri-gram chain stops at a token predicted with less than this
 
@@ -75,7 +76,7 @@ def load_prior(model_dir, vocab_size: int) -> dict[tuple[int, int], tuple[int, f
     return prior_table(trigrams)
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     name = "ngram"
     observes = False  # the statistics come from the context itself
 

@@ -120,8 +120,8 @@ class StepCompiler:
         """The session's drafter (again after a switch): its heads' programs are attached when they are built, and a
         draft model (`draft_path`: a ModelDrafter's model directory) gets a compiled step of its own."""
         self._use_draft_model(drafter, draft_path)
-        heads = getattr(drafter, "first", drafter)  # the default drafter merges the heads with lookup
-        self.eager_for = heads.name if getattr(heads, "feature_layers", None) else None
+        heads = drafter.primary  # the default drafter merges the heads with lookup
+        self.eager_for = heads.name if heads.feature_layers else None
         self.heads = heads if heads_kind(heads) else None
         self.heads_path = Path(heads_path) if heads_path is not None and self.heads is not None else None
         self.heads_out = None
@@ -147,7 +147,7 @@ class StepCompiler:
         return True
 
     def _use_draft_model(self, drafter, draft_path) -> None:
-        runner = getattr(drafter, "draft", None)  # a ModelDrafter runs its model as a Target
+        runner = drafter.draft  # a ModelDrafter runs its model as a Target
         if runner is None or draft_path is None or self.state in (State.OFF, State.EAGER, State.FAILED):
             self.draft = None
             return
@@ -166,7 +166,7 @@ class StepCompiler:
     def ready_draft(self, drafter, draft_path) -> bool:
         """Compile a draft model's step for a ModelDrafter (clover bench makes one per run), waiting for the build
         when it is not cached. False when the compiled step is not in use or the build failed."""
-        if self.state != State.ACTIVE or getattr(drafter, "draft", None) is None:
+        if self.state != State.ACTIVE or drafter.draft is None:
             return False
         if self.draft is None or self.draft.target is not drafter.draft:
             self.draft = StepCompiler("on", drafter.draft, draft_path, self.dtype, self.device,

@@ -109,7 +109,8 @@ def regenerate(cfg: TrainConfig, model, tokenizer, template: str, stop_strings, 
 
     def replies_engine(prompts):
         from ..drafters.ngram import NgramDrafter
-        from ..engine import Engine, StopCheck
+        from ..decode.engine import Engine
+        from ..decode.verify import StopCheck
 
         if target_box.get("target") is None:
             from ..target import Target

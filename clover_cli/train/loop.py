@@ -29,7 +29,8 @@ def evaluate(heads, cfg, model, tokenizer, template, held_ids, held_masks, held_
     """Per-head top-1 agreement on held-out conversations, and τ of the real engine on held-out prompts."""
     import copy
 
-    from ..engine import Engine, StopCheck
+    from ..decode.engine import Engine
+    from ..decode.verify import StopCheck
     from ..drafters.registry import drafter_for
     from ..stats import Stats
     from ..target import Target

@@ -43,7 +43,7 @@ def loops(tokens: list[int], tail: int = 48) -> bool:
 
 
 def run(session, ids, n, temperature, seed):
-    from clover_cli.engine import Sampling
+    from clover_cli.decode.verify import Sampling
     from clover_cli.stats import Stats
 
     session.engine.reset()

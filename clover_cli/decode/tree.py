@@ -27,10 +27,11 @@ class DraftTree:
     parents: list[int]
     scores: list[float] = field(default_factory=list)  # the drafter's estimate that each node is accepted
     # node -> the distribution its children were sampled from (in their order, without replacement), for q-aware
-    # verification under sampling (engine.accept); None: every drafted token is a fixed candidate
+    # verification under sampling (decode.verify.accept); None: every drafted token is a fixed candidate
     proposals: dict | None = None
     # node -> (its rank among its siblings, its probability given its parent) as the drafter gave them (None where
-    # it gives none), before any calibration: what the engine's acceptance curve learns from (engine.AcceptanceCurve)
+    # it gives none), before any calibration: what the engine's acceptance curve learns from
+    # (decode.budget.AcceptanceCurve)
     drafted: list | None = None
 
     @staticmethod
