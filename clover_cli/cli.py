@@ -12,8 +12,8 @@ from typing import Optional
 
 import typer
 
-from . import __version__, process
-from .drafters.names import DRAFTS
+from . import __version__
+from .drafter_names import DRAFTS
 from .errors import CloverError, one_line
 from .inputs import read_prompt
 from .options import check_sampling, options_from
@@ -44,7 +44,7 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
                                         help="Print the version and exit."),
           debug: bool = typer.Option(False, "--debug", help="On an error, show its traceback too (also "
                                                             "CLOVER_DEBUG=1).")):
-    process.state["debug"] = debug
+    pass  # --debug is read by the error boundary (process.py) from the parsed command line
 
 
 # Options shared by the commands that load a model.
@@ -627,8 +627,3 @@ def _check_heads(path: Path, config):
         why = getattr(e, "strerror", None) or one_line(e)
         raise CloverError(f"heads {path}: unreadable model.safetensors ({why})") from None
 
-
-if __name__ == "__main__":  # python -m clover_cli.cli, as the docs and scripts run it
-    from .process import main
-
-    main()

@@ -8,7 +8,7 @@ import math
 import os
 from dataclasses import dataclass, fields
 
-from .drafters.names import DRAFTS
+from .drafter_names import DRAFTS
 from .errors import CloverError
 
 MODES = ("auto", "on", "off")  # --compile, see clover_cli/step/manager.py

@@ -14,7 +14,7 @@ from .errors import CloverError, one_line
 from .options import env
 from .render import visible
 
-state = {"debug": False}  # --debug (set by the root command's callback in cli.py)
+state = {"debug": False}  # --debug, the root command's option (cli.py), as parsed by _run
 
 
 def _fail(message: str, code: int = 2):
@@ -66,6 +66,7 @@ def _run(argv) -> int:
     command = typer.main.get_command(app)
     try:
         with command.make_context("clover", sys.argv[1:] if argv is None else list(argv)) as ctx:
+            state["debug"] = bool(ctx.params.get("debug"))
             command.invoke(ctx)
         code = 0
     except _EXITS as e:  # --help, --version, typer.Exit(n)

@@ -12,7 +12,7 @@ from .decode.budget import mode_key, mode_parts
 from .decode.engine import Engine
 from .decode.verify import Sampling, StopCheck
 from .drafters.factory import make_drafter
-from .drafters.names import HEADS_DRAFTS
+from .drafter_names import HEADS_DRAFTS
 from .drafters.ngram import load_prior
 from .drafters.registry import resolve_heads
 from .errors import CloverError

@@ -537,7 +537,7 @@ def check_exact(target: "Target", tolerance: float | None = None) -> None:
         with stock_linears():  # what is checked is the attention and cache: no packing for it (it may be lazy)
             target.forward(torch.tensor(prefix, device=dev))
             target.cache.append(len(prefix))
-            from .decode.tree import DraftTree
+            from .tree import DraftTree
 
             tokens, depths, mask = DraftTree(tree, parents).tensors(dev)
             _, ours = target.forward(tokens, len(prefix) + depths, mask)

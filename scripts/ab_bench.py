@@ -51,7 +51,7 @@ def summarize(runs: list[dict]) -> dict:
 
 def bench(checkout: Path, model: str, args: list[str]) -> dict:
     env = dict(os.environ, PYTHONPATH=str(checkout))
-    cmd = [sys.executable, "-m", "clover_cli.cli", "bench", model, "--json", *args]
+    cmd = [sys.executable, "-m", "clover_cli", "bench", model, "--json", *args]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd="/")
     if done.returncode:
         raise SystemExit(f"ab_bench: clover bench from {checkout} failed: {done.stderr.strip().splitlines()[-1:]}")

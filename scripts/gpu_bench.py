@@ -89,7 +89,7 @@ def main():
     from clover_cli.drafters.common import HeadsConfig
     from clover_cli.drafters.registry import build_heads
     from clover_cli.target import Target
-    from clover_cli.decode.tree import DraftTree
+    from clover_cli.tree import DraftTree
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="7b", choices=SHAPES)

@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def clover() -> list[str]:
-    return [sys.executable, "-m", "clover_cli.cli"]  # the checkout this script sits in (run from its root)
+    return [sys.executable, "-m", "clover_cli"]  # the checkout this script sits in (run from its root)
 
 
 def prompts(n: int) -> list[str]:

@@ -131,7 +131,7 @@ def main():
     err_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"slowloris-serve-{os.getpid()}.err"
     err = open(err_path, "wb")  # not atomic: the server's stderr, streamed into it as it runs
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
-    launcher = os.environ.get("SLOWLORIS_SERVER", "-m clover_cli.cli").split()
+    launcher = os.environ.get("SLOWLORIS_SERVER", "-m clover_cli").split()
     server = subprocess.Popen([sys.executable, *launcher, "serve", args.model, "--port", "0",
                                "--stats-file", "off", *args.serve_args.split()], env=env, stdout=subprocess.DEVNULL,
                               stderr=err, cwd=ROOT)

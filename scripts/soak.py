@@ -15,7 +15,7 @@
    measures the step costs), once after a warm-up reply. The process's CPU time (user + system, all threads) is
    reported beside each wall time: on a machine other work shares, wall time stretches and CPU time does not.
 
-The chat runs from this checkout (`python -m clover_cli.cli`), eager (`--compile off`, so that a background build
+The chat runs from this checkout (`python -m clover_cli`), eager (`--compile off`, so that a background build
 loading into the process does not show up as growth; `--compile auto` measures that too), with its stats stream in a
 temporary file. Memory is read from /proc/PID/status (Linux) or psutil.
 """
@@ -82,7 +82,7 @@ class Chat:
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         if args.threads:
             env["OMP_NUM_THREADS"] = str(args.threads)
-        cmd = [sys.executable, "-m", "clover_cli.cli", "chat", *([args.model] if args.model else []),
+        cmd = [sys.executable, "-m", "clover_cli", "chat", *([args.model] if args.model else []),
                "-n", str(args.max_new_tokens), "--compile", args.compile, "--stats-file", str(stats_file)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      cwd=ROOT, env=env)

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent  # every clover this runs starts h
 
 def clover() -> list[str]:
     here = Path(sys.executable).with_name("clover")
-    return [str(here)] if here.is_file() else [sys.executable, "-m", "clover_cli.cli"]
+    return [str(here)] if here.is_file() else [sys.executable, "-m", "clover_cli"]
 
 
 def chat_timings(model: list[str], env: dict, message: str) -> dict:

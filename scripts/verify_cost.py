@@ -35,7 +35,7 @@ def measure(repeats: int, context: int, model: str | None) -> dict:
 
     from clover_cli import packed
     from clover_cli.session import Options, Session
-    from clover_cli.decode.tree import DraftTree
+    from clover_cli.tree import DraftTree
 
     session = Session(Options(model=model, draft="none"), quiet=True)
     session.compiler.start(background=False)  # CLOVER_COMPILE=on: built here if not cached

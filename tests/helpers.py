@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from clover_cli.decode.tree import DraftTree, TreeBuilder
+from clover_cli.tree import DraftTree, TreeBuilder
 from clover_cli.drafters.base import Drafter
 
 
@@ -100,12 +100,12 @@ def console_script(name: str) -> list[str]:
 
 
 def clover_command() -> list[str]:
-    """The installed `clover` script, else `python -m clover_cli.cli`."""
+    """The installed `clover` script, else `python -m clover_cli`."""
     import sys
     from pathlib import Path
 
     here = Path(sys.executable).with_name("clover")
-    return [str(here)] if here.is_file() else [sys.executable, "-m", "clover_cli.cli"]
+    return [str(here)] if here.is_file() else [sys.executable, "-m", "clover_cli"]
 
 
 def free_port() -> int:

@@ -22,7 +22,7 @@ from clover_cli.decode.engine import Engine
 from clover_cli.decode.verify import StopCheck
 from clover_cli.errors import CloverError
 from clover_cli.target import Target, check_exact
-from clover_cli.decode.tree import DraftTree
+from clover_cli.tree import DraftTree
 from helpers import hf_greedy, run_engine
 from test_lossless import random_heads
 

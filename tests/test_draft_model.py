@@ -15,7 +15,7 @@ from clover_cli.drafters.draft_model import ModelDrafter, parameter_count
 from clover_cli.decode.engine import Engine
 from clover_cli.decode.verify import Sampling, StopCheck, accept, warp
 from clover_cli.target import Target
-from clover_cli.decode.tree import DraftTree
+from clover_cli.tree import DraftTree
 from conftest import build_model, build_tokenizer, small_draft, tiny_config
 from helpers import hf_greedy, run_engine
 

@@ -15,7 +15,7 @@ from clover_cli.decode.budget import AcceptanceCurve, CostModel, DraftValue
 from clover_cli.decode.engine import Engine
 from clover_cli.decode.verify import Sampling, StopCheck, accept, sample, warp
 from clover_cli.target import Target, cache_kwarg
-from clover_cli.decode.tree import DraftTree, TreeBuilder
+from clover_cli.tree import DraftTree, TreeBuilder
 from helpers import OracleDrafter, hf_greedy, run_engine
 from test_lossless import make_model
 
@@ -408,7 +408,7 @@ def test_prune_keeps_best_nodes_with_their_ancestors():
 
 
 def test_merged_trees_are_valid_unions():
-    from clover_cli.decode.tree import merge_trees
+    from clover_cli.tree import merge_trees
 
     rng = random.Random(1)
     for _ in range(200):
@@ -432,7 +432,7 @@ def test_merged_trees_are_valid_unions():
 
 
 def test_prune_and_merge_keep_each_nodes_drafter_rank_and_probability():
-    from clover_cli.decode.tree import merge_trees
+    from clover_cli.tree import merge_trees
 
     rng = random.Random(2)
     info = lambda tok, k: (tok % 3, (tok % 97) / 194 + k / 2)  # noqa: E731  (a token's (rank, p) in tree k)

@@ -244,7 +244,7 @@ def test_draft_vocabulary_round_trip_and_refusals(tmp_path):
 
 
 def test_merged_drafter_skips_the_heads_when_lookup_is_confident():
-    from clover_cli.decode.tree import DraftTree
+    from clover_cli.tree import DraftTree
 
     class Fixed:
         name, calls = "fixed", 0
@@ -341,7 +341,7 @@ def test_clover_catch_up_window_runs_the_last_positions_at_their_own_positions()
 
 def _chain_drafter(n, score=0.3):
     """A drafter proposing the chain 5, 6, ..., 4 + n under the root, each node scored `score`."""
-    from clover_cli.decode.tree import DraftTree
+    from clover_cli.tree import DraftTree
 
     class Chain(NoDrafter):
         def propose(self, context, budget):
@@ -436,7 +436,7 @@ def test_merged_drafter_credits_its_first_drafter_only_with_what_it_adds(monkeyp
 
 def test_accepted_in_walks_the_tree_from_its_root():
     from clover_cli.drafters.merged import _accepted_in
-    from clover_cli.decode.tree import DraftTree
+    from clover_cli.tree import DraftTree
 
     tree = DraftTree([1, 5, 6, 7, 8], [-1, 0, 1, 0, 3], [1.0, 0.5, 0.4, 0.3, 0.2])  # 1 -> 5 -> 6 and 1 -> 7 -> 8
     assert [_accepted_in(tree, a) for a in ([], [5], [5, 6], [5, 6, 9], [7, 8], [8], [5, 8])] == [0, 1, 2, 2, 2, 0, 1]

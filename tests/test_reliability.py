@@ -505,7 +505,7 @@ def test_fit_context_work_is_linear_in_the_conversation():
 # --- 10. output streams and prompt sources; the one error boundary ----------------------------------------------
 
 
-CLOVER = [sys.executable, "-m", "clover_cli.cli"]  # this checkout's clover, whichever one is installed
+CLOVER = [sys.executable, "-m", "clover_cli"]  # this checkout's clover, whichever one is installed
 CHILD_ENV = {"CLOVER_COMPILE": "off", "PYTHONPATH": str(ROOT)}
 
 

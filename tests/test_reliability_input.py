@@ -57,7 +57,7 @@ def run_limited(args, stdin=None, input_bytes=None, timeout=120, memory=MEMORY, 
     fd, report = tempfile.mkstemp(prefix="clover-rss-")
     os.close(fd)
     proc = subprocess.Popen([sys.executable, "-c", _WRAPPER, str(memory), report, sys.executable, "-m",
-                             "clover_cli.cli", *args], cwd=ROOT, env=env, start_new_session=True,
+                             "clover_cli", *args], cwd=ROOT, env=env, start_new_session=True,
                             stdin=subprocess.PIPE if input_bytes is not None else stdin,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     got = {}
@@ -269,7 +269,7 @@ def spawn_limited(args, tmp_path: Path, memory_kb: int = MEMORY >> 10):
     env.update(TERM="xterm-256color", COLUMNS="120", LINES="40", HOME=str(tmp_path), PYTHONPATH=str(ROOT),
                XDG_CACHE_HOME=str(tmp_path / "cache"), PROMPT_TOOLKIT_NO_CPR="1", HF_HUB_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-    command = " ".join([f"ulimit -v {memory_kb};", "exec", sys.executable, "-m", "clover_cli.cli", *args])
+    command = " ".join([f"ulimit -v {memory_kb};", "exec", sys.executable, "-m", "clover_cli", *args])
     child = pexpect.spawn("bash", ["-c", command], env=env, encoding="utf-8", codec_errors="replace", timeout=60,
                           dimensions=(40, 120), maxread=1 << 16, searchwindowsize=4096)
     child.logfile_read = open(tmp_path / "terminal.log", "w", encoding="utf-8")
@@ -488,7 +488,7 @@ def _serve(llama_dir, tmp_path, *extra):
 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
     err = open(tmp_path / "serve.err", "wb+")
-    proc = subprocess.Popen([sys.executable, "-m", "clover_cli.cli", "serve", str(llama_dir), "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "clover_cli", "serve", str(llama_dir), "--port", "0",
                              "--draft", "ngram", "--stats-file", "off", *extra], cwd=ROOT, env=env,
                             preexec_fn=limit, stdout=subprocess.DEVNULL, stderr=err)
     deadline = time.monotonic() + 90

@@ -478,7 +478,7 @@ def test_serve_command(llama_dir, tmp_path, reference):
     public address, the stats stream (`clover stats` lists the server), Ctrl-C ends it cleanly."""
     stats = tmp_path / "stats.jsonl"
     env = {**os.environ, "CLOVER_API_KEY": "k3y", "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "clover_cli.cli", "serve", str(llama_dir), "--host", "0.0.0.0",
+    proc = subprocess.Popen([sys.executable, "-m", "clover_cli", "serve", str(llama_dir), "--host", "0.0.0.0",
                              "--port", "0", "--draft", "ngram", "--stats-file", str(stats)], cwd=REPO, env=env,
                             stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -495,7 +495,7 @@ def test_serve_command(llama_dir, tmp_path, reference):
         status, _, body = request(url, "POST", "/v1/chat/completions", chat_body(PROMPTS[0]),
                                   {"Authorization": "Bearer k3y"})
         assert status == 200 and body["choices"][0]["message"]["content"] == reference[PROMPTS[0], False]["text"].strip()
-        listed = subprocess.run([sys.executable, "-m", "clover_cli.cli", "stats", "--stats-file", str(stats),
+        listed = subprocess.run([sys.executable, "-m", "clover_cli", "stats", "--stats-file", str(stats),
                                  "--json"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
         sessions = json.loads(listed.stdout)["by_session"]
         assert [(s["command"], s["replies"]) for s in sessions] == [("serve", 1)]

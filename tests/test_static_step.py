@@ -21,7 +21,7 @@ from clover_cli.decode.engine import Engine
 from clover_cli.decode.verify import StopCheck
 from clover_cli.step.graphs import SIZES, StaticStep, attach, heads_graphs
 from clover_cli.target import Target
-from clover_cli.decode.tree import DraftTree
+from clover_cli.tree import DraftTree
 from conftest import tiny_config
 from helpers import run_engine
 from test_lossless import drafter_for as lossless_drafter, random_heads

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from ..drafters.names import DRAFTS
+from ..drafter_names import DRAFTS
 from ..errors import CloverError, one_line
 from ..reply import Out, ends_in_loop
 from .conversation import Conversation, fit_context

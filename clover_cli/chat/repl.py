@@ -29,7 +29,7 @@ def _completer():
     from prompt_toolkit.completion import Completer, Completion, PathCompleter
     from prompt_toolkit.document import Document
 
-    from ..drafters.names import DRAFTS
+    from ..drafter_names import DRAFTS
 
     paths = PathCompleter(expanduser=True)
 

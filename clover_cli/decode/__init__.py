@@ -1,2 +1,2 @@
-"""Speculative decoding: the exact math (verify.py), the budget policy (budget.py), the loop (engine.py) and the token
-tree they pass around (tree.py)."""
+"""Speculative decoding: the exact math (verify.py), the budget policy (budget.py) and the loop (engine.py), over
+the token trees of ../tree.py."""

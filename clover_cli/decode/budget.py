@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .tree import DraftTree
+from ..tree import DraftTree
 
 PROBE_NODES = 4  # drafted nodes a retry verifies after drafting has been skipped
 REFRESH_WINDOW = 9  # forwards per tree size whose median refreshes the stored cost table
@@ -361,7 +361,7 @@ class DraftPolicy:
         self.auto_budget = auto_budget and budget > 0
         # what a step costs, measured or loaded in this process (None: no sizing, every drafted node is verified)
         self.cost_model: CostModel | None = None
-        # a store of measured verify costs (compiled.StepCosts), if any: load() -> {n: s} or None, save(table), and
+        # a store of measured verify costs (step.costs.StepCosts), if any: load() -> {n: s} or None, save(table), and
         # reference() -> the costs of every size measured together, which untimed sizes follow (or None)
         self.cost_store = cost_store
         # sampling mode -> AcceptanceCurve handed to a drafter that takes one, kept across replies

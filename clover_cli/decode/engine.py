@@ -24,7 +24,7 @@ import torch
 
 from ..target import Target
 from .budget import DraftPolicy, device_sync
-from .tree import DraftTree, long_tensor
+from ..tree import DraftTree, long_tensor
 from .verify import Sampling, StopCheck, accept, penalize
 
 

@@ -13,7 +13,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .tree import DraftTree
+from ..tree import DraftTree
 
 @dataclass
 class Sampling:

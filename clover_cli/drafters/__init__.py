@@ -1,11 +1,11 @@
 """Drafters propose token trees for the target to verify; every drafter implements one protocol (base.py).
 
     base.py      the protocol (Drafter, every optional hook with its default) and NoDrafter
-    names.py     the drafters' names (--draft, /draft), read without torch
     factory.py   the one place a drafter is made from a name
     registry.py  the heads families: which class runs each, how its heads are built, loaded and saved
     merged.py    MergedDrafter (the default: heads with n-gram lookup) and ChoiceStats
     the family files (clover2.py, medusa.py, eagle.py, eagle3.py), ngram.py, draft_model.py, self_draft.py
 
-Nothing is imported here: options.py reads names.py before torch loads.
+Nothing is imported here (the drafters' names, which options.py reads before torch loads, are in
+../drafter_names.py).
 """

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..decode.tree import DraftTree
+from ..tree import DraftTree
 
 
 class Drafter:

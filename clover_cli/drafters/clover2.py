@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from ..errors import CloverError
 from ..packed import pack_linears, packed_linears
 from ..target import Target, TreeKVCache, cache_kwarg
-from ..decode.tree import DraftTree, TreeBuilder
+from ..tree import DraftTree, TreeBuilder
 from .common import (TARGET_KEYS, DraftProjection, GrowsTree, HeadsConfig, Observed, RMSNorm, TreeGrower, check_size,
                      draft_config, finish_loading, first_file, near_identity, read_config, read_tensors, rotary_for,
                      same_weights, target_layer_class, top_tokens)

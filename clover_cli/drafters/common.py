@@ -19,7 +19,7 @@ import torch.nn as nn
 from ..errors import CloverError
 from ..packed import pack_linears
 from ..target import TreeKVCache
-from ..decode.tree import TreeBuilder
+from ..tree import TreeBuilder
 from .base import Drafter
 
 

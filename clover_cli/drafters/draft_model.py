@@ -37,7 +37,7 @@ import torch
 from ..errors import CloverError
 from ..packed import packed_linears
 from ..target import Target, context_limit
-from ..decode.tree import DraftTree, TreeBuilder
+from ..tree import DraftTree, TreeBuilder
 from .base import Drafter
 
 TREES = ("mcsd", "chain")

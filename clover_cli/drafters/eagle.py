@@ -33,7 +33,7 @@ import torch.nn as nn
 from ..errors import CloverError
 from ..packed import pack_linears, packed_linears
 from ..target import Target, TreeKVCache, cache_kwarg, find_final_norm
-from ..decode.tree import DraftTree, TreeBuilder
+from ..tree import DraftTree, TreeBuilder
 from .common import (STATIC_TREE, DraftProjection, GrowsTree, HeadsConfig, TreeGrower, check_size, draft_config,
                      finish_loading, first_file, join_pending, keep_pending, near_identity, read_config, read_tensors,
                      rotary_for, same_weights, target_layer_class, top_tokens)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from ..errors import CloverError
 from ..packed import pack_linears, packed_linears
 from ..target import Target, find_final_norm
-from ..decode.tree import DraftTree, TreeBuilder
+from ..tree import DraftTree, TreeBuilder
 from .common import (DraftProjection, GrowsTree, HeadsConfig, TreeGrower, check_size, finish_loading, first_file,
                      read_config, read_tensors, top_tokens)
 

@@ -7,7 +7,7 @@ import math
 import time
 from dataclasses import dataclass
 
-from ..decode.tree import DraftTree, merge_trees
+from ..tree import DraftTree, merge_trees
 from .base import Drafter
 
 
@@ -79,7 +79,7 @@ class ChoiceStats:
         return (alone + gain) / max(sorted(recent)[len(recent) // 2], 1e-9)
 
     def state(self) -> dict:
-        """What has been learned, as JSON-able data (kept on disk between processes: compiled.StepCosts.choices_path)."""
+        """What has been learned, as JSON-able data (kept on disk between processes: step.costs.StepCosts.choices_path)."""
         return {"version": self.VERSION, "sums": {f"{kind}/{b}": v for (kind, b), v in self.sums.items()},
                 "seconds": {f"{b}/{int(way)}": v for (b, way), v in self.seconds.items()},
                 "decisions": {str(b): n for b, n in self.decisions.items()}}

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CloverError
-from ..decode.tree import DraftTree
+from ..tree import DraftTree
 from ..store import PRIOR_FILE
 from .base import Drafter
 

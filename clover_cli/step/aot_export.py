@@ -157,7 +157,7 @@ class TargetStep(torch.nn.Module):
 
 def _example(target, n: int, past: int, seed: int = 0):
     """Program inputs for random tokens in a random tree (parents before children) after `past` committed ones."""
-    from ..decode.tree import DraftTree
+    from ..tree import DraftTree
 
     g = torch.Generator().manual_seed(seed)
     parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]

@@ -220,7 +220,7 @@ def check(step: StaticStep, tolerance: float | None = None) -> str | None:
     through the eager step and through the static one (captured, on CUDA) must give the same logits and hidden
     states. Catches a model whose attention ignores the mask it is given, a value of the first step baked into a
     graph, and a forward that cannot be captured. The cache is left empty."""
-    from ..decode.tree import DraftTree
+    from ..tree import DraftTree
 
     target = step.target
     vocab = target.config.vocab_size

@@ -1,5 +1,5 @@
-"""The drafters' names, as --draft, chat's /draft and their help texts take them: one tuple, read without importing
-torch (a chat checks its options before the model and its libraries load)."""
+"""The drafters' names, as --draft, chat's /draft and their help texts take them: one tuple, in a module of its own
+that imports nothing (options.py checks --draft before the model and torch load; the families are in drafters/)."""
 
 # a heads drafter's name -> the heads family (registry.FAMILIES, the heads config's "architecture") it runs
 HEADS_DRAFTS = {"clover": "clover2", "medusa": "medusa", "eagle": "eagle", "eagle3": "eagle3"}
