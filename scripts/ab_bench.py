@@ -51,7 +51,9 @@ def summarize(runs: list[dict]) -> dict:
 
 def bench(checkout: Path, model: str, args: list[str]) -> dict:
     env = dict(os.environ, PYTHONPATH=str(checkout))
-    cmd = [sys.executable, "-m", "clover_cli", "bench", model, "--json", *args]
+    # python -m clover_cli where the checkout has clover_cli/__main__.py; older ones ran as clover_cli.cli
+    module = "clover_cli" if (checkout / "clover_cli" / "__main__.py").is_file() else "clover_cli.cli"
+    cmd = [sys.executable, "-m", module, "bench", model, "--json", *args]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd="/")
     if done.returncode:
         raise SystemExit(f"ab_bench: clover bench from {checkout} failed: {done.stderr.strip().splitlines()[-1:]}")
