@@ -1,9 +1,12 @@
-"""Test drafters and reference decoding shared by the engine tests."""
+"""Test drafters and reference decoding shared by the engine tests, and the set-up several test files share."""
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
+import pytest
 import torch
 
 from clover_cli.tree import DraftTree, TreeBuilder
@@ -184,3 +187,46 @@ def check_trained_heads_cli(run_cli, model_dir, heads, prompt, family: str, n: i
     one_line((*gen, "--heads", str(heads), "--draft", other[0]), other[1])
     one_line((*gen, "--heads", str(wrong_size_heads), "--draft", family), "hidden size 32")
     one_line((*gen, "--draft", family), f"no {family} heads")
+
+
+def offline(tmp_path: Path, monkeypatch) -> Path:
+    """Stats and caches under tmp_path/xdg, no CLOVER_STATS_FILE, the Hub offline with an empty cache under
+    tmp_path/hf-cache (no test may touch the network). Returns tmp_path."""
+    import huggingface_hub.constants as hf_constants
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("CLOVER_STATS_FILE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    return tmp_path
+
+
+def save_small_heads(model_dir: Path, out: Path, card: str) -> Path:
+    """Untrained Clover-2 heads (2 heads, 1 layer) for the model in `model_dir`, saved to `out` with model card
+    `card`."""
+    from transformers import AutoModelForCausalLM
+
+    from clover_cli.drafters.common import HeadsConfig
+    from clover_cli.drafters.registry import build_heads, save_heads
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    save_heads(build_heads(HeadsConfig.for_target(model.config, num_heads=2, num_layers=1), model), out, card)
+    return out
+
+
+def chats_file(tmp_path_factory, conversations: list) -> Path:
+    """`conversations` written as training data (a JSON list) in a fresh directory."""
+    p = tmp_path_factory.mktemp("data") / "chats.json"
+    p.write_text(json.dumps(conversations))
+    return p
+
+
+def train_in_process(model_dir: Path, data: Path, out: Path, *args: str) -> Path:
+    """`clover train` of `model_dir` on `data` into `out`, in process, with `args`; it must exit 0. Returns out."""
+    from clover_cli.process import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["train", str(model_dir), "--data", str(data), "--out", str(out), *args])
+    assert e.value.code == 0
+    return out

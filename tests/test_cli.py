@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import build_model, tiny_config
+from helpers import offline
 
 COMMANDS = ["models", "download", "generate", "chat", "serve", "stats", "train", "bench", "compile"]
 JSON_KEYS = {"text", "new_tokens", "steps", "tau", "tokens_per_s", "elapsed_s", "model", "draft"}
@@ -21,14 +22,7 @@ JSON_KEYS = {"text", "new_tokens", "steps", "tau", "tokens_per_s", "elapsed_s", 
 @pytest.fixture(autouse=True)
 def isolated(tmp_path, monkeypatch):
     """Stats go to a private cache dir; the Hub is offline with an empty cache (no test may touch the network)."""
-    import huggingface_hub.constants as hf_constants
-
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    monkeypatch.delenv("CLOVER_STATS_FILE", raising=False)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
-    return tmp_path
+    return offline(tmp_path, monkeypatch)
 
 
 def stats_file(tmp_path):

@@ -16,33 +16,20 @@ from pathlib import Path
 
 import pytest
 
+from helpers import offline, save_small_heads, train_in_process
+
 
 @pytest.fixture(autouse=True)
 def isolated(tmp_path, monkeypatch):
     """Stats and caches go to a private directory; the Hub is offline; no compiled step is built."""
-    import huggingface_hub.constants as hf_constants
-
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    monkeypatch.delenv("CLOVER_STATS_FILE", raising=False)
+    offline(tmp_path, monkeypatch)
     monkeypatch.delenv("CLOVER_DEBUG", raising=False)
     monkeypatch.setenv("CLOVER_COMPILE", "off")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
 
 
 @pytest.fixture(scope="module")
 def heads_src(tmp_path_factory, llama_dir):
-    from transformers import AutoModelForCausalLM
-
-    from clover_cli.drafters.common import HeadsConfig
-
-    from clover_cli.drafters.registry import build_heads, save_heads
-
-    model = AutoModelForCausalLM.from_pretrained(llama_dir)
-    out = tmp_path_factory.mktemp("heads") / "h"
-    save_heads(build_heads(HeadsConfig.for_target(model.config, num_heads=2, num_layers=1), model), out, "card\n")
-    return out
+    return save_small_heads(llama_dir, tmp_path_factory.mktemp("heads") / "h", "card\n")
 
 
 TRAIN = ["--heads", "2", "--layers", "1", "--batch-tokens", "2048", "--max-len", "256", "--eval-every", "2"]
@@ -53,14 +40,10 @@ CONVERSATIONS = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"
 @pytest.fixture(scope="module")
 def run_src(tmp_path_factory, llama_dir):
     """A training run of 2 steps with its checkpoint, and its data (copied per test)."""
-    from clover_cli.process import main
-
     root = tmp_path_factory.mktemp("run")
     data = root / "chats.json"
     data.write_text(json.dumps(CONVERSATIONS))
-    with pytest.raises(SystemExit) as e:
-        main(["train", str(llama_dir), "--data", str(data), "--out", str(root / "h"), "--max-steps", "2", *TRAIN])
-    assert e.value.code == 0
+    train_in_process(llama_dir, data, root / "h", "--max-steps", "2", *TRAIN)
     return root
 
 

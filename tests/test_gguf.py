@@ -32,7 +32,7 @@ gguf = pytest.importorskip("gguf")
 from clover_cli import gguf_model, hub, store  # noqa: E402
 from clover_cli.errors import CloverError  # noqa: E402
 from conftest import CORPUS, build_tokenizer, tiny_config  # noqa: E402
-from helpers import hf_greedy, run_engine  # noqa: E402
+from helpers import hf_greedy, offline, run_engine  # noqa: E402
 
 # Found before any test redirects XDG_CACHE_HOME: CLOVER_SMOLLM2_GGUF, else where the user's package cache keeps
 # smollm2's GGUF (only its path here: its hash is checked in the test, whose cache is its own).
@@ -224,14 +224,8 @@ def ggufs(tmp_path_factory, tokenizer):
 @pytest.fixture(autouse=True)
 def cache(tmp_path, monkeypatch):
     """Conversions go to a private cache (returned), stats nowhere, the Hub offline."""
-    import huggingface_hub.constants as hf_constants
-
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    offline(tmp_path, monkeypatch)
     monkeypatch.delenv("CLOVER_GGUF_CACHE", raising=False)
-    monkeypatch.delenv("CLOVER_STATS_FILE", raising=False)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
     root = store.gguf_cache_root()
     assert root == tmp_path / "xdg" / "clover" / "gguf"
     return root

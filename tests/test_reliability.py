@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import build_model
+from helpers import chats_file, offline, save_small_heads, train_in_process
 
 ROOT = Path(__file__).resolve().parent.parent
 CONVERSATIONS = [
@@ -29,15 +30,8 @@ TRAIN = ["--heads", "2", "--layers", "1", "--batch-tokens", "2048", "--max-len",
 @pytest.fixture(autouse=True)
 def isolated(tmp_path, monkeypatch):
     """Stats and caches go to a private directory; the Hub is offline (no test may touch the network)."""
-    import huggingface_hub.constants as hf_constants
-
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    monkeypatch.delenv("CLOVER_STATS_FILE", raising=False)
     monkeypatch.delenv("CLOVER_DEBUG", raising=False)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
-    return tmp_path
+    return offline(tmp_path, monkeypatch)
 
 
 def one_line_error(result, *needles, code=2, alone=True):
@@ -56,20 +50,13 @@ def one_line_error(result, *needles, code=2, alone=True):
 
 @pytest.fixture(scope="module")
 def data_file(tmp_path_factory):
-    p = tmp_path_factory.mktemp("data") / "chats.json"
-    p.write_text(json.dumps(CONVERSATIONS))
-    return p
+    return chats_file(tmp_path_factory, CONVERSATIONS)
 
 
 @pytest.fixture(scope="module")
 def checkpointed(tmp_path_factory, llama_dir, data_file):
     """A training run of 2 steps with its checkpoint (copied per test: tests change it)."""
-    from clover_cli.process import main
-
-    out = tmp_path_factory.mktemp("run") / "h"
-    with pytest.raises(SystemExit) as e:
-        main(["train", str(llama_dir), "--data", str(data_file), "--out", str(out), "--max-steps", "2", *TRAIN])
-    assert e.value.code == 0
+    out = train_in_process(llama_dir, data_file, tmp_path_factory.mktemp("run") / "h", "--max-steps", "2", *TRAIN)
     assert (out / "checkpoint" / "optimizer.pt").is_file()
     return out
 
@@ -267,16 +254,7 @@ def test_damaged_model_weights(run_cli, model_copy, prompt_file, damage):
 
 @pytest.fixture(scope="module")
 def heads_dir(tmp_path_factory, llama_dir):
-    from transformers import AutoModelForCausalLM
-
-    from clover_cli.drafters.common import HeadsConfig
-
-    from clover_cli.drafters.registry import build_heads, save_heads
-
-    model = AutoModelForCausalLM.from_pretrained(llama_dir)
-    out = tmp_path_factory.mktemp("heads") / "h"
-    save_heads(build_heads(HeadsConfig.for_target(model.config, num_heads=2, num_layers=1), model), out, "test\n")
-    return out
+    return save_small_heads(llama_dir, tmp_path_factory.mktemp("heads") / "h", "test\n")
 
 
 def _set_config(path, **changes):
@@ -709,14 +687,7 @@ def test_what_a_crashed_writer_left_is_cleaned(heads_dir, llama_dir, tmp_path):
         p.write_bytes(b"half a file")
     stale_dir = tmp_path / f".pkg.clover-{dead}.tmp"
     (stale_dir / "inner").mkdir(parents=True)
-    from transformers import AutoModelForCausalLM
-
-    from clover_cli.drafters.common import HeadsConfig
-
-    from clover_cli.drafters.registry import build_heads, save_heads
-
-    model = AutoModelForCausalLM.from_pretrained(llama_dir)
-    save_heads(build_heads(HeadsConfig.for_target(model.config, num_heads=2, num_layers=1), model), out, "card\n")
+    save_small_heads(llama_dir, out, "card\n")
     assert not any(p.exists() for p in stale) and kept.exists()
     with aot_export.building(tmp_path / "pkg") as tmp:
         (tmp / "whole.pt2").write_bytes(b"x")

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import clover_command
+from helpers import clover_command, offline
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,17 +29,10 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(autouse=True)
 def isolated(tmp_path, monkeypatch):
     """Stats and caches go to a private directory; the Hub is offline (no test may touch the network)."""
-    import huggingface_hub.constants as hf_constants
-
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.setenv("CLOVER_COMPILE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("CLOVER_COMPILE_SIZES", "")  # one program a package: the shortest build
-    monkeypatch.delenv("CLOVER_STATS_FILE", raising=False)
     monkeypatch.delenv("CLOVER_DEBUG", raising=False)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
-    return tmp_path
+    return offline(tmp_path, monkeypatch)
 
 
 def package_of(model_dir: Path) -> Path:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import build_model
+from helpers import chats_file, train_in_process
 
 CONVERSATIONS = [
     {"id": f"c{i}", "conversations": [
@@ -28,21 +29,14 @@ def fresh_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def data_file(tmp_path_factory):
-    p = tmp_path_factory.mktemp("data") / "chats.json"
-    p.write_text(json.dumps(CONVERSATIONS))
-    return p
+    return chats_file(tmp_path_factory, CONVERSATIONS)
 
 
 @pytest.fixture(scope="module")
 def trained(fresh_model, data_file, tmp_path_factory):
-    from clover_cli.process import main
-
-    out = tmp_path_factory.mktemp("heads") / "h"
-    with pytest.raises(SystemExit) as e:
-        main(["train", str(fresh_model), "--data", str(data_file), "--max-steps", "20", "--out", str(out),
-              "--heads", "3", "--layers", "1", "--batch-tokens", "2048", "--max-len", "384", "--eval-every", "10"])
-    assert e.value.code == 0
-    return out
+    return train_in_process(fresh_model, data_file, tmp_path_factory.mktemp("heads") / "h", "--max-steps", "20",
+                            "--heads", "3", "--layers", "1", "--batch-tokens", "2048", "--max-len", "384",
+                            "--eval-every", "10")
 
 
 def test_train_writes_a_loadable_heads_dir(trained):

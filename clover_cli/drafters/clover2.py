@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from ..errors import CloverError
 from ..packed import pack_linears, packed_linears
 from ..target import Target, TreeKVCache, cache_kwarg
-from ..tree import DraftTree, TreeBuilder
+from ..tree import DraftTree
 from .common import (TARGET_KEYS, DraftProjection, GrowsTree, HeadsConfig, Observed, RMSNorm, TreeGrower, check_size,
                      draft_config, finish_loading, first_file, near_identity, read_config, read_tensors, rotary_for,
                      same_weights, target_layer_class, top_tokens)
@@ -287,16 +287,7 @@ class CloverDrafter(GrowsTree):
         self.cache.append(n)
         self.state = state[-1]
 
-    @torch.inference_mode()
-    @packed_linears()
-    def propose(self, context, budget) -> DraftTree:
-        builder = TreeBuilder(context[-1])
-        self.grower.start()
-        if budget <= 0:
-            return builder.build(0)
-        self._catch_up()
-        if self.state is None:
-            return builder.build(0)
+    def _grow(self, builder, context, budget) -> DraftTree:
         levels = self.programs.levels if self.programs is not None else self.levels
         level, states = [0], self.state[None]
         tokens = torch.tensor(context[-1:], device=states.device)

@@ -17,9 +17,9 @@ import torch
 import torch.nn as nn
 
 from ..errors import CloverError
-from ..packed import pack_linears
+from ..packed import pack_linears, packed_linears
 from ..target import TreeKVCache
-from ..tree import TreeBuilder
+from ..tree import DraftTree, TreeBuilder
 from .base import Drafter
 
 
@@ -226,7 +226,8 @@ class TreeGrower:
 
 
 class GrowsTree(Drafter):
-    """A drafter whose tree a TreeGrower (`self.grower`) grows: the engine hands it an acceptance curve."""
+    """A drafter whose tree a TreeGrower (`self.grower`) grows: the engine hands it an acceptance curve. Its
+    propose() catches up and hands the builder to `_grow` (Medusa, with nothing to catch up on, has its own)."""
 
     learns_acceptance = True
 
@@ -237,6 +238,20 @@ class GrowsTree(Drafter):
     @curve.setter
     def curve(self, value) -> None:
         self.grower.curve = value
+
+    @torch.inference_mode()
+    @packed_linears()
+    def propose(self, context, budget) -> DraftTree:
+        """The tree rooted at context[-1]: empty with no budget, or with no state once the drafter caught up on what
+        it observed (`_catch_up`, which sets `self.state`); else the one `_grow` grows."""
+        builder = TreeBuilder(context[-1])
+        self.grower.start()
+        if budget <= 0:
+            return builder.build(0)
+        self._catch_up()
+        if self.state is None:
+            return builder.build(0)
+        return self._grow(builder, context, budget)
 
 
 def top_tokens(logits: torch.Tensor, k: int, token_ids: torch.Tensor | None = None):

@@ -33,7 +33,7 @@ import torch.nn as nn
 from ..errors import CloverError
 from ..packed import pack_linears, packed_linears
 from ..target import Target, TreeKVCache, cache_kwarg, find_final_norm
-from ..tree import DraftTree, TreeBuilder
+from ..tree import DraftTree
 from .common import (STATIC_TREE, DraftProjection, GrowsTree, HeadsConfig, TreeGrower, check_size, draft_config,
                      finish_loading, first_file, join_pending, keep_pending, near_identity, read_config, read_tensors,
                      rotary_for, same_weights, target_layer_class, top_tokens)
@@ -122,10 +122,7 @@ class EagleDrafter(GrowsTree):
         self.grower = TreeGrower(**{"topk": TOPK, "width": TOPK, "min_ratio": 0.0, "top_p": 1.0, **grow})
         self.dtype = next(heads.parameters()).dtype
         pack_linears(heads)
-        self.project = DraftProjection(target.lm_head, getattr(heads, "draft_vocab", None))
-        self.norm = find_final_norm(target.base)
-        self.embed = heads.token_embedding(target.model)
-        self.rotary = heads.rotary(target.model)
+        self._model_parts(heads, target)
         self.max_depth = heads.cfg.num_heads
         room = self.grower.width * self.max_depth + len(STATIC_TREE)  # tree nodes run in one proposal, at most
         self.cache = TreeKVCache(1, 256, target.max_context + room)
@@ -133,6 +130,14 @@ class EagleDrafter(GrowsTree):
         self.state = None  # the model's output at the last committed position: what the root's children come from
         self.committed = 0  # positions in the cache that are committed (tree nodes go after them while drafting)
         self.min_score = 0.0  # set by the engine: nodes scored below it do not pay for their verification
+
+    def _model_parts(self, heads, target: Target) -> None:
+        """What the model drafts with besides its weights: the vocabulary projection, the target's final norm (its
+        features are post-norm), the token embedding and the rotary embedding."""
+        self.project = DraftProjection(target.lm_head, getattr(heads, "draft_vocab", None))
+        self.norm = find_final_norm(target.base)
+        self.embed = heads.token_embedding(target.model)
+        self.rotary = heads.rotary(target.model)
 
     def reset(self, length: int) -> None:
         self.pending = keep_pending(self.cache, self.pending, length)
@@ -148,6 +153,14 @@ class EagleDrafter(GrowsTree):
         x = feature.to(self.dtype)[None]
         return self.heads.draft(x, emb, self.rotary(x, positions[None]), positions[None], self.cache, mask)[0]
 
+    def _committed_feature(self, hidden):
+        """The model's input at committed positions, from what the target observed there: its post-norm feature."""
+        return self.norm(hidden) if self.norm is not None else hidden
+
+    def _run_committed(self, feature, tokens, positions):
+        """The model over committed positions (their keys and values stay in the cache)."""
+        return self._run(feature, tokens, positions)
+
     @torch.inference_mode()
     @packed_linears()
     def _catch_up(self) -> None:
@@ -155,11 +168,11 @@ class EagleDrafter(GrowsTree):
             return
         hidden, next_tokens = join_pending(self.pending)
         self.pending = []
-        feature = self.norm(hidden) if self.norm is not None else hidden  # the target's post-norm feature
+        feature = self._committed_feature(hidden)
         n = next_tokens.numel()
         self.cache.reserve(n)
         start = self.cache.length
-        out = self._run(feature, next_tokens, torch.arange(start, start + n, device=hidden.device))
+        out = self._run_committed(feature, next_tokens, torch.arange(start, start + n, device=hidden.device))
         self.cache.append(n)
         self.committed = self.cache.length
         self.state = out[-1]
@@ -185,16 +198,7 @@ class EagleDrafter(GrowsTree):
         self.cache.append(n)
         return out
 
-    @torch.inference_mode()
-    @packed_linears()
-    def propose(self, context, budget) -> DraftTree:
-        builder = TreeBuilder(context[-1])
-        self.grower.start()
-        if budget <= 0:
-            return builder.build(0)
-        self._catch_up()
-        if self.state is None:
-            return builder.build(0)
+    def _grow(self, builder, context, budget) -> DraftTree:
         slot: dict[int, int] = {}  # tree node -> its place among the tree nodes written into the cache
         level, outputs = [0], self.state[None]
         try:

@@ -38,11 +38,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import CloverError
-from ..packed import pack_linears, packed_linears
-from ..target import Target, TreeKVCache, tree_attention
+from ..target import Target, tree_attention
 from .eagle import EagleDrafter, _strip_prefix  # the same wrapper prefix as EAGLE-1's files
-from .common import (STATIC_TREE, HeadsConfig, RMSNorm, TreeGrower, finish_loading, first_file, join_pending,
-                     keep_pending, near_identity, read_config, read_tensors, same_weights)
+from .common import (HeadsConfig, RMSNorm, finish_loading, first_file, near_identity, read_config, read_tensors,
+                     same_weights)
 
 ARCHITECTURE = "eagle3"
 LAYOUT = "eagle3"
@@ -279,48 +278,29 @@ class Eagle3Drafter(EagleDrafter):
     name = "eagle3"
 
     def __init__(self, heads, target: Target, **grow):
-        self.heads, self.target = heads, target
         self.feature_layers = heads.feature_layers(target.config.num_hidden_layers)
-        self.grower = TreeGrower(**{"topk": TOPK, "width": TOPK, "min_ratio": 0.0, "top_p": 1.0, **grow})
-        self.dtype = next(heads.parameters()).dtype
-        pack_linears(heads)
+        super().__init__(heads, target, **grow)
+
+    def _model_parts(self, heads, target: Target) -> None:
+        """The draft vocabulary's projection and the token embedding (no final norm: the fused features are the
+        target's inner layers'; the rotary embedding is the heads' own)."""
         self.project = _Project(heads)
         self.embed = heads.token_embedding(target.model)
-        self.max_depth = heads.cfg.num_heads
-        room = self.grower.width * self.max_depth + len(STATIC_TREE)
-        self.cache = TreeKVCache(1, 256, target.max_context + room)
-        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.state = None
-        self.committed = 0
-        self.min_score = 0.0
-
-    def reset(self, length: int) -> None:
-        self.pending = keep_pending(self.cache, self.pending, length)
-        self.committed = self.cache.length
-        self.state = None
 
     def _run(self, feature, tokens, positions, mask=None, fused: bool = False):
         emb = self.embed(tokens).to(self.dtype)[None]
         x = feature.to(self.dtype)[None]
         return self.heads.draft(x, emb, positions, self.cache, mask, fused=fused)[0]
 
-    @torch.inference_mode()
-    @packed_linears()
-    def _catch_up(self) -> None:
-        if not self.pending:
-            return
-        hidden, next_tokens = join_pending(self.pending)
-        self.pending = []
+    def _committed_feature(self, hidden):
+        """The target's fused features, as they are (fc runs inside the model, on committed positions only)."""
         if hidden.shape[-1] != 3 * self.heads.cfg.hidden_size:
             raise CloverError(f"EAGLE-3 needs the target's fused features ({3 * self.heads.cfg.hidden_size} wide), "
                               f"got {hidden.shape[-1]}: the target was not asked for its layers {self.feature_layers}")
-        n = next_tokens.numel()
-        self.cache.reserve(n)
-        start = self.cache.length
-        out = self._run(hidden, next_tokens, torch.arange(start, start + n, device=hidden.device), fused=True)
-        self.cache.append(n)
-        self.committed = self.cache.length
-        self.state = out[-1]
+        return hidden
+
+    def _run_committed(self, feature, tokens, positions):
+        return self._run(feature, tokens, positions, fused=True)
 
 
 # ----------------------------------------------------------------------------------------- the published layout
