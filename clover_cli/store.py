@@ -17,12 +17,13 @@ import hashlib
 import json
 import sys
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from . import atomic
 from .options import env, env_set
-from .step import PROGRAM_VERSION, static_sizes
+
+if TYPE_CHECKING:
+    import torch
 
 # in a model directory: the n-gram drafter's prior (drafters/ngram.py), tensor "trigrams" [n, 4] int64 rows
 # (a, b, c, count)
@@ -91,7 +92,10 @@ def fingerprint_files(model_path: Path) -> list:
 
 def package_key(model_path: Path, dtype: torch.dtype, capacity: int) -> str:
     """A name for the package of this model, dtype and capacity, built by these versions on this kind of CPU."""
+    import torch  # here, not at the top: the chat's prompt comes up before torch loads, and it reads this module
     import transformers
+
+    from .step import PROGRAM_VERSION, static_sizes
 
     from . import __version__
 
@@ -124,6 +128,8 @@ def heads_dir(step_dir: Path, heads_path: Path, topk: int) -> Path:
 def costs_path(model_path: Path, device: torch.device, dtype: torch.dtype, step: str, packed: bool) -> Path:
     """Where the step costs of this model, device and dtype are kept, for `step` ("compiled" or "eager") with the
     threads in use now (one while a build runs beside us) and `packed` (packed.supported(): the packed linears)."""
+    import torch
+
     name = package_key(model_path, dtype, 0)
     dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     tag = hashlib.sha256(f"{dev}|{torch.get_num_threads()}|{step}|{packed}".encode()).hexdigest()[:10]
@@ -154,6 +160,8 @@ def early_stop_path(target_path, draft_path, dtype) -> Path:
 
 def self_draft_path(model_path, device, dtype) -> Path:
     """Where the chosen set is kept: per model (path and files), dtype, device and kind of CPU."""
+    import torch
+
     dev = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else str(torch.device(device).type)
     tag = hashlib.sha256(dev.encode()).hexdigest()[:10]
     return cache_root() / "self" / f"{package_key(Path(model_path), dtype, 0)}-{tag}.json"
