@@ -23,7 +23,8 @@ missing API key, 404 an unknown model or path, 405, 408 a body that did not arri
 
 A request body must arrive within BODY_TIMEOUT. A prompt longer than the context could hold (inputs.CHARS_PER_TOKEN
 characters a token) is refused before it is tokenized, and at most TOKENIZING requests are tokenized at once. The
-connections themselves (slow and many clients, a flood of errors) are guarded in listener.py, which runs the app.
+connections themselves (slow and many clients, a flood of errors) are guarded in listener.py, which runs the app;
+what a request may hold, and its errors, is read in api.py.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import math
 import queue
 import threading
 import time
@@ -39,6 +39,8 @@ import uuid
 from dataclasses import dataclass, field
 
 from .errors import CloverError, one_line
+from .api import (CHAT_FIELDS, COMPLETION_FIELDS, ApiError, Prompt, check_fields, check_text, error_body, integer_field,
+                  number_field, parse_messages, parse_stops)
 from .listener import log_error
 
 MAX_BODY = 4 << 20  # bytes of one request body
@@ -47,131 +49,6 @@ BODY_TIMEOUT = 60.0  # seconds a request body has to arrive in full
 TOKENIZING = 2  # requests whose prompt is tokenized at once (the others wait their turn, holding no tokens)
 BIG_BODY = 1 << 20  # after a request body this large, freed memory is handed back to the system
 
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-
-
-def error_body(e: ApiError) -> dict:
-    return {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code}}
-
-
-# ----------------------------------------------------------------------------------------------- requests
-
-@dataclass
-class Prompt:
-    """One request, checked: what the worker generates and how the reply is shaped."""
-
-    ids: list[int]
-    max_tokens: int
-    sampling: object  # engine.Sampling
-    stops: list[str]  # the request's stop strings (the template's are added)
-    chat: bool  # a chat reply (trimmed, role and message fields) or a raw completion
-    stream: bool = False
-    usage_chunk: bool = False  # stream_options.include_usage
-
-
-# Fields accepted with their neutral value only (a client may send them; clover has no such feature).
-NEUTRAL = {"n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "logprobs": (False, 0),
-           "top_logprobs": 0, "echo": False, "logit_bias": {}, "suffix": "", "tools": [], "tool_choice": ("none", "auto"),
-           "response_format": {"type": "text"}, "parallel_tool_calls": (True, False), "user": str,
-           "service_tier": str, "store": False, "metadata": dict}
-# repetition_penalty: not OpenAI's, but what transformers, vLLM and TGI clients send (clover generate's option)
-COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options",
-          "repetition_penalty"}
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "n", "presence_penalty", "frequency_penalty",
-                        "logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice", "response_format",
-                        "parallel_tool_calls", "user", "service_tier", "store", "metadata"}
-COMPLETION_FIELDS = COMMON | {"prompt", "n", "best_of", "presence_penalty", "frequency_penalty", "logprobs",
-                              "echo", "logit_bias", "suffix", "user"}
-
-
-def _number(body: dict, name: str, low: float, high: float, default: float, low_open: bool = False) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not (low < value if low_open else low <= value) or value > high:
-        interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
-        raise ApiError(400, f"'{name}' must be a number in {interval}, not {json.dumps(value)}", name)
-    return float(value)
-
-
-def _integer(body: dict, name: str, low: int, high: int) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ApiError(400, f"'{name}' must be a whole number from {low} to {high}, not {json.dumps(value)}", name)
-    return value
-
-
-def _check_fields(body: dict, known: set[str]):
-    for name, value in body.items():
-        if name not in known:
-            raise ApiError(400, f"unrecognized request argument supplied: {name}", name, "unknown_parameter")
-        neutral = NEUTRAL.get(name)
-        if neutral is None or value is None:
-            continue
-        if isinstance(neutral, type):
-            ok = isinstance(value, neutral)
-        elif isinstance(neutral, tuple):
-            ok = any(value == v and type(value) is type(v) for v in neutral)
-        else:
-            ok = value == neutral and (isinstance(value, bool) == isinstance(neutral, bool))
-        if not ok:
-            raise ApiError(400, f"'{name}': {json.dumps(value)[:80]} is not supported by clover (leave it out)", name,
-                           "unsupported_parameter")
-
-
-def _text_content(content, where: str) -> str:
-    """A message's content: a string, or a list of text parts (what newer OpenAI clients send)."""
-    if isinstance(content, str):
-        return _check_text(content, f"{where}.content")
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
-        return _check_text("".join(p["text"] for p in content), f"{where}.content")
-    raise ApiError(400, f"{where}.content must be a string or a list of text parts", where)
-
-
-def _check_text(text: str, where: str) -> str:
-    from .inputs import surrogate_problem
-
-    why = surrogate_problem(text, where)
-    if why is not None:
-        raise ApiError(400, why, where.partition(".")[0].partition("[")[0])
-    return text
-
-
-def parse_messages(body: dict) -> list[dict]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise ApiError(400, f"{where} must be an object with 'role' and 'content'", where)
-        role = "system" if m.get("role") == "developer" else m.get("role")
-        if role not in ("system", "user", "assistant"):
-            raise ApiError(400, f"{where}.role must be system, user or assistant, not {json.dumps(m.get('role'))}",
-                           f"{where}.role")
-        out.append({"role": role, "content": _text_content(m.get("content"), where)})
-    return out
-
-
-def parse_stops(body: dict) -> list[str]:
-    stop = body.get("stop")
-    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
-        raise ApiError(400, "'stop' must be a non-empty string or a list of up to 4 of them", "stop")
-    return stops
-
-
-# ----------------------------------------------------------------------------------------------- the worker
 
 @dataclass
 class Job:
@@ -364,7 +241,7 @@ class Server:
     def _prompt(self, body: dict, chat: bool) -> Prompt:
         from .decode.verify import Sampling
 
-        _check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
+        check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
         if body.get("model") is not None and not isinstance(body["model"], str):
             raise ApiError(400, "'model' must be a string", "model")
         # any name is answered by the one model served (clients send names of their own: "gpt-4o", an Ollama tag);
@@ -386,16 +263,16 @@ class Server:
                 text = text[0]
             if not isinstance(text, str) or not text:
                 raise ApiError(400, "'prompt' must be a non-empty string", "prompt")
-            self._check_size(len(_check_text(text, "prompt")), "prompt")
+            self._check_size(len(check_text(text, "prompt")), "prompt")
             try:
                 ids = s.encode_raw(text)
             except CloverError as e:  # a token the model has no embedding for
                 raise ApiError(400, str(e), "prompt")
         limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        max_tokens = _integer(body, limit, 1, 1_000_000) or self.max_new_tokens
-        sampling = Sampling(_number(body, "temperature", 0.0, 2.0, 0.0), _number(body, "top_p", 0.0, 1.0, 1.0, True),
-                            _integer(body, "seed", 0, 2**63 - 1),
-                            _number(body, "repetition_penalty", 0.0, 10.0, s.default_penalty, True))
+        max_tokens = integer_field(body, limit, 1, 1_000_000) or self.max_new_tokens
+        sampling = Sampling(number_field(body, "temperature", 0.0, 2.0, 0.0), number_field(body, "top_p", 0.0, 1.0, 1.0, True),
+                            integer_field(body, "seed", 0, 2**63 - 1),
+                            number_field(body, "repetition_penalty", 0.0, 10.0, s.default_penalty, True))
         stream = body.get("stream")
         options = body.get("stream_options")
         if stream is not None and not isinstance(stream, bool):
