@@ -117,3 +117,28 @@ def test_ab_bench_alternates_the_first_side_and_pairs_rounds():
     s = ab.summarize(runs)
     assert s["plain"] == {"old": 100.0, "new": 120.0, "ratio": 1.2, "paired_median": 1.2, "new_ahead": 2, "rounds": 2}
     assert s["ngram"]["ratio"] == 1.0 and s["ngram"]["new_ahead"] == 1
+
+
+def test_linear_dtypes_prints_a_row_per_row_count():
+    """scripts/linear_dtypes.py: what this CPU offers for bfloat16, then one table row per row count, each with a
+    positive time and rate for both dtypes."""
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "linear_dtypes.py"), "--threads", "1"],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[0].startswith("cpu capability ") and "mkldnn bf16" in lines[0]
+    rows = [line.strip("| ").split(" | ") for line in lines[3:]]
+    assert [int(r[0]) for r in rows] == [1, 16, 64, 256, 1024]
+    assert all(float(v) > 0 for r in rows for v in r[1:])
+
+
+def test_train_throughput_on_the_bundled_model():
+    """scripts/train_throughput.py on the bundled model, small shapes: two feature-extraction rates and three heads
+    steps, all positive."""
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_throughput.py"), "tiny", "--heads", "2",
+                        "--layers", "1", "--draft-vocab", "0", "--len", "32", "--batch", "2", "--threads", "1"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    rates = [line.split(": ") for line in p.stdout.splitlines()]
+    assert [k for k, _ in rates] == ["features"] * 2 + ["heads step"] * 3
+    assert all(float(v.split()[0]) > 0 and v.endswith("tokens/s") for _, v in rates)
