@@ -18,7 +18,7 @@ class FeatureCache:
         self.root, self.model, self.ids, self.device, self.dtype = root, model, ids, device, dtype
         self.root.mkdir(parents=True, exist_ok=True)
         self.shard_size = 256
-        self.loaded: dict[int, dict] = {}
+        self.open: dict = {}  # shard -> safetensors handle: tensors read from the memory-mapped file on demand
 
     def _shard_path(self, s: int) -> Path:
         return self.root / f"shard_{s:05d}.safetensors"
@@ -44,21 +44,21 @@ class FeatureCache:
             self._compute(s)
         barrier()
 
-    def _ensure(self, s: int):
-        from safetensors.torch import load_file
+    def _shard(self, s: int):
+        """A batch mixes shards: each stays open (mapped, not loaded), so moving between them reads only its rows."""
+        from safetensors import safe_open
 
-        if s in self.loaded:
-            return
-        self._compute(s)
-        self.loaded = {s: load_file(str(self._shard_path(s)))}
+        if s not in self.open:
+            self._compute(s)
+            self.open[s] = safe_open(str(self._shard_path(s)), framework="pt")
+        return self.open[s]
 
     def get(self, rows):
         T = max(len(self.ids[i]) for i in rows)
         pres, posts = [], []
         for i in rows:
-            self._ensure(i // self.shard_size)
-            shard = self.loaded[i // self.shard_size]
-            pre, post = shard[f"{i}.pre"], shard[f"{i}.post"]
+            shard = self._shard(i // self.shard_size)
+            pre, post = shard.get_tensor(f"{i}.pre"), shard.get_tensor(f"{i}.post")
             pres.append(F.pad(pre, (0, 0, 0, T - pre.shape[0])))
             posts.append(F.pad(post, (0, 0, 0, T - post.shape[0])))
         return (torch.stack(pres).to(self.device, torch.float32), torch.stack(posts).to(self.device, torch.float32))
