@@ -39,9 +39,10 @@ NEUTRAL = {"n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, 
            "top_logprobs": 0, "echo": False, "logit_bias": {}, "suffix": "", "tools": [], "tool_choice": ("none", "auto"),
            "response_format": {"type": "text"}, "parallel_tool_calls": (True, False), "user": str,
            "service_tier": str, "store": False, "metadata": dict}
-# repetition_penalty: not OpenAI's, but what transformers, vLLM and TGI clients send (clover generate's option)
+# repetition_penalty, top_k, min_p: not OpenAI's, but what transformers, vLLM, TGI and llama-server clients send
+# (clover generate's options; top_k -1 or 0: all tokens, as vLLM takes it)
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options",
-          "repetition_penalty"}
+          "repetition_penalty", "top_k", "min_p"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "n", "presence_penalty", "frequency_penalty",
                         "logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice", "response_format",
                         "parallel_tool_calls", "user", "service_tier", "store", "metadata"}

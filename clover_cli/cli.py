@@ -14,7 +14,7 @@ import typer
 
 from . import __version__
 from .drafter_names import DRAFTS
-from .errors import CloverError, one_line
+from .errors import CloverError
 from .inputs import read_prompt
 from .options import check_sampling, options_from
 
@@ -83,8 +83,15 @@ class Common:
     trust_remote_code = typer.Option(False, "--trust-remote-code", help="Run model code from its repository.")
     allow_pickle = typer.Option(False, "--allow-pickle", help="Allow pickled .bin weights (unsafe from strangers).")
     max_new_tokens = typer.Option(256, "--max-new-tokens", "-n", help="Most tokens to generate.")
-    temperature = typer.Option(0.0, "--temperature", "-t", help="0 = greedy; above 0 samples.")
+    temperature = typer.Option(0.0, "--temperature", "--temp", help="0 = greedy; above 0 samples.")
     top_p = typer.Option(1.0, "--top-p", help="Nucleus sampling mass, in (0, 1].")
+    top_k = typer.Option(0, "--top-k", help="Sample only from the k most likely tokens (0 = all).")
+    min_p = typer.Option(0.0, "--min-p", help="Sample only tokens at least this share as likely as the most likely "
+                                              "one, in [0, 1) (0 = all).")
+    threads = typer.Option(None, "--threads", "-t", help="CPU threads for the model's arithmetic (torch's intra-op "
+                           "threads; default: torch's own, one per core).", show_default=False)
+    max_context = typer.Option(None, "--ctx-size", "-c", help="Most tokens of context, prompt and replies together: "
+                               "caps the KV cache (default: the model's own limit).", show_default=False)
     seed = typer.Option(None, "--seed", help="Random seed for sampling.")
     repetition_penalty = typer.Option(None, "--repetition-penalty", help="Penalise every token already in the "
                                       "conversation, as transformers' repetition_penalty does (logit / p if positive, "
@@ -107,7 +114,8 @@ def models():
     from rich.console import Console
     from rich.table import Table
 
-    from .hub import ALIASES, local_copy
+    from .aliases import ALIASES
+    from .hub import local_copy
 
     table = Table(title="clover models", box=box.SIMPLE_HEAD, pad_edge=False,
                   caption="heads: the draft heads published for the model (Clover-2, EAGLE, EAGLE-3, Medusa), the "
@@ -135,7 +143,8 @@ def download(model: str = typer.Argument(..., help="Alias, Hub repo id, GGUF fil
              revision: Optional[str] = Common.revision, allow_pickle: bool = Common.allow_pickle):
     """Fetch a model, the heads published for it (or --heads) and its alias's draft model into the local Hugging Face
     cache ahead of time."""
-    from .hub import ALIASES, resolve_model
+    from .aliases import ALIASES
+    from .hub import resolve_model
 
     resolved = resolve_model(model, revision, allow_pickle)
     from .drafters.registry import resolve_heads  # torch comes with it: a model not found is told without it
@@ -168,8 +177,9 @@ def generate(
     prompt: str = typer.Option(..., "--prompt", "-p", help="File holding the prompt (a pipe or device too); - reads "
                                                            "standard input."),
     max_new_tokens: int = Common.max_new_tokens, temperature: float = Common.temperature,
-    top_p: float = Common.top_p, seed: Optional[int] = Common.seed,
-    repetition_penalty: float = Common.repetition_penalty,
+    top_p: float = Common.top_p, top_k: int = Common.top_k, min_p: float = Common.min_p,
+    seed: Optional[int] = Common.seed, repetition_penalty: float = Common.repetition_penalty,
+    threads: Optional[int] = Common.threads, max_context: Optional[int] = Common.max_context,
     raw: bool = typer.Option(False, "--raw", help="Feed the prompt as is, without the chat template."),
     keep_newline: bool = typer.Option(False, "--keep-newline", help="Keep the newline that ends the prompt file "
                                       "(by default one trailing newline is dropped, as a typed message has none)."),
@@ -190,10 +200,10 @@ def generate(
     from .inputs import check_text_size
     from .render import use_colour
     from .reply import Discard, Out, ReplyPrinter, stream
-    from .session import Session
+    from .session import Session, torch_threads
     from .stats import StatsWriter
 
-    check_sampling(max_new_tokens, temperature, top_p, seed, repetition_penalty)
+    check_sampling(max_new_tokens, temperature, top_p, seed, repetition_penalty, top_k, min_p)
     StatsWriter.check(stats_file)  # a --stats-file that cannot be written fails now, not after loading
     text = read_prompt(prompt, keep_newline)
     t_start = time.perf_counter()
@@ -217,8 +227,8 @@ def generate(
     t0 = time.perf_counter()
     # Streamed text holds back what could be the start of a stop string, so "USER:" never reaches the terminal.
     printer = ReplyPrinter(Discard() if json_out else Out(colour), session.stop_strings)
-    done = stream(session, session.generate(ids, max_new_tokens, Sampling(temperature, top_p, seed,
-                                                                          repetition_penalty)),
+    sampling = Sampling(temperature, top_p, seed, repetition_penalty, top_k, min_p)
+    done = stream(session, session.generate(ids, max_new_tokens, sampling),
                   printer, session.stop_strings, writer, sid)
     elapsed = time.perf_counter() - t0
     reply = done.text()
@@ -247,6 +257,8 @@ def generate(
         "compiled": session.compiler.active,
         "step": session.compiler.describe(),
         "prompt_tokens": len(ids),
+        "context": session.max_context,
+        "threads": torch_threads(),
         "repetition_penalty": repetition_penalty,
     }
     if json_out:
@@ -261,8 +273,9 @@ def chat(
     model: Optional[str] = MODEL_ARG,
     system: Optional[str] = typer.Option(None, "--system", help="System message."),
     max_new_tokens: int = Common.max_new_tokens, temperature: float = Common.temperature,
-    top_p: float = Common.top_p, seed: Optional[int] = Common.seed,
-    repetition_penalty: float = Common.repetition_penalty,
+    top_p: float = Common.top_p, top_k: int = Common.top_k, min_p: float = Common.min_p,
+    seed: Optional[int] = Common.seed, repetition_penalty: float = Common.repetition_penalty,
+    threads: Optional[int] = Common.threads, max_context: Optional[int] = Common.max_context,
     draft: str = Common.draft, draft_model: Optional[str] = Common.draft_model,
     heads: Optional[str] = Common.heads, tree: str = Common.tree, early_stop: str = Common.early_stop,
     tree_budget: str = Common.tree_budget, load_in_8bit: bool = Common.load_in_8bit,
@@ -285,10 +298,10 @@ def chat(
     """
     from .chat import run_chat
 
-    check_sampling(max_new_tokens, temperature, top_p, seed, repetition_penalty)
-    run_chat(options_from(locals()), system=system, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-             history_file=history_file, stats_file=stats_file, no_color=no_color,
-             repetition_penalty=repetition_penalty)
+    check_sampling(max_new_tokens, temperature, top_p, seed, repetition_penalty, top_k, min_p)
+    run_chat(options_from(locals()), system=system, max_new_tokens=max_new_tokens, temperature=temperature,
+             top_p=top_p, seed=seed, history_file=history_file, stats_file=stats_file, no_color=no_color,
+             repetition_penalty=repetition_penalty, top_k=top_k, min_p=min_p)
 
 
 @app.command()
@@ -315,11 +328,12 @@ def serve(
     dtype: str = Common.dtype, revision: Optional[str] = Common.revision,
     trust_remote_code: bool = Common.trust_remote_code, allow_pickle: bool = Common.allow_pickle,
     stats_file: Optional[str] = Common.stats_file, compile: Optional[str] = Common.compile,
+    threads: Optional[int] = Common.threads, max_context: Optional[int] = Common.max_context,
 ):
     """Serve the model over HTTP with the OpenAI API: /v1/chat/completions (streamed or not), /v1/completions,
     /v1/models, and /health.
 
-    The same drafters, sampling (temperature, top_p, seed, max_tokens), stop strings and chat template as `clover
+    The same drafters, sampling (temperature, top_p, top_k, min_p, seed, max_tokens), stop strings and chat template as `clover
     chat`; each response adds clover's figures (tau, acceptance rate, draft and verify time) under "clover".
     Requests are served one at a time in arrival order (the X-Clover-Queue-Position header says how many were
     ahead; /health shows the queue). A client that disconnects stops its reply at once. Ctrl-C stops the server.
@@ -475,7 +489,7 @@ def bench(
                                               "file or Hub repo) for the model-chain and model rows, and hf-assisted's "
                                               "assistant."),
     tree_budget: str = Common.tree_budget, device: str = Common.device, dtype: str = Common.dtype,
-    load_in_8bit: bool = Common.load_in_8bit,
+    load_in_8bit: bool = Common.load_in_8bit, threads: Optional[int] = Common.threads,
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG chart (needs matplotlib)."),
     compile: Optional[str] = typer.Option(None, "--compile", help="clover's rows with the compiled step: auto "
@@ -492,7 +506,7 @@ def bench(
                           limit=limit, heads=heads, medusa_heads=medusa_heads, eagle_heads=eagle_heads, assistant=assistant,
                           draft_model=draft_model,
                           tree_budget=tree_budget, device=device, dtype=dtype, load_in_8bit=load_in_8bit,
-                          json_out=json_out, plot=plot, compile=compile))
+                          json_out=json_out, plot=plot, compile=compile, threads=threads))
 
 
 @app.command(name="compile")
@@ -519,111 +533,9 @@ def compile_step(
     and heads files, versions and CPU), so chat, generate and bench load them in milliseconds afterwards. Without
     this command, chat builds them in the background on first use.
     """
-    import torch
-    from transformers import AutoConfig
-
-    from .step import capacity_for
-    from .step.aot import Package, find_heads
-    from .step.aot_build import Job
-    from .store import heads_dir, package_dir
-    from .drafters import registry
     from .hub import resolve_model
-    from .target import context_limit
+    from .step.ahead import compile_model
 
     resolved = resolve_model(model, revision, allow_pickle)
-    try:
-        config = AutoConfig.from_pretrained(resolved.path, trust_remote_code=trust_remote_code)
-    except Exception as e:
-        raise CloverError(f"cannot read the model config in {resolved.path}: {one_line(e)}")
-    heads_path = None if no_heads else registry.resolve_heads(heads, resolved)
-    if heads_path is not None and registry.family(heads_path) in ("eagle", "eagle3"):
-        typer.echo("EAGLE heads run eager (they have no compiled programs): compiling the target's step only",
-                   err=True)
-        heads_path = None
-    if heads_path is not None and registry.detect(heads_path) == "clover":  # before the target's step is built (a minute)
-        _check_heads(heads_path, config)
-    capacity = capacity_for(context_limit(config))
-    out = package_dir(resolved.path, torch.float32, capacity)
-    job = Job(resolved.path, out, capacity, trust_remote_code, allow_pickle, heads_path,
-              heads_dir(out, heads_path, 8) if heads_path else None, force=force)
-    built_s = _build(job, resolved.name)
-    if built_s is None:
-        typer.echo(f"{resolved.name} is already compiled (--force builds it again)")
-    else:
-        typer.echo(f"compiled {resolved.name} in {built_s:.0f} s")
-    pkg = Package.find(out)
-    costs = " · ".join(f"{n} token{'s' * (n > 1)} {1000 * pkg.verify_s[n]:.2f} ms" for n in (1, 16, 32)
-                       if n in pkg.verify_s)
-    typer.echo(f"package: {pkg.path}")
-    typer.echo(f"verify forward: {costs}")
-    if heads_path is not None:
-        typer.echo(f"heads ({find_heads(job.heads_out)['kind']}): {job.heads_out}")
-    if draft_model or with_draft:
-        _compile_draft(draft_model, resolved, context_limit(config), trust_remote_code, force)
-
-
-def _build(job, shown: str) -> float | None:
-    """Build what `job` lacks (seconds it took), or None when nothing was missing; one line when it fails."""
-    from .step import aot, aot_build
-
-    for d, damage, what in ((job.out, aot.damage, "compiled step"), (job.heads_out, aot.heads_damage, "heads")):
-        seen = aot._fingerprint(d) if d is not None else None
-        why = damage(d) if d is not None else None
-        if why:  # every file checked against its checksum: a damaged package is built again, not "already compiled"
-            typer.echo(f"clover: the {what}'s package {d} is damaged ({why}); building it again", err=True)
-            aot.discard(d, seen)
-    if not any(job.missing()):
-        return None
-    t0 = time.perf_counter()
-    try:  # another process building it: waited for (one line), then what it did not build is built
-        built = aot_build.build_locked(job, log=lambda text: typer.echo(text, err=True), wait=True, name=shown)
-    except CloverError:
-        raise
-    except Exception as e:  # export or compiler failure
-        raise CloverError(aot_build.failure_line(e))
-    return time.perf_counter() - t0 if built else None
-
-
-def _compile_draft(name: Optional[str], resolved, target_context: int, trust_remote_code: bool, force: bool):
-    """The draft model's package, keyed as the session's draft compiler keys it (its context: the shorter of the
-    draft's and the target's)."""
-    import torch
-    from transformers import AutoConfig
-
-    from .step import capacity_for
-    from .step.aot import Package
-    from .step.aot_build import Job
-    from .store import package_dir
-    from .drafters.draft_model import resolve_draft_model
-    from .target import context_limit
-
-    shown, path = resolve_draft_model(name, resolved)
-    try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except Exception as e:
-        raise CloverError(f"cannot read the draft model's config in {path}: {one_line(e)}")
-    capacity = capacity_for(context_limit(config, target_context))
-    out = package_dir(path, torch.float32, capacity)
-    job = Job(path, out, capacity, trust_remote_code, False, force=force)
-    built_s = _build(job, shown)
-    if built_s is None:
-        typer.echo(f"the draft model {shown} is already compiled (--force builds it again)")
-    else:
-        typer.echo(f"compiled the draft model {shown} in {built_s:.0f} s")
-    typer.echo(f"draft package: {Package.find(out).path}")
-
-
-def _check_heads(path: Path, config):
-    """Refuse heads whose config is bad, that do not fit the target or whose weights are damaged, in one line."""
-    from safetensors import safe_open
-
-    from .drafters.registry import load_heads_config
-
-    load_heads_config(path).check_target(config, str(path))
-    try:
-        with safe_open(str(Path(path) / "model.safetensors"), "pt") as f:
-            f.keys()
-    except Exception as e:  # SafetensorError, OSError
-        why = getattr(e, "strerror", None) or one_line(e)
-        raise CloverError(f"heads {path}: unreadable model.safetensors ({why})") from None
-
+    compile_model(resolved, heads, no_heads, draft_model, with_draft, trust_remote_code, allow_pickle, force,
+                  echo=typer.echo)

@@ -44,6 +44,18 @@ def env_set(name: str) -> bool:
     return env(name) is not None
 
 
+def compile_sizes() -> tuple[int, ...] | None:
+    """The step sizes CLOVER_COMPILE_SIZES lists ("1,4"; "": none), ascending, or None when it is not set. Its range
+    is the step's to check (step.static_sizes); what is not a list of whole numbers is refused here."""
+    text = env("CLOVER_COMPILE_SIZES")
+    if text is None:
+        return None
+    try:
+        return tuple(sorted({int(part) for part in text.replace(" ", "").split(",") if part}))
+    except ValueError:
+        raise CloverError(f"CLOVER_COMPILE_SIZES must list step sizes as whole numbers, like 1,2,4: {text!r}") from None
+
+
 @dataclass
 class Options:
     model: str | None = None
@@ -62,7 +74,8 @@ class Options:
     dtype: str = "auto"
     trust_remote_code: bool = False
     allow_pickle: bool = False
-    max_context: int | None = None
+    max_context: int | None = None  # --ctx-size: most tokens of context (None: the model's own limit)
+    threads: int | None = None  # --threads: torch's intra-op threads (None: torch's default)
     compile: str | None = None  # auto, on or off (None: CLOVER_COMPILE, else auto); see clover_cli/step/manager.py
 
 
@@ -82,6 +95,10 @@ def check_options(opts: Options) -> None:
         raise CloverError("--tree static is the heads' fixed tree shape; the ngram drafter has none "
                           "(use --tree dynamic)")
     parse_budget(opts.tree_budget)
+    if opts.threads is not None and not 1 <= opts.threads <= 1024:
+        raise CloverError(f"--threads must be between 1 and 1024, not {opts.threads}")
+    if opts.max_context is not None and not 16 <= opts.max_context <= 10_000_000:
+        raise CloverError(f"--ctx-size must be between 16 and 10000000 tokens, not {opts.max_context}")
 
 
 def parse_budget(text: str) -> tuple[int, bool]:
@@ -117,7 +134,7 @@ def options_from(values: dict) -> Options:
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_p: float, seed: int | None = None,
-                   repetition_penalty: float | None = 1.0):
+                   repetition_penalty: float | None = 1.0, top_k: int = 0, min_p: float = 0.0):
     if repetition_penalty is not None and not (math.isfinite(repetition_penalty) and 0.0 < repetition_penalty <= 10.0):
         raise CloverError(f"--repetition-penalty must be above 0 and at most 10, not {repetition_penalty}")
     if seed is not None and not 0 <= seed < 2**63:
@@ -128,3 +145,7 @@ def check_sampling(max_new_tokens: int, temperature: float, top_p: float, seed: 
         raise CloverError(f"--temperature must be between 0 and 10, not {temperature}")
     if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
         raise CloverError(f"--top-p must be in (0, 1], not {top_p}")
+    if not 0 <= top_k <= 10_000_000:
+        raise CloverError(f"--top-k must be 0 (all) or a number of tokens, not {top_k}")
+    if not (math.isfinite(min_p) and 0.0 <= min_p < 1.0):
+        raise CloverError(f"--min-p must be in [0, 1), not {min_p}")

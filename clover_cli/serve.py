@@ -270,9 +270,14 @@ class Server:
                 raise ApiError(400, str(e), "prompt")
         limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         max_tokens = integer_field(body, limit, 1, 1_000_000) or self.max_new_tokens
-        sampling = Sampling(number_field(body, "temperature", 0.0, 2.0, 0.0), number_field(body, "top_p", 0.0, 1.0, 1.0, True),
+        min_p = number_field(body, "min_p", 0.0, 1.0, 0.0)
+        if min_p >= 1.0:
+            raise ApiError(400, "'min_p' must be a number in [0, 1), not 1", "min_p")
+        sampling = Sampling(number_field(body, "temperature", 0.0, 2.0, 0.0),
+                            number_field(body, "top_p", 0.0, 1.0, 1.0, True),
                             integer_field(body, "seed", 0, 2**63 - 1),
-                            number_field(body, "repetition_penalty", 0.0, 10.0, s.default_penalty, True))
+                            number_field(body, "repetition_penalty", 0.0, 10.0, s.default_penalty, True),
+                            max(0, integer_field(body, "top_k", -1, 10_000_000) or 0), min_p)
         stream = body.get("stream")
         options = body.get("stream_options")
         if stream is not None and not isinstance(stream, bool):

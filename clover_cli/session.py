@@ -37,6 +37,8 @@ class Session:
             budget, auto = (len(STATIC_TREE) if auto else min(budget, len(STATIC_TREE))), False
         self.opts = opts
         self.quiet = quiet
+        if opts.threads is not None:  # --threads: before anything runs (the step costs are keyed by the count)
+            torch.set_num_threads(opts.threads)
         self.resolved = resolve_model(opts.model, opts.revision, opts.allow_pickle, quiet=quiet, dtype=opts.dtype)
         self.heads_path = None
         if opts.draft == "auto" or opts.draft in HEADS_DRAFTS:
@@ -281,3 +283,8 @@ def heads_target_mismatch(made_for: str | None, repo: str | None) -> str | None:
             and made_for.lower() != repo.lower()):
         return made_for
     return None
+
+
+def torch_threads() -> int:
+    """The CPU threads the model's arithmetic runs on (--threads, else torch's default)."""
+    return torch.get_num_threads()

@@ -5,7 +5,7 @@ directory, the content hashes that key them, the locks of the caches' entries), 
 a model directory (which is not one of the files that key a model).
 
 The paths and keys are what existing caches on users' disks are found by: a change to one of them orphans every
-entry it keys, so they change only on purpose (PROGRAM_VERSION in clover_cli/step does it for the programs).
+entry it keys, so they change only on purpose (PROGRAM_VERSION does it for the compiled programs).
 
 Everything under the cache is untrusted and disposable: what is read from it is checked (read_cache_json) and,
 when damaged, ignored with one line (cache_warning) and made again.
@@ -20,7 +20,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import atomic
-from .options import env, env_set
+from .options import compile_sizes, env
+
+# bump when the compiled programs or their metadata change (12: file sizes and checksums): old packages are not reused
+PROGRAM_VERSION = 12
 
 if TYPE_CHECKING:
     import torch
@@ -95,8 +98,6 @@ def package_key(model_path: Path, dtype: torch.dtype, capacity: int) -> str:
     import torch  # here, not at the top: the chat's prompt comes up before torch loads, and it reads this module
     import transformers
 
-    from .step import PROGRAM_VERSION, static_sizes
-
     from . import __version__
 
     parts = {
@@ -105,7 +106,7 @@ def package_key(model_path: Path, dtype: torch.dtype, capacity: int) -> str:
         "cpu": torch.backends.cpu.get_cpu_capability(), "model": str(Path(model_path).resolve()),
         "files": fingerprint_files(Path(model_path)), "dtype": str(dtype), "capacity": capacity,
         # the sizes asked for; by default they follow from the model's size, which its files in the key fix
-        "static": static_sizes() if env_set("CLOVER_COMPILE_SIZES") else "default",
+        "static": "default" if (sizes := compile_sizes()) is None else sizes,
     }
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
     return f"{Path(model_path).name[:40]}-{digest}"

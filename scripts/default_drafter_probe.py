@@ -28,7 +28,7 @@ def main():
     from clover_cli.drafters.registry import load
     from clover_cli.decode.engine import Engine
     from clover_cli.decode.verify import StopCheck
-    from clover_cli.hub import BUNDLED
+    from clover_cli.aliases import BUNDLED
     from clover_cli.drafters.factory import auto_drafter
     from clover_cli.session import Options, Session
     from clover_cli.stats import Stats

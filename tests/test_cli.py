@@ -124,6 +124,35 @@ def test_generate_json_on_cpu(run_cli, llama_dir, prompt_path, isolated):
     assert json.loads(out2)["text"] == result["text"]
 
 
+def test_flags_as_llama_cpp_users_type_them(run_cli, llama_dir, prompt_path, isolated):
+    """-t is threads (llama.cpp's), --temp the temperature, -c the context cap; --top-k 1 and --min-p near 1 sample
+    the greedy reply where plain sampling at that temperature does not."""
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        code, out, err = gen(run_cli, llama_dir, prompt_path, "--json", "-n", "12", "-t", "1", "-c", "200")
+        assert code == 0, err
+        result = json.loads(out)
+        assert result["threads"] == 1 and torch.get_num_threads() == 1
+        assert result["context"] == 200
+    finally:
+        torch.set_num_threads(before)
+    greedy = result["text"]
+
+    def sampled(*args):
+        code, out, err = gen(run_cli, llama_dir, prompt_path, "--json", "-n", "12", "--temp", "2", "--seed", "4",
+                             *args)
+        assert code == 0, err
+        return json.loads(out)["text"]
+
+    assert sampled() != greedy
+    assert sampled("--top-k", "1") == greedy
+    assert sampled("--min-p", "0.999") == greedy
+    code, out, err = gen(run_cli, llama_dir, prompt_path, "-c", "100")  # the prompt: 151 tokens
+    assert code == 2 and out == "" and err.count("\n") == 1 and "context (100)" in err, err
+
+
 def test_generate_with_a_repetition_penalty_is_transformers_output(run_cli, llama_dir, prompt_path, isolated):
     """--repetition-penalty: the reply is transformers' greedy generate with the same penalty on the same ids (and
     --json says the penalty); without the option, generate applies none."""
@@ -159,9 +188,9 @@ def test_an_alias_default_penalty_applies_unless_one_is_asked(run_cli, prompt_pa
     use when none is given; --repetition-penalty (1 too) overrides it."""
     import dataclasses
 
-    from clover_cli import hub
+    from clover_cli import aliases
 
-    monkeypatch.setitem(hub.ALIASES, "tiny", dataclasses.replace(hub.ALIASES["tiny"], repetition_penalty=1.4))
+    monkeypatch.setitem(aliases.ALIASES, "tiny", dataclasses.replace(aliases.ALIASES["tiny"], repetition_penalty=1.4))
     runs = {}
     for args in ([], ["--repetition-penalty", "1.4"], ["--repetition-penalty", "1"]):
         code, out, err = run_cli("generate", "tiny", "--prompt", str(prompt_path), "--json", "-n", "24", *args)
@@ -316,7 +345,8 @@ def test_drafting_options_are_refused_before_the_chat_starts(run_cli, monkeypatc
     ("--max-new-tokens", "0"), ("--max-new-tokens", "-5"), ("--max-new-tokens", str(10**9)),
     ("--seed", "-1"), ("--seed", str(2**70)),
     ("--repetition-penalty", "0"), ("--repetition-penalty", "-1.2"), ("--repetition-penalty", "nan"),
-    ("--repetition-penalty", "11"),
+    ("--repetition-penalty", "11"), ("--top-k", "-1"), ("--min-p", "1"), ("--min-p", "-0.1"), ("--min-p", "nan"),
+    ("--threads", "0"), ("--ctx-size", "8"),
 ])
 def test_bad_sampling(run_cli, llama_dir, prompt_path, isolated, option, value):
     assert_one_line_error(gen(run_cli, llama_dir, prompt_path, option, value, "--json"), option, tmp=isolated)

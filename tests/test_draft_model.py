@@ -395,7 +395,7 @@ def test_bundled_model_greedy_identical_to_transformers():
     identical to transformers' greedy generate on several chat prompts, with forced budgets and both trees."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-    from clover_cli.hub import BUNDLED
+    from clover_cli.aliases import BUNDLED
     from clover_cli.templates import render
 
     model = AutoModelForCausalLM.from_pretrained(BUNDLED, dtype=torch.float32).eval()

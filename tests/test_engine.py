@@ -203,8 +203,10 @@ class RandomTreeDrafter(Drafter):
         return b.build(budget)
 
 
-@pytest.mark.parametrize("temperature,top_p,penalty", [(1.0, 1.0, 1.0), (0.8, 0.9, 1.0), (1.0, 1.0, 3.0)])
-def test_speculative_sampling_matches_the_target_distribution(temperature, top_p, penalty):
+@pytest.mark.parametrize("temperature,top_p,penalty,top_k,min_p", [
+    (1.0, 1.0, 1.0, 0, 0.0), (0.8, 0.9, 1.0, 0, 0.0), (1.0, 1.0, 3.0, 0, 0.0), (1.2, 1.0, 1.0, 3, 0.0),
+    (1.1, 0.95, 1.0, 4, 0.2)])
+def test_speculative_sampling_matches_the_target_distribution(temperature, top_p, penalty, top_k, min_p):
     """End to end on a tiny-vocabulary model: the joint distribution of the first two sampled tokens equals the
     target's own (computed exactly by enumeration; with a repetition penalty, through transformers' own
     RepetitionPenaltyLogitsProcessor), within a TV bound that exact sampling meets."""
@@ -214,7 +216,7 @@ def test_speculative_sampling_matches_the_target_distribution(temperature, top_p
     model = make_model("llama", 5, vocab=V)
     with torch.no_grad():  # temper the x8 sharpening: spread-out distributions (less so for the penalty to bite)
         model.get_output_embeddings().weight.mul_(0.15 if penalty == 1.0 else 1.0)
-    s = Sampling(temperature, top_p, repetition_penalty=penalty)
+    s = Sampling(temperature, top_p, repetition_penalty=penalty, top_k=top_k, min_p=min_p)
     prompt = [1, 4, 2, 1]  # tokens 0, 3 and 5 unseen (until drawn): the penalty moves mass towards them
 
     def joint(penalty):
@@ -244,11 +246,37 @@ def test_speculative_sampling_matches_the_target_distribution(temperature, top_p
     accepted = 0
     for i in range(n):
         out, events = run_engine(engine, prompt, StopCheck(2), Sampling(temperature, top_p, seed=i,
-                                                                        repetition_penalty=penalty))
+                                                                        repetition_penalty=penalty, top_k=top_k,
+                                                                        min_p=min_p))
         counts[out[0] * V + out[1]] += 1
         accepted += sum(e.accepted for e in events)
     assert accepted > n * 0.2  # the drafts really were accepted a good share of the time
     assert _tv(counts, exact) < bound
+    if top_k or min_p:  # the filters cut something here, and nothing they cut is ever drawn
+        assert (exact == 0).any() and counts[exact == 0].sum() == 0
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
+    (1.0, 5, 1.0, 0.0), (0.7, 0, 1.0, 0.05), (1.3, 20, 0.8, 0.0), (0.9, 10, 0.9, 0.02), (1.0, 1, 1.0, 0.0),
+    (2.0, 0, 0.5, 0.5), (1.0, 64, 1.0, 0.0)])
+def test_warp_is_transformers_warpers(temperature, top_k, top_p, min_p):
+    """warp (the distribution every verification and every sampled draft uses) against transformers' own
+    temperature, top-k, top-p and min-p warpers in the order its generate applies them: the same distribution."""
+    from transformers import (LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
+                              TopPLogitsWarper)
+
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(6, 64, generator=g) * 3.0
+    logits[0, 3] = logits[0, 9]  # a tie, kept together by top-k
+    chain = [TemperatureLogitsWarper(temperature)]
+    chain += [TopKLogitsWarper(top_k)] if top_k else []
+    chain += [TopPLogitsWarper(top_p)] if top_p < 1.0 else []
+    chain += [MinPLogitsWarper(min_p)] if min_p > 0 else []
+    expected = torch.softmax(LogitsProcessorList(chain)(None, logits.clone()), dim=-1)
+    got = warp(logits, Sampling(temperature, top_p, top_k=top_k, min_p=min_p))
+    got = got / got.sum(-1, keepdim=True)
+    assert torch.equal(got == 0, expected == 0)  # the same tokens cut
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
 
 
 def test_sample_draws_each_token_with_its_share_of_the_mass():

@@ -29,14 +29,14 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from clover_cli import gguf_model, hub, store  # noqa: E402
+from clover_cli import aliases, gguf_model, hub, store  # noqa: E402
 from clover_cli.errors import CloverError  # noqa: E402
 from conftest import CORPUS, build_tokenizer, tiny_config  # noqa: E402
 from helpers import hf_greedy, offline, run_engine  # noqa: E402
 
 # Found before any test redirects XDG_CACHE_HOME: CLOVER_SMOLLM2_GGUF, else where the user's package cache keeps
 # smollm2's GGUF (only its path here: its hash is checked in the test, whose cache is its own).
-SMOLLM2_PACKAGE = hub.ALIASES["smollm2"].package
+SMOLLM2_PACKAGE = aliases.ALIASES["smollm2"].package
 REAL_SMOLLM2 = Path(os.environ.get("CLOVER_SMOLLM2_GGUF") or SMOLLM2_PACKAGE.path())
 
 # ------------------------------------------------------------------------------------------------- the writer

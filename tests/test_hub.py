@@ -316,7 +316,7 @@ def test_pickled_weights_need_allow_pickle(hub, prompt_file):
 
 def model_rows(out: str) -> dict[str, list[str]]:
     """`clover models` rows by alias: the row's words (the last one is the local-cache column)."""
-    from clover_cli.hub import ALIASES
+    from clover_cli.aliases import ALIASES
 
     return {line.split()[0]: line.split() for line in out.splitlines() if line.split() and line.split()[0] in ALIASES}
 

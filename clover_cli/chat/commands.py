@@ -45,12 +45,12 @@ def _fmt_pct(x) -> str:
 class Chat:
     def __init__(self, session, conv: Conversation, out: Out, max_new_tokens: int, temperature: float,
                  top_p: float, seed: int | None, writer=None, stats_path=None, interactive: bool = True,
-                 repetition_penalty: float = 1.0):
+                 repetition_penalty: float = 1.0, top_k: int = 0, min_p: float = 0.0):
         from ..stats import Stats
 
         self.session, self.conv, self.out = session, conv, out
         self.max_new_tokens, self.temperature, self.top_p, self.seed = max_new_tokens, temperature, top_p, seed
-        self.repetition_penalty = repetition_penalty
+        self.repetition_penalty, self.top_k, self.min_p = repetition_penalty, top_k, min_p
         self.loop_hinted = False  # said once per chat: a reply ended in a loop, and /penalty exists
         self.writer, self.stats_path, self.interactive = writer, stats_path, interactive
         self.sid = writer.new_session("chat", session) if writer else None
@@ -94,7 +94,7 @@ class Chat:
             seed = None if self.seed is None else self.seed + self.generations
             self.generations += 1
             gen = s.generate(ids, self.max_new_tokens, Sampling(self.temperature, self.top_p, seed,
-                                                                self.repetition_penalty))
+                                                                self.repetition_penalty, self.top_k, self.min_p))
         except CloverError as e:
             self.conv.restore(before)
             self.failed += 1

@@ -190,7 +190,8 @@ def _prompt_session(history, colour: bool):
 
 
 def _may_download(opts) -> bool:
-    from ..hub import ALIASES as MODELS, default_model, is_cached, looks_like_repo, will_fetch
+    from ..aliases import ALIASES as MODELS, default_model
+    from ..hub import is_cached, looks_like_repo, will_fetch
 
     name = opts.model or default_model()
     spec = MODELS.get(name)
@@ -209,7 +210,8 @@ def _may_download(opts) -> bool:
 def _check_local(opts):
     """Resolve a model that needs no download (the bundled one, a directory, a name that is none of these): the
     one-line error of a wrong one comes before the prompt. Hub repos and aliases are left to the load."""
-    from ..hub import ALIASES, default_model, looks_like_repo, resolve_model
+    from ..aliases import ALIASES, default_model
+    from ..hub import looks_like_repo, resolve_model
 
     name = opts.model or default_model()
     spec = ALIASES.get(name)
@@ -219,7 +221,7 @@ def _check_local(opts):
 
 
 def _load(opts, out: Out, show_progress: bool):
-    from ..hub import default_model
+    from ..aliases import default_model
     from ..session import Session
 
     name = opts.model or default_model()
@@ -237,7 +239,7 @@ def _load(opts, out: Out, show_progress: bool):
 
 
 def _heads_source(session) -> str:
-    from ..hub import HEADS_SUBDIR
+    from ..aliases import HEADS_SUBDIR
 
     hp = session.heads_path
     if session.draft_name in ("model", "model-chain"):
@@ -282,7 +284,7 @@ def _banner(session, out: Out, load_s: float, chat: Chat, history_path, interact
 
 
 def run_chat(opts, system=None, max_new_tokens=256, temperature=0.0, top_p=1.0, seed=None, history_file=None,
-             stats_file=None, no_color=False, repetition_penalty=None):
+             stats_file=None, no_color=False, repetition_penalty=None, top_k=0, min_p=0.0):
     from ..render import use_colour
     from ..stats import StatsWriter
 
@@ -298,7 +300,7 @@ def run_chat(opts, system=None, max_new_tokens=256, temperature=0.0, top_p=1.0, 
         writer = StatsWriter.open(stats_file)  # after loading: a run that fails to start leaves no record
         penalty = session.default_penalty if repetition_penalty is None else repetition_penalty
         chat = Chat(session, Conversation(system or None), out, max_new_tokens, temperature, top_p, seed, writer,
-                    writer.path if writer else None, interactive, penalty)
+                    writer.path if writer else None, interactive, penalty, top_k, min_p)
         session.compiler.start(background=True)  # auto: replies run eager until the compiled step is built
 
         def banner():
@@ -309,7 +311,7 @@ def run_chat(opts, system=None, max_new_tokens=256, temperature=0.0, top_p=1.0, 
     # In a terminal the prompt comes up at once and the model loads behind it (importing torch and transformers is
     # most of a start-up); a download draws progress bars, so it happens before the prompt.
     if interactive and not _may_download(opts):
-        from ..hub import default_model
+        from ..aliases import default_model
 
         name = opts.model or default_model()
         _check_local(opts)  # a mistyped name fails at once, not after the libraries have loaded

@@ -23,28 +23,38 @@ class Sampling:
     # transformers' repetition penalty (CTRL): before choosing, the logit of every token already in the sequence
     # (prompt included) is divided by it when positive, multiplied when negative; 1.0: none
     repetition_penalty: float = 1.0
+    top_k: int = 0  # only the k most likely tokens (0: all)
+    min_p: float = 0.0  # only tokens at least min_p times as likely as the most likely one (0: all)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
 def warp(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
-    """Sampling probabilities: softmax(logits / temperature), restricted to the top-p nucleus. The largest logit is
-    taken off first (the same softmax), so that a tiny temperature overflows to -inf only for the others, never to
-    inf - inf = nan: such a temperature samples the argmax.
+    """Sampling probabilities, unnormalised where a filter cut some tokens: softmax(logits / temperature), then
+    transformers' warpers in the order its `generate` applies them: top-k, top-p (on what top-k kept), min-p. The
+    largest logit is taken off first (the same softmax), so that a tiny temperature overflows to -inf only for the
+    others, never to inf - inf = nan: such a temperature samples the argmax.
 
-    The nucleus always holds the most likely token (transformers' TopPLogitsWarper, min_tokens_to_keep=1): the
-    mass before it is 0, below any top_p > 0, but a top_p under float32's smallest number (1e-300) compares as 0
-    and would leave nothing to sample from; such a top_p samples the argmax."""
+    Every filter keeps the most likely token (transformers' min_tokens_to_keep=1): for top-p, the mass before it
+    is 0, below any top_p > 0, but a top_p under float32's smallest number (1e-300) compares as 0 and would leave
+    nothing to sample from; such a top_p samples the argmax. Top-k keeps ties with the k-th logit, as transformers
+    does; min-p compares each probability with min_p times the largest one, which no earlier filter changes."""
     z = logits.float()
     z = (z - z.max(-1, keepdim=True).values) / max(s.temperature, torch.finfo(torch.float32).tiny)
     probs = torch.softmax(z, dim=-1)
+    if 0 < s.top_k < probs.shape[-1]:
+        kth = z.topk(s.top_k, dim=-1).values[..., -1:]  # on the logits, as transformers compares them
+        probs = probs.masked_fill(z < kth, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)  # top-p reads the mass of what top-k kept
     if s.top_p < 1.0:
         sorted_p, order = probs.sort(descending=True)
         outside = (sorted_p.cumsum(-1) - sorted_p) >= s.top_p  # mass before this token already reaches top_p
         outside[..., 0] = False
         sorted_p[outside] = 0.0
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    if s.min_p > 0.0:
+        probs = probs.masked_fill(probs < s.min_p * probs.max(-1, keepdim=True).values, 0.0)
     return probs
 
 

@@ -35,6 +35,9 @@ class Drafter:
     min_score: float = 0.0  # set by the engine: nodes scored below it do not pay for their verification
     heads = None  # the heads (nn.Module) a heads drafter runs
     programs = None  # their compiled programs, once attached (None: the heads run eager)
+    # which compiled programs step/ builds for its heads ("clover": Clover-2's, "medusa": Medusa's; step.heads_kind),
+    # None: its heads (if any) run eager
+    programs_kind: str | None = None
     draft = None  # a draft model's drafter: its model, run as a Target (the compiler builds its step too)
     choices = None  # a MergedDrafter's learned choice of when its first drafter pays (merged.ChoiceStats)
 

@@ -228,6 +228,7 @@ class CloverDrafter(GrowsTree):
     or compiled once `attach_programs` gives their compiled twins (same inputs, same outputs)."""
 
     name = "clover"
+    programs_kind = "clover"
 
     # A catch-up runs the augmenting block over at most this many of the positions committed since the last one:
     # the first proposal of a reply would otherwise run it over the whole prompt (on the bundled model and a CPU,

@@ -58,7 +58,8 @@ def resolve_draft_model(name: str | None, target, quiet: bool = False) -> tuple[
     """(the name shown, the local directory) of the draft model: --draft-model (an alias, a local directory, a Hub
     repo id, or a GGUF as every MODEL argument takes one), else the one the target's alias names. CloverError in
     one line when there is none or it is not found."""
-    from ..hub import ALIASES, BUNDLED, check_weights, download, is_gguf_source, looks_like_repo, resolve_model
+    from ..aliases import ALIASES, BUNDLED
+    from ..hub import check_weights, download, is_gguf_source, looks_like_repo, resolve_model
 
     if not name:
         name = default_draft(target.spec)

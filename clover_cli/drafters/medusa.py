@@ -109,6 +109,7 @@ class MedusaDrafter(GrowsTree):
     tokens at depth d for every node of the level above."""
 
     name = "medusa"
+    programs_kind = "medusa"
 
     def __init__(self, heads, target: Target, **grow):
         self.heads = heads

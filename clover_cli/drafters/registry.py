@@ -85,16 +85,19 @@ def check_heads_dir(path: Path, name: str) -> Path:
 def resolve_heads(heads: str | None, model, revision: str | None = None, quiet: bool = False,
                draft: str = "auto") -> Path | None:
     """The heads directory to use: --heads (directory or Hub repo), else the model's own `heads/`, else those its
-    alias publishes for `draft` (auto: the first), else None."""
-    from .. import hub
+    alias publishes for `draft` (auto: the first; "bundled": those this package carries for it), else None."""
+    from .. import aliases, hub
 
     if heads:
         return check_heads_dir(hub.fetch_heads(heads, revision, quiet), heads)
-    own = model.path / hub.HEADS_SUBDIR
+    own = model.path / aliases.HEADS_SUBDIR
     if is_heads_dir(own):
         return own
     repo = model.spec.heads_for(draft) if model.spec is not None else None
-    if repo not in (None, "bundled"):
+    if repo == "bundled":
+        carried = aliases.bundled_heads(model.spec.alias)
+        return carried if is_heads_dir(carried) else None
+    if repo is not None:
         return hub.fetch_heads(repo, quiet=quiet)
     return None
 

@@ -30,9 +30,8 @@ import shutil
 import torch
 
 from ..errors import CloverError
-from ..options import env
+from ..options import compile_sizes, env
 
-PROGRAM_VERSION = 12  # bump when the programs or their metadata change (12: file sizes and checksums): not reused
 MAX_CAPACITY = 8192  # KV buffers of the compiled program (tokens); longer contexts run eager past this point
 MAX_WEIGHT_BYTES = 4 << 30  # the package holds a frozen copy of the weights: larger models stay eager
 # Steps of up to 16 new tokens (plain decoding, most drafted trees) run a program built for exactly that many rows:
@@ -57,15 +56,12 @@ AOT_SPARE = 1
 def static_sizes(nbytes: int = 0) -> tuple[int, ...]:
     """The sizes CLOVER_COMPILE_SIZES lists ("1,4": fewer programs, a shorter build; "": none); without it STATIC,
     or FEW_STATIC for a model of `nbytes` of weights whose copies would pass COPIES_BYTES."""
-    text = env("CLOVER_COMPILE_SIZES")
-    if text is None:
+    sizes = compile_sizes()
+    if sizes is None:
         return FEW_STATIC if nbytes * (len(STATIC) + 1) > COPIES_BYTES else STATIC
-    try:
-        sizes = tuple(sorted({int(part) for part in text.replace(" ", "").split(",") if part}))
-    except ValueError:
-        sizes = (0,)
     if any(not 1 <= size <= SIZES[-1] for size in sizes):
-        raise CloverError(f"CLOVER_COMPILE_SIZES must list step sizes from 1 to {SIZES[-1]}, like 1,2,4: {text!r}")
+        raise CloverError(f"CLOVER_COMPILE_SIZES must list step sizes from 1 to {SIZES[-1]}, like 1,2,4: "
+                          f"{env('CLOVER_COMPILE_SIZES')!r}")
     return sizes
 
 
@@ -143,7 +139,4 @@ def spread(model) -> bool:
 
 def heads_kind(drafter) -> str | None:
     """Which heads programs a drafter has: "clover" (Clover-2), "medusa", or None (its modules run eager)."""
-    from ..drafters.clover2 import CloverDrafter
-    from ..drafters.medusa import MedusaDrafter
-
-    return {CloverDrafter: "clover", MedusaDrafter: "medusa"}.get(type(drafter))
+    return drafter.programs_kind

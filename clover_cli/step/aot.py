@@ -45,7 +45,8 @@ import torch
 
 from .. import atomic
 from ..store import read_cache_json
-from . import AOT_SPARE, BEYOND, MAX_CAPACITY, PROGRAM_VERSION, SIZES, fits, fits_at, padded_size
+from ..store import PROGRAM_VERSION
+from . import AOT_SPARE, BEYOND, MAX_CAPACITY, SIZES, fits, fits_at, padded_size
 
 # A causal forward of more than SIZES[-1] tokens (a prefill) runs in pieces of these many rows (the largest that fit,
 # in turn), then the rest as a step: every new row count left kernels and buffers behind for good (a prefill of

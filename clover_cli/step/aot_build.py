@@ -56,9 +56,7 @@ class Job:
 def build(job: Job, log=print) -> dict:
     """Load the model (CPU, float32) once and build what `job` still lacks. Returns {"step": meta, "heads": meta}
     for the parts built."""
-    from ..drafters.clover2 import CloverDrafter
-    from ..drafters.medusa import MedusaDrafter
-    from ..drafters.registry import load as load_heads
+    from ..drafters.registry import FAMILIES, load as load_heads
     from ..loading import load
     from ..target import Target
 
@@ -79,9 +77,9 @@ def build(job: Job, log=print) -> dict:
         log(f"compiled step ready in {time.perf_counter() - t0:.0f} s: {job.out}")
     if need_heads:
         heads = load_heads(Path(job.heads), model)
-        if heads.cfg.architecture not in ("clover2", "medusa"):  # EAGLE heads have no compiled programs
+        cls = FAMILIES[heads.cfg.architecture].drafter
+        if cls.programs_kind is None:  # EAGLE heads have no compiled programs
             raise CloverError(f"{heads.cfg.architecture} heads run eager: they have no compiled programs")
-        cls = CloverDrafter if heads.cfg.architecture == "clover2" else MedusaDrafter
         built["heads"] = build_heads_for(cls(heads, target, topk=job.topk), target.cache.capacity, job.heads_out,
                                          log)
         log(f"compiled heads ready in {time.perf_counter() - t0:.0f} s: {job.heads_out}")

@@ -21,7 +21,8 @@ import torch
 
 from .. import atomic
 from ..errors import CloverError
-from . import PROGRAM_VERSION, SIZES, STATIC, heads_kind, static_sizes, weight_bytes
+from ..store import PROGRAM_VERSION
+from . import SIZES, STATIC, heads_kind, static_sizes, weight_bytes
 from .aot import (HEADS_PROGRAM_VERSION, MAX_LEVEL_ROWS, META, SMALL_ROWS, CompiledStep, HeadsPrograms, augment_name,
                   heads_program_names, sums)
 
