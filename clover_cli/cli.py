@@ -22,7 +22,7 @@ app = typer.Typer(
     name="clover",
     help="Fast local chat with large language models, powered by Clover-2 speculative decoding.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion; process.py answers the shell's requests
     rich_markup_mode="markdown",  # docstring paragraphs reflow; [brackets] stay literal
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
@@ -47,11 +47,16 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
     pass  # --debug is read by the error boundary (process.py) from the parsed command line
 
 
+def _choices(*values: str):
+    """Shell completion for an option whose values are checked by options.py (with its own one-line errors)."""
+    return lambda incomplete: [v for v in values if v.startswith(incomplete)]
+
+
 # Options shared by the commands that load a model.
 class Common:
     revision = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit) of the model.")
     heads = typer.Option(None, "--heads", help="Draft heads: a local directory or a Hub repo id.")
-    draft = typer.Option("auto", "--draft", help=f"Drafter: {', '.join(DRAFTS[:-1])} "
+    draft = typer.Option("auto", "--draft", autocompletion=_choices(*DRAFTS), help=f"Drafter: {', '.join(DRAFTS[:-1])} "
                                                  f"or {DRAFTS[-1]}. auto = the model's heads merged with n-gram lookup when "
                                                  "it has heads, else ngram. model = a smaller draft model "
                                                  "(--draft-model) drafting a multi-candidate (MCSD) tree. self = the "
@@ -60,11 +65,11 @@ class Common:
     draft_model = typer.Option(None, "--draft-model", help="The draft model of --draft model: an alias, a local "
                                "directory, a GGUF file or a Hub repo id, with the target's tokenizer and fewer "
                                "parameters (default: the one the model's alias names).", show_default=False)
-    tree = typer.Option("dynamic", "--tree", help="Draft tree of the heads: dynamic (grown by probability) "
+    tree = typer.Option("dynamic", "--tree", autocompletion=_choices("dynamic", "static"), help="Draft tree of the heads: dynamic (grown by probability) "
                         "or static (a fixed shape of 24 nodes, cut to --tree-budget when given); with --draft model "
                         "or self, dynamic = the MCSD tree, static = the draft's plain top-1 chain. With --draft auto "
                         "the n-gram matches are merged in either way.")
-    early_stop = typer.Option("fixed", "--early-stop", help="Where a branch of --draft model's or self's tree "
+    early_stop = typer.Option("fixed", "--early-stop", autocompletion=_choices("fixed", "learned"), help="Where a branch of --draft model's or self's tree "
                               "ends, greedy: fixed = where the draft gives its next token under 0.3; learned = where "
                               "a logistic model of acceptance, fitted as the session runs (and for --draft model kept "
                               "on disk for the next run), gives it under 0.3. Sampled candidates (a temperature) "
@@ -73,13 +78,15 @@ class Common:
                                                              "sized each step from the measured cost on this device.")
     load_in_8bit = typer.Option(False, "--load-in-8bit", help="Load the target in 8 bits (bitsandbytes).")
     load_in_4bit = typer.Option(False, "--load-in-4bit", help="Load the target in 4 bits (NF4, bitsandbytes).")
-    device = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N.")
+    device = typer.Option("auto", "--device", autocompletion=_choices("auto", "cpu", "cuda"),
+                          help="auto, cpu, cuda or cuda:N.")
     device_map = typer.Option(None, "--device-map", help="Spread the target's layers with accelerate: auto (GPUs, "
                               "then CPU, then disk), balanced (evenly over the GPUs), or a JSON object or file "
                               "mapping module names to a GPU index, cpu or disk. Runs eager.", show_default=False)
     max_memory = typer.Option(None, "--max-memory", help="With --device-map: most memory per device, e.g. "
                               "0=20GiB,cpu=64GiB (or a JSON object); the rest goes to disk.", show_default=False)
-    dtype = typer.Option("auto", "--dtype", help="auto (bf16/fp16 on GPU, fp32 on CPU), float32, float16, bfloat16.")
+    dtype = typer.Option("auto", "--dtype", autocompletion=_choices("auto", "float32", "float16", "bfloat16"),
+                         help="auto (bf16/fp16 on GPU, fp32 on CPU), float32, float16, bfloat16.")
     trust_remote_code = typer.Option(False, "--trust-remote-code", help="Run model code from its repository.")
     allow_pickle = typer.Option(False, "--allow-pickle", help="Allow pickled .bin weights (unsafe from strangers).")
     max_new_tokens = typer.Option(256, "--max-new-tokens", "-n", help="Most tokens to generate.")
@@ -101,7 +108,7 @@ class Common:
     stats_file = typer.Option(None, "--stats-file", help="Where to append per-step records (default: the user "
                                                          "cache directory; 'off' disables).")
     no_color = typer.Option(False, "--no-color", help="Plain text, no colours.")
-    compile = typer.Option(None, "--compile", help="The compiled target step (CPU, float32): auto = use it when "
+    compile = typer.Option(None, "--compile", autocompletion=_choices("auto", "on", "off"), help="The compiled target step (CPU, float32): auto = use it when "
                            "it is built (chat and serve build it in the background meanwhile); on = build it first if "
                            "needed; off = eager. On a CUDA GPU, auto and on capture the step as CUDA graphs as it "
                            "runs. Default: $CLOVER_COMPILE, else auto.", show_default=False)

@@ -64,6 +64,12 @@ def _run(argv) -> int:
     from .cli import app
 
     command = typer.main.get_command(app)
+    complete = os.environ.get("_CLOVER_COMPLETE") if argv is None else None
+    if complete:  # the shell asking for completions (clover --install-completion wires it up), in typer's format
+        from typer.completion import completion_init, shell_complete
+
+        completion_init()
+        return shell_complete(command, {}, "clover", "_CLOVER_COMPLETE", complete)
     try:
         with command.make_context("clover", sys.argv[1:] if argv is None else list(argv)) as ctx:
             state["debug"] = bool(ctx.params.get("debug"))

@@ -6,7 +6,9 @@ no stats record. Runs in-process (see conftest.run_cli); the Hub path is in test
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 import sys
 
 import pytest
@@ -98,6 +100,18 @@ def test_help_lists_exactly_the_commands(run_cli):
     from clover_cli.cli import app
 
     assert sorted(get_command(app).commands) == sorted(COMMANDS)
+
+
+@pytest.mark.parametrize("words, cword, expected", [
+    ("clover s", 1, ["serve", "stats"]), ("clover generate --draft e", 3, ["eagle", "eagle3"]),
+    ("clover chat --compile ", 3, ["auto", "on", "off"]), ("clover serve --thr", 2, ["--threads"]),
+])
+def test_shell_completion_lists_commands_flags_and_choices(words, cword, expected, tmp_path):
+    """What bash asks of `clover` when Tab is pressed (the script --install-completion installs sets these)."""
+    env = {**os.environ, "_CLOVER_COMPLETE": "complete_bash", "COMP_WORDS": words, "COMP_CWORD": str(cword)}
+    done = subprocess.run([sys.executable, "-m", "clover_cli"], env=env, capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    assert done.returncode == 0 and done.stdout.split() == expected, done
 
 
 def test_generate_json_on_cpu(run_cli, llama_dir, prompt_path, isolated):

@@ -576,9 +576,13 @@ def test_a_killed_conversions_leftovers_are_removed_and_a_damaged_one_rebuilt(gg
 @pytest.mark.skipif(not REAL_SMOLLM2.is_file(),
                     reason="SmolLM2's GGUF is not on this machine (set CLOVER_SMOLLM2_GGUF to a copy)")
 def test_real_smollm2_gguf_is_lossless(cache):
-    """The real SmolLM2-135M-Instruct Q4_1 file: converted, its chat template applied, n-gram and plain decoding give
-    exactly transformers' greedy output over 32 tokens of two chat prompts."""
+    """The real SmolLM2-135M-Instruct Q4_1 file: converted, its chat template applied, n-gram and plain decoding and
+    the Clover-2 heads the package ships for it (found for the alias offline; alone and as the default drafter,
+    merged with n-gram) give exactly transformers' greedy output over 32 tokens of two chat prompts, the heads'
+    drafts accepted."""
+    from clover_cli.drafters import registry
     from clover_cli.drafters.base import NoDrafter
+    from clover_cli.drafters.factory import make_drafter
     from clover_cli.drafters.ngram import NgramDrafter
     from clover_cli.decode.engine import Engine
     from clover_cli.decode.verify import StopCheck
@@ -599,3 +603,13 @@ def test_real_smollm2_gguf_is_lossless(cache):
         for drafter in (NoDrafter(), NgramDrafter()):
             out, _ = run_engine(Engine(target, drafter, budget=16, auto_budget=False), prompt, StopCheck(32))
             assert out == reference, (drafter, text)
+        alias = hub.ResolvedModel("smollm2", resolved.path, aliases.ALIASES["smollm2"])
+        shipped = registry.resolve_heads(None, alias)
+        assert shipped == aliases.bundled_heads("smollm2")
+        heads = registry.load(shipped, model)
+        for name in ("clover", "auto"):
+            drafter = make_drafter(name, target, heads=heads)
+            out, events = run_engine(Engine(target, drafter, budget=16, auto_budget=False), prompt, StopCheck(32))
+            assert out == reference, (name, text)
+            if name == "clover":
+                assert sum(e.accepted for e in events) > 0, text  # its drafts, not only the target's tokens
