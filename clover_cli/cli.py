@@ -340,11 +340,16 @@ def serve(
     """Serve the model over HTTP with the OpenAI API: /v1/chat/completions (streamed or not), /v1/completions,
     /v1/models, and /health.
 
-    The same drafters, sampling (temperature, top_p, top_k, min_p, seed, max_tokens), stop strings and chat template as `clover
-    chat`; each response adds clover's figures (tau, acceptance rate, draft and verify time) under "clover".
+    The same drafters, sampling (temperature, top_p, top_k, min_p, seed, max_tokens), stop strings and chat template
+    as `clover chat`; each response adds clover's figures (tau, acceptance rate, draft and verify time) under "clover".
     Requests are served one at a time in arrival order (the X-Clover-Queue-Position header says how many were
     ahead; /health shows the queue). A client that disconnects stops its reply at once. Ctrl-C stops the server.
     """
+    try:  # the [serve] extra: said before anything loads
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise CloverError(f"clover serve needs {e.name or 'starlette and uvicorn'}: pip install 'clover-cli[serve]'")
     from .reply import loaded_line
     from .listener import LOCAL_HOSTS, listen, run
     from .serve import Server

@@ -64,11 +64,11 @@ def check_bitsandbytes(device: torch.device, bits: int):
         from bitsandbytes.functional import int8_vectorwise_quant, quantize_4bit
     except Exception as e:  # ImportError, or a broken native library
         raise CloverError(f"{flag} needs a working bitsandbytes: {one_line(e)} "
-                          f"(pip install bitsandbytes, or run without {flag})")
+                          f"(pip install 'clover-cli[quant]', or run without {flag})")
     try:
         import accelerate  # noqa: F401
     except ImportError:
-        raise CloverError(f"{flag} needs accelerate: pip install accelerate")
+        raise CloverError(f"{flag} needs accelerate: pip install accelerate (the [train] extra has it)")
     try:  # a tiny quantization on the target device: the backend (CPU or this GPU) must really work
         probe = torch.ones(8, 64, dtype=torch.float16, device=device)
         if bits == 8:

@@ -402,12 +402,19 @@ def test_bad_device_and_dtype(run_cli, llama_dir, prompt_path, isolated):
 QUANT_KERNELS = [("--load-in-8bit", "int8_vectorwise_quant"), ("--load-in-4bit", "quantize_4bit")]
 
 
+@pytest.mark.parametrize("missing", ["starlette", "uvicorn"])
+def test_serve_without_its_extra_names_it(run_cli, llama_dir, monkeypatch, isolated, missing):
+    monkeypatch.setitem(sys.modules, missing, None)  # `import missing` raises ImportError
+    assert_one_line_error(run_cli("serve", str(llama_dir), "--port", "0"), missing, "clover-cli[serve]",
+                          tmp=isolated)
+
+
 @pytest.mark.parametrize("flag,kernel", QUANT_KERNELS)
 def test_quantized_without_bitsandbytes(run_cli, llama_dir, prompt_path, monkeypatch, isolated, flag, kernel):
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # `import bitsandbytes` raises ImportError
     monkeypatch.setitem(sys.modules, "bitsandbytes.functional", None)
     assert_one_line_error(gen(run_cli, llama_dir, prompt_path, flag, "--draft", "none", "--json"),
-                          flag, "bitsandbytes", tmp=isolated)
+                          flag, "bitsandbytes", "clover-cli[quant]", tmp=isolated)
 
 
 @pytest.mark.parametrize("flag,kernel", QUANT_KERNELS)

@@ -129,7 +129,7 @@ def run_training(cfg: TrainConfig):
         from accelerate import Accelerator
         from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
     except ImportError:
-        raise CloverError("clover train needs accelerate: pip install accelerate")
+        raise CloverError("clover train needs accelerate: pip install 'clover-cli[train]'")
 
     # Clover-2 with one head never uses its recurrent block; DDP must then be told that some parameters idle.
     # The long timeout covers processes waiting for each other's share of regeneration and for the evaluation.
