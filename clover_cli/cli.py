@@ -97,6 +97,9 @@ class Common:
                                               "one, in [0, 1) (0 = all).")
     threads = typer.Option(None, "--threads", "-t", help="CPU threads for the model's arithmetic (torch's intra-op "
                            "threads; default: torch's own, one per core).", show_default=False)
+    chat_template = typer.Option(None, "--chat-template", help="The chat template: vicuna_v1.1, llama3, chatml or a "
+                                 "Jinja file (default: the model's own, else its alias's, else vicuna_v1.1).",
+                                 autocompletion=_choices("vicuna_v1.1", "llama3", "chatml"), show_default=False)
     max_context = typer.Option(None, "--ctx-size", "-c", help="Most tokens of context, prompt and replies together: "
                                "caps the KV cache (default: the model's own limit).", show_default=False)
     seed = typer.Option(None, "--seed", help="Random seed for sampling.")
@@ -187,6 +190,7 @@ def generate(
     top_p: float = Common.top_p, top_k: int = Common.top_k, min_p: float = Common.min_p,
     seed: Optional[int] = Common.seed, repetition_penalty: float = Common.repetition_penalty,
     threads: Optional[int] = Common.threads, max_context: Optional[int] = Common.max_context,
+    chat_template: Optional[str] = Common.chat_template,
     raw: bool = typer.Option(False, "--raw", help="Feed the prompt as is, without the chat template."),
     keep_newline: bool = typer.Option(False, "--keep-newline", help="Keep the newline that ends the prompt file "
                                       "(by default one trailing newline is dropped, as a typed message has none)."),
@@ -283,6 +287,7 @@ def chat(
     top_p: float = Common.top_p, top_k: int = Common.top_k, min_p: float = Common.min_p,
     seed: Optional[int] = Common.seed, repetition_penalty: float = Common.repetition_penalty,
     threads: Optional[int] = Common.threads, max_context: Optional[int] = Common.max_context,
+    chat_template: Optional[str] = Common.chat_template,
     draft: str = Common.draft, draft_model: Optional[str] = Common.draft_model,
     heads: Optional[str] = Common.heads, tree: str = Common.tree, early_stop: str = Common.early_stop,
     tree_budget: str = Common.tree_budget, load_in_8bit: bool = Common.load_in_8bit,
@@ -336,6 +341,7 @@ def serve(
     trust_remote_code: bool = Common.trust_remote_code, allow_pickle: bool = Common.allow_pickle,
     stats_file: Optional[str] = Common.stats_file, compile: Optional[str] = Common.compile,
     threads: Optional[int] = Common.threads, max_context: Optional[int] = Common.max_context,
+    chat_template: Optional[str] = Common.chat_template,
 ):
     """Serve the model over HTTP with the OpenAI API: /v1/chat/completions (streamed or not), /v1/completions,
     /v1/models, and /health.

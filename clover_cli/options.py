@@ -76,6 +76,7 @@ class Options:
     allow_pickle: bool = False
     max_context: int | None = None  # --ctx-size: most tokens of context (None: the model's own limit)
     threads: int | None = None  # --threads: torch's intra-op threads (None: torch's default)
+    chat_template: str | None = None  # --chat-template: a built-in template's name or a Jinja file
     compile: str | None = None  # auto, on or off (None: CLOVER_COMPILE, else auto); see clover_cli/step/manager.py
 
 
@@ -97,6 +98,10 @@ def check_options(opts: Options) -> None:
     parse_budget(opts.tree_budget)
     if opts.threads is not None and not 1 <= opts.threads <= 1024:
         raise CloverError(f"--threads must be between 1 and 1024, not {opts.threads}")
+    if opts.chat_template is not None:
+        from .templates import chosen_template
+
+        chosen_template(opts.chat_template)
     if opts.max_context is not None and not 16 <= opts.max_context <= 10_000_000:
         raise CloverError(f"--ctx-size must be between 16 and 10000000 tokens, not {opts.max_context}")
 

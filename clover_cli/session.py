@@ -55,9 +55,10 @@ class Session:
         self.device, self.dtype, self.load_in_8bit = loaded.device, loaded.dtype, loaded.load_in_8bit
         self.load_in_4bit = loaded.load_in_4bit
         spec = self.resolved.spec
-        self.template_name, self.template = chat_template(self.tokenizer, spec.template if spec else None)
+        self.template_name, self.template = chat_template(self.tokenizer, spec.template if spec else None,
+                                                          opts.chat_template)
         self.template_notice = None  # said where the template is used (chat, generate without --raw)
-        if self.template_name != "tokenizer" and not (spec and spec.template):
+        if self.template_name != "tokenizer" and not (spec and spec.template) and not opts.chat_template:
             self.template_notice = (f"{self.resolved.name} has no chat template of its own: using the "
                                     f"{self.template_name} template")
         self._check_template_tokens()

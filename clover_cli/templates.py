@@ -1,4 +1,5 @@
-"""Chat templates: the tokenizer's own when it has one, else a built-in one chosen by the model alias.
+"""Chat templates: --chat-template (a built-in name or a Jinja file) when given, else the tokenizer's own when it has
+one, else a built-in one chosen by the model alias.
 
 The built-in templates are Jinja strings in the same form Hugging Face tokenizers store them, so one code path
 (`tokenizer.apply_chat_template`) renders every conversation.
@@ -6,7 +7,9 @@ The built-in templates are Jinja strings in the same form Hugging Face tokenizer
 
 from __future__ import annotations
 
-from .errors import CloverError
+from pathlib import Path
+
+from .errors import CloverError, one_line
 
 VICUNA_SYSTEM = (
     "A chat between a curious user and an artificial intelligence assistant. "
@@ -47,8 +50,40 @@ BUILTIN = {"vicuna_v1.1": VICUNA_V11, "llama3": LLAMA3, "chatml": CHATML}
 STOP_STRINGS = {"vicuna_v1.1": ["</s>", "USER:"], "llama3": ["<|eot_id|>"], "chatml": ["<|im_end|>"]}
 
 
-def chat_template(tokenizer, fallback: str | None) -> tuple[str, str]:
-    """Return (template name, Jinja template) for this tokenizer: its own template wins."""
+TEMPLATE_FILE_LIMIT = 1 << 20  # bytes of a --chat-template file
+
+
+def chosen_template(choice: str) -> tuple[str, str]:
+    """--chat-template: (name, Jinja template) of a built-in template's name or a Jinja file's; one line when it is
+    neither, or the file cannot be read or parsed. Checked before the model loads."""
+    if choice in BUILTIN:
+        return choice, BUILTIN[choice]
+    path = Path(choice).expanduser()
+    if not path.is_file():
+        raise CloverError(f"--chat-template must be one of {', '.join(BUILTIN)} or a Jinja file: {choice!r} is "
+                          f"neither")
+    try:
+        with path.open("rb") as f:
+            data = f.read(TEMPLATE_FILE_LIMIT + 1)
+        text = data.decode("utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CloverError(f"--chat-template {choice}: cannot read it ({getattr(e, 'strerror', None) or one_line(e)})")
+    if len(data) > TEMPLATE_FILE_LIMIT:
+        raise CloverError(f"--chat-template {choice}: larger than {TEMPLATE_FILE_LIMIT} bytes")
+    try:
+        import jinja2
+
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise CloverError(f"--chat-template {choice}: not a Jinja template (line {e.lineno}: {e.message})")
+    return "file", text
+
+
+def chat_template(tokenizer, fallback: str | None, choice: str | None = None) -> tuple[str, str]:
+    """Return (template name, Jinja template) for this tokenizer: --chat-template (`choice`) first, then its own
+    template, then the alias's `fallback`, then Vicuna's."""
+    if choice:
+        return chosen_template(choice)
     own = getattr(tokenizer, "chat_template", None)
     if isinstance(own, str) and own.strip():
         return "tokenizer", own

@@ -167,6 +167,29 @@ def test_flags_as_llama_cpp_users_type_them(run_cli, llama_dir, prompt_path, iso
     assert code == 2 and out == "" and err.count("\n") == 1 and "context (100)" in err, err
 
 
+def test_chat_template_by_name_or_file(run_cli, llama_dir, prompt_path, tmp_path, isolated):
+    """--chat-template NAME|FILE replaces the model's template: the prompt is what that template renders."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(llama_dir)
+    text = prompt_path.read_text().removesuffix("\n")
+    template = tmp_path / "brackets.jinja"
+    template.write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}{% if add_generation_prompt %}>"
+                        "{% endif %}")
+    counts = {}
+    for choice in (None, "chatml", str(template)):
+        code, out, err = gen(run_cli, llama_dir, prompt_path, "--json", "-n", "2", "--draft", "none",
+                             "--stats-file", "off", *(["--chat-template", choice] if choice else []))
+        assert code == 0, err
+        counts[choice] = json.loads(out)["prompt_tokens"]
+    assert counts[str(template)] == len(tok(f"[{text}]>", add_special_tokens=False)["input_ids"])
+    assert len(set(counts.values())) == 3, counts
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}")
+    for choice, needle in (("alpaca", "must be one of"), (str(bad), "not a Jinja template")):
+        assert_one_line_error(gen(run_cli, llama_dir, prompt_path, "--chat-template", choice), needle, tmp=isolated)
+
+
 def test_generate_with_a_repetition_penalty_is_transformers_output(run_cli, llama_dir, prompt_path, isolated):
     """--repetition-penalty: the reply is transformers' greedy generate with the same penalty on the same ids (and
     --json says the penalty); without the option, generate applies none."""
