@@ -322,6 +322,9 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on. Anything but this machine's own "
                              "(127.0.0.1, localhost, ::1) lets other machines use the model: set --api-key."),
     port: int = typer.Option(8000, "--port", help="TCP port (0: any free one, printed)."),
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="The model's name in "
+                                                    "/v1/models and in responses (default: MODEL as given).",
+                                                    show_default=False),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="CLOVER_API_KEY", show_default=False,
                                           help="Require 'Authorization: Bearer KEY' on every request."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="Reply length when a request sets "
@@ -378,7 +381,8 @@ def serve(
     session = Session(opts)
     session.compiler.start(background=True)  # auto: eager until the compiled step is built, as in the chat
     writer = StatsWriter.open(stats_file)  # after loading: a server that fails to start leaves no record
-    server = Server(session, api_key=api_key, max_new_tokens=max_new_tokens, writer=writer)
+    server = Server(session, api_key=api_key, max_new_tokens=max_new_tokens, writer=writer,
+                    model_id=served_model_name)
     bound = sock.getsockname()
     where = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
     say = lambda text: typer.echo(text, err=True)  # noqa: E731

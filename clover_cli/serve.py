@@ -170,13 +170,13 @@ class Server:
     """The app (`self.app`, ASGI) around one loaded Session."""
 
     def __init__(self, session, api_key: str | None = None, max_new_tokens: int = 256, writer=None,
-                 max_body: int = MAX_BODY):
+                 max_body: int = MAX_BODY, model_id: str | None = None):
         from starlette.applications import Starlette
         from starlette.exceptions import HTTPException
         from starlette.routing import Route
 
         self.session, self.api_key, self.max_new_tokens, self.max_body = session, api_key, max_new_tokens, max_body
-        self.model_id = session.resolved.name
+        self.model_id = model_id or session.resolved.name  # --served-model-name, else the name it was loaded by
         self.created = int(time.time())
         self.worker = Worker(session, writer)
         self._tokenizing: asyncio.Semaphore | None = None  # made in the server's event loop

@@ -561,3 +561,14 @@ def test_readme_examples(tmp_path):
         ran = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
         assert ran.returncode == 0, ran.stderr
         assert re.search(r"\S.*\n\(τ \d", ran.stdout, re.S), ran.stdout
+
+
+def test_served_model_name(llama_dir):
+    """--served-model-name: the name /v1/models lists and responses carry; a request may name any model."""
+    with serving(load(llama_dir), model_id="local-model") as s:
+        status, _, body = request(s.url, "GET", "/v1/models")
+        assert status == 200 and [m["id"] for m in body["data"]] == ["local-model"], body
+        assert request(s.url, "GET", "/v1/models/local-model")[0] == 200
+        assert request(s.url, "GET", f"/v1/models/{llama_dir.name}")[0] == 404
+        status, _, body = request(s.url, "POST", "/v1/chat/completions", chat_body("hi", model="gpt-4o", max_tokens=4))
+        assert status == 200 and body["model"] == "local-model", body
