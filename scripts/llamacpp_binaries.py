@@ -68,6 +68,9 @@ def main():
     ap.add_argument("--draft-max", type=int, default=10, help="Tokens llama-lookup drafts per match.")
     ap.add_argument("--flash-attn", choices=("on", "off", "auto"), default="off")
     ap.add_argument("--kv-cache", choices=("f32", "f16"), default="f32")
+    ap.add_argument("--gguf", type=Path, default=None, help="Run llama.cpp on this GGUF instead of the float32 one "
+                    "written from the clover model (e.g. the model's original quantized file: its text may then "
+                    "differ from transformers' greedy reply on the dequantized weights, and the report says so).")
     args = ap.parse_args()
     lookup_bin = args.bin / "llama-lookup"
     if not lookup_bin.is_file():
@@ -85,7 +88,7 @@ def main():
     why = why_unavailable(s.model, s.tokenizer, s.device, s.dtype)
     if why:
         sys.exit(f"no GGUF for {s.resolved.name}: {why}")
-    gguf = gguf_for(s.resolved, s.model, s.tokenizer, cache_dir())
+    gguf = args.gguf or gguf_for(s.resolved, s.model, s.tokenizer, cache_dir())
     vocab = llama_cpp.Llama(str(gguf), vocab_only=True, verbose=False)
 
     totals = {"plain": [0, 0.0], "lookup": [0, 0.0]}
