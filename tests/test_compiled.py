@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from clover_cli import step as contract
+from clover_cli import store
 from clover_cli.step import aot, aot_export, manager
 from clover_cli.step.aot import CompiledStep, HeadsPrograms, Package
 from clover_cli.step.aot_export import build_for, build_heads_for
@@ -483,7 +484,7 @@ def test_package_lookup_ignores_incomplete_builds(tmp_path):
     assert Package.find(d) is None  # no metadata
     ranges = {name: {"n": [1, 4], "past": [0, 3]} for name, *_ in aot_export.PROGRAMS}
     files = {name: {"bytes": 0, "crc32": 0} for name in ranges}  # what an empty file's are
-    meta = {"program": contract.PROGRAM_VERSION, "capacity": 8, "ranges": ranges, "files": files}
+    meta = {"program": store.PROGRAM_VERSION, "capacity": 8, "ranges": ranges, "files": files}
     (d / aot.META).write_text(json.dumps(meta))
     assert Package.find(d) is None  # no program files
     for name, *_ in aot_export.PROGRAMS[:-1]:
@@ -495,7 +496,7 @@ def test_package_lookup_ignores_incomplete_builds(tmp_path):
     assert Package.find(d) is None  # a file of another size than it was built with
     assert "1 bytes, not 0" in aot.damage(d)
     (d / aot_export.PROGRAMS[0][0]).write_bytes(b"")
-    (d / aot.META).write_text(json.dumps({**meta, "program": contract.PROGRAM_VERSION - 1}))
+    (d / aot.META).write_text(json.dumps({**meta, "program": store.PROGRAM_VERSION - 1}))
     assert Package.find(d) is None  # built by an older clover
 
 

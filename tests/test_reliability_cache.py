@@ -158,9 +158,9 @@ def fake_package(d: Path, meta) -> Path:
 
 
 def good_meta(capacity=512):
-    from clover_cli import step as contract
+    from clover_cli import store
 
-    return {"program": contract.PROGRAM_VERSION, "capacity": capacity,
+    return {"program": store.PROGRAM_VERSION, "capacity": capacity,
             "ranges": {"step.pt2": {"n": [1, capacity - 1], "past": [0, capacity - 2]}}, "verify_s": {"1": 0.001}}
 
 
