@@ -10,13 +10,15 @@ from pathlib import Path
 from .options import env
 from .sources import PackageSource, WheelPart
 
-BUNDLED = Path(__file__).parent / "bundled" / "tiny"
+PACKAGE_FILES = Path(__file__).parent / "bundled"  # what the package carries: per alias, a model and/or its heads
+BUNDLED = PACKAGE_FILES / "tiny"
 HEADS_SUBDIR = "heads"  # a model directory may carry its draft heads here
 
 
 def bundled_heads(alias: str) -> Path:
     """Where the package carries an alias's own heads (its ("clover", "bundled") entry): bundled/<alias>/heads."""
-    return Path(__file__).parent / "bundled" / alias / HEADS_SUBDIR
+    return PACKAGE_FILES / alias / HEADS_SUBDIR
+
 
 FAMILY_NAMES = {"clover": "Clover-2", "medusa": "Medusa", "eagle": "EAGLE", "eagle3": "EAGLE-3"}
 

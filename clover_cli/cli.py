@@ -16,7 +16,8 @@ from . import __version__
 from .drafter_names import DRAFTS
 from .errors import CloverError
 from .inputs import read_prompt
-from .options import check_sampling, options_from
+from .options import EARLY_STOPS, MODES, TREES, check_sampling, options_from
+from .templates import BUILTIN
 
 app = typer.Typer(
     name="clover",
@@ -56,24 +57,27 @@ def _choices(*values: str):
 class Common:
     revision = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit) of the model.")
     heads = typer.Option(None, "--heads", help="Draft heads: a local directory or a Hub repo id.")
-    draft = typer.Option("auto", "--draft", autocompletion=_choices(*DRAFTS), help=f"Drafter: {', '.join(DRAFTS[:-1])} "
+    draft = typer.Option("auto", "--draft", help=f"Drafter: {', '.join(DRAFTS[:-1])} "
                                                  f"or {DRAFTS[-1]}. auto = the model's heads merged with n-gram lookup when "
                                                  "it has heads, else ngram. model = a smaller draft model "
                                                  "(--draft-model) drafting a multi-candidate (MCSD) tree. self = the "
                                                  "model itself with some middle layers skipped (chosen on the first "
-                                                 "prompt, cached).")
+                                                 "prompt, cached).",
+                        autocompletion=_choices(*DRAFTS))
     draft_model = typer.Option(None, "--draft-model", help="The draft model of --draft model: an alias, a local "
                                "directory, a GGUF file or a Hub repo id, with the target's tokenizer and fewer "
                                "parameters (default: the one the model's alias names).", show_default=False)
-    tree = typer.Option("dynamic", "--tree", autocompletion=_choices("dynamic", "static"), help="Draft tree of the heads: dynamic (grown by probability) "
+    tree = typer.Option("dynamic", "--tree", help="Draft tree of the heads: dynamic (grown by probability) "
                         "or static (a fixed shape of 24 nodes, cut to --tree-budget when given); with --draft model "
                         "or self, dynamic = the MCSD tree, static = the draft's plain top-1 chain. With --draft auto "
-                        "the n-gram matches are merged in either way.")
-    early_stop = typer.Option("fixed", "--early-stop", autocompletion=_choices("fixed", "learned"), help="Where a branch of --draft model's or self's tree "
+                        "the n-gram matches are merged in either way.",
+                        autocompletion=_choices(*TREES))
+    early_stop = typer.Option("fixed", "--early-stop", help="Where a branch of --draft model's or self's tree "
                               "ends, greedy: fixed = where the draft gives its next token under 0.3; learned = where "
                               "a logistic model of acceptance, fitted as the session runs (and for --draft model kept "
                               "on disk for the next run), gives it under 0.3. Sampled candidates (a temperature) "
-                              "always end by the fixed rule.")
+                              "always end by the fixed rule.",
+                        autocompletion=_choices(*EARLY_STOPS))
     tree_budget = typer.Option("auto", "--tree-budget", help="Most draft nodes verified per step, or auto: "
                                                              "sized each step from the measured cost on this device.")
     load_in_8bit = typer.Option(False, "--load-in-8bit", help="Load the target in 8 bits (bitsandbytes).")
@@ -99,7 +103,7 @@ class Common:
                            "threads; default: torch's own, one per core).", show_default=False)
     chat_template = typer.Option(None, "--chat-template", help="The chat template: vicuna_v1.1, llama3, chatml or a "
                                  "Jinja file (default: the model's own, else its alias's, else vicuna_v1.1).",
-                                 autocompletion=_choices("vicuna_v1.1", "llama3", "chatml"), show_default=False)
+                                 autocompletion=_choices(*BUILTIN), show_default=False)
     max_context = typer.Option(None, "--ctx-size", "-c", help="Most tokens of context, prompt and replies together: "
                                "caps the KV cache (default: the model's own limit).", show_default=False)
     seed = typer.Option(None, "--seed", help="Random seed for sampling.")
@@ -111,10 +115,11 @@ class Common:
     stats_file = typer.Option(None, "--stats-file", help="Where to append per-step records (default: the user "
                                                          "cache directory; 'off' disables).")
     no_color = typer.Option(False, "--no-color", help="Plain text, no colours.")
-    compile = typer.Option(None, "--compile", autocompletion=_choices("auto", "on", "off"), help="The compiled target step (CPU, float32): auto = use it when "
+    compile = typer.Option(None, "--compile", help="The compiled target step (CPU, float32): auto = use it when "
                            "it is built (chat and serve build it in the background meanwhile); on = build it first if "
                            "needed; off = eager. On a CUDA GPU, auto and on capture the step as CUDA graphs as it "
-                           "runs. Default: $CLOVER_COMPILE, else auto.", show_default=False)
+                           "runs. Default: $CLOVER_COMPILE, else auto.", show_default=False,
+                        autocompletion=_choices(*MODES))
 
 
 @app.command()
@@ -211,7 +216,9 @@ def generate(
     from .inputs import check_text_size
     from .render import use_colour
     from .reply import Discard, Out, ReplyPrinter, stream
-    from .session import Session, torch_threads
+    import torch
+
+    from .session import Session
     from .stats import StatsWriter
 
     check_sampling(max_new_tokens, temperature, top_p, seed, repetition_penalty, top_k, min_p)
@@ -269,7 +276,7 @@ def generate(
         "step": session.compiler.describe(),
         "prompt_tokens": len(ids),
         "context": session.max_context,
-        "threads": torch_threads(),
+        "threads": torch.get_num_threads(),
         "repetition_penalty": repetition_penalty,
     }
     if json_out:

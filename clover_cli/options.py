@@ -12,6 +12,7 @@ from .drafter_names import DRAFTS
 from .errors import CloverError
 
 MODES = ("auto", "on", "off")  # --compile, see clover_cli/step/manager.py
+TREES = ("dynamic", "static")  # --tree
 EARLY_STOPS = ("fixed", "learned")  # --early-stop: how a draft model's branches end (drafters/early_stop.py)
 
 # Every CLOVER_* environment variable clover reads, with what it does. Each is read through env() when it is
@@ -85,7 +86,7 @@ def check_options(opts: Options) -> None:
     interactive chat shows its prompt before the model is there)."""
     if opts.draft not in DRAFTS:
         raise CloverError(f"unknown drafter {opts.draft!r}; choose one of {', '.join(DRAFTS)}")
-    if opts.tree not in ("dynamic", "static"):
+    if opts.tree not in TREES:
         raise CloverError(f"--tree must be dynamic or static, not {opts.tree!r}")
     if opts.early_stop not in EARLY_STOPS:
         raise CloverError(f"--early-stop must be {' or '.join(EARLY_STOPS)}, not {opts.early_stop!r}")

@@ -284,8 +284,3 @@ def heads_target_mismatch(made_for: str | None, repo: str | None) -> str | None:
             and made_for.lower() != repo.lower()):
         return made_for
     return None
-
-
-def torch_threads() -> int:
-    """The CPU threads the model's arithmetic runs on (--threads, else torch's default)."""
-    return torch.get_num_threads()

@@ -28,8 +28,10 @@ def compile_model(resolved, heads: str | None, no_heads: bool, draft_model: str 
     except Exception as e:
         raise CloverError(f"cannot read the model config in {resolved.path}: {one_line(e)}")
     heads_path = None if no_heads else registry.resolve_heads(heads, resolved)
-    if heads_path is not None and registry.family(heads_path) in ("eagle", "eagle3"):
-        echo("EAGLE heads run eager (they have no compiled programs): compiling the target's step only", err=True)
+    family = registry.FAMILIES.get(registry.family(heads_path)) if heads_path is not None else None
+    if family is not None and family.drafter.programs_kind is None:
+        echo(f"{family.name} heads run eager (they have no compiled programs): compiling the target's step only",
+             err=True)
         heads_path = None
     if heads_path is not None and registry.detect(heads_path) == "clover":  # before the target's step is built (a minute)
         _check_heads(heads_path, config)
@@ -117,4 +119,3 @@ def _check_heads(path: Path, config):
     except Exception as e:  # SafetensorError, OSError
         why = getattr(e, "strerror", None) or one_line(e)
         raise CloverError(f"heads {path}: unreadable model.safetensors ({why})") from None
-
