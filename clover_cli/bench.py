@@ -55,6 +55,7 @@ class BenchConfig:
     tree_budget: str = "auto"
     device: str = "auto"
     dtype: str = "auto"
+    quantize: str | None = None  # --quantize int8 | int4 (CPU)
     load_in_8bit: bool = False
     json_out: bool = False
     plot: Path | None = None
@@ -239,7 +240,7 @@ class BenchSession:
 
         compiled = "off" if compile_mode(cfg.compile) == "off" else "on"  # a benchmark waits for the build
         self.session = Session(Options(model=cfg.model, heads=cfg.heads, draft="none", device=cfg.device,
-                                       threads=cfg.threads,
+                                       threads=cfg.threads, quantize=cfg.quantize,
                                        dtype=cfg.dtype, load_in_8bit=cfg.load_in_8bit, tree_budget=cfg.tree_budget,
                                        compile=compiled), quiet=cfg.json_out)
         s = self.session
@@ -531,6 +532,7 @@ def make_report(cfg, bs, methods, rows, prompts) -> dict:
         })
     report = {
         "model": s.resolved.name, "device": str(s.device), "dtype": str(s.dtype).replace("torch.", ""),
+        "weights": s.weights_text,
         "prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
         "repetition_penalty": cfg.repetition_penalty,
         "repeats": cfg.repeats, "tree_budget": cfg.tree_budget, "compiled": s.compiler.active,

@@ -16,7 +16,7 @@ from . import __version__
 from .drafter_names import DRAFTS
 from .errors import CloverError
 from .inputs import read_prompt
-from .options import EARLY_STOPS, MODES, TREES, check_sampling, options_from
+from .options import EARLY_STOPS, MODES, QUANTIZE, TREES, check_sampling, options_from
 from .templates import BUILTIN
 
 app = typer.Typer(
@@ -90,7 +90,11 @@ class Common:
     max_memory = typer.Option(None, "--max-memory", help="With --device-map: most memory per device, e.g. "
                               "0=20GiB,cpu=64GiB (or a JSON object); the rest goes to disk.", show_default=False)
     dtype = typer.Option("auto", "--dtype", autocompletion=_choices("auto", "float32", "float16", "bfloat16"),
-                         help="auto (bf16/fp16 on GPU, fp32 on CPU), float32, float16, bfloat16.")
+                         help="auto (bf16/fp16 on GPU; on CPU a GGUF's own quantized blocks, else fp32), float32, "
+                         "float16, bfloat16 (a GGUF dequantized to it).")
+    quantize = typer.Option(None, "--quantize", autocompletion=_choices(*QUANTIZE), help="CPU: run the linears "
+                            "quantized in groups of 32, int8 or int4 (the output embedding int8), on clover's own "
+                            "kernels; the activations are quantized to int8 as llama.cpp does.", show_default=False)
     trust_remote_code = typer.Option(False, "--trust-remote-code", help="Run model code from its repository.")
     allow_pickle = typer.Option(False, "--allow-pickle", help="Allow pickled .bin weights (unsafe from strangers).")
     max_new_tokens = typer.Option(256, "--max-new-tokens", "-n", help="Most tokens to generate.")
@@ -205,7 +209,8 @@ def generate(
     tree_budget: str = Common.tree_budget, load_in_8bit: bool = Common.load_in_8bit,
     load_in_4bit: bool = Common.load_in_4bit, device: str = Common.device,
     device_map: Optional[str] = Common.device_map, max_memory: Optional[str] = Common.max_memory,
-    dtype: str = Common.dtype, revision: Optional[str] = Common.revision,
+    dtype: str = Common.dtype, quantize: Optional[str] = Common.quantize,
+    revision: Optional[str] = Common.revision,
     trust_remote_code: bool = Common.trust_remote_code, allow_pickle: bool = Common.allow_pickle,
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
     stats_file: Optional[str] = Common.stats_file, no_color: bool = Common.no_color,
@@ -272,6 +277,7 @@ def generate(
         "draft_model": session.draft_model_name if session.draft_name.startswith("model") else None,
         "device": str(session.device),
         "dtype": str(session.dtype).replace("torch.", ""),
+        "weights": session.weights_text,
         "compiled": session.compiler.active,
         "step": session.compiler.describe(),
         "prompt_tokens": len(ids),
@@ -300,7 +306,8 @@ def chat(
     tree_budget: str = Common.tree_budget, load_in_8bit: bool = Common.load_in_8bit,
     load_in_4bit: bool = Common.load_in_4bit, device: str = Common.device,
     device_map: Optional[str] = Common.device_map, max_memory: Optional[str] = Common.max_memory,
-    dtype: str = Common.dtype, revision: Optional[str] = Common.revision,
+    dtype: str = Common.dtype, quantize: Optional[str] = Common.quantize,
+    revision: Optional[str] = Common.revision,
     trust_remote_code: bool = Common.trust_remote_code, allow_pickle: bool = Common.allow_pickle,
     history_file: Optional[str] = typer.Option(None, "--history-file", help="Input history (a file it creates is "
                                                                             "private, mode 0600; /dev/null keeps none; "
@@ -347,7 +354,8 @@ def serve(
     tree_budget: str = Common.tree_budget, load_in_8bit: bool = Common.load_in_8bit,
     load_in_4bit: bool = Common.load_in_4bit, device: str = Common.device,
     device_map: Optional[str] = Common.device_map, max_memory: Optional[str] = Common.max_memory,
-    dtype: str = Common.dtype, revision: Optional[str] = Common.revision,
+    dtype: str = Common.dtype, quantize: Optional[str] = Common.quantize,
+    revision: Optional[str] = Common.revision,
     trust_remote_code: bool = Common.trust_remote_code, allow_pickle: bool = Common.allow_pickle,
     stats_file: Optional[str] = Common.stats_file, compile: Optional[str] = Common.compile,
     threads: Optional[int] = Common.threads, max_context: Optional[int] = Common.max_context,
@@ -518,6 +526,7 @@ def bench(
                                               "file or Hub repo) for the model-chain and model rows, and hf-assisted's "
                                               "assistant."),
     tree_budget: str = Common.tree_budget, device: str = Common.device, dtype: str = Common.dtype,
+    quantize: Optional[str] = Common.quantize,
     load_in_8bit: bool = Common.load_in_8bit, threads: Optional[int] = Common.threads,
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG chart (needs matplotlib)."),
@@ -535,7 +544,7 @@ def bench(
                           limit=limit, heads=heads, medusa_heads=medusa_heads, eagle_heads=eagle_heads, assistant=assistant,
                           draft_model=draft_model,
                           tree_budget=tree_budget, device=device, dtype=dtype, load_in_8bit=load_in_8bit,
-                          json_out=json_out, plot=plot, compile=compile, threads=threads))
+                          json_out=json_out, plot=plot, compile=compile, threads=threads, quantize=quantize))
 
 
 @app.command(name="compile")
@@ -552,6 +561,10 @@ def compile_step(
                                     "alias names too (the bundled model's own draft for tiny)."),
     trust_remote_code: bool = Common.trust_remote_code, allow_pickle: bool = Common.allow_pickle,
     force: bool = typer.Option(False, "--force", help="Build again even when a package is cached."),
+    dtype: str = typer.Option("auto", "--dtype", autocompletion=_choices("auto", "float32", "bfloat16"),
+                              help="auto (a GGUF's own quantized blocks, as chat runs it; else float32), float32 or "
+                              "bfloat16 (a GGUF dequantized to it), as chat's --dtype."),
+    quantize: Optional[str] = Common.quantize,
 ):
     """Build the compiled target step of a model (and its draft heads' programs) ahead of time (CPU, float32; a
     CUDA GPU needs nothing built: its CUDA graphs are captured as the step runs).
@@ -565,6 +578,10 @@ def compile_step(
     from .hub import resolve_model
     from .step.ahead import compile_model
 
-    resolved = resolve_model(model, revision, allow_pickle)
+    if dtype not in ("auto", "float32", "bfloat16"):
+        raise CloverError(f"clover compile builds the CPU's step: --dtype auto, float32 or bfloat16, not {dtype!r}")
+    if quantize is not None and quantize not in QUANTIZE:
+        raise CloverError(f"--quantize must be {' or '.join(QUANTIZE)}, not {quantize!r}")
+    resolved = resolve_model(model, revision, allow_pickle, dtype=dtype)  # a GGUF: converted as chat converts it
     compile_model(resolved, heads, no_heads, draft_model, with_draft, trust_remote_code, allow_pickle, force,
-                  echo=typer.echo)
+                  echo=typer.echo, dtype=dtype, quantize=quantize)

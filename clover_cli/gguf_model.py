@@ -31,8 +31,9 @@ from .store import content_hash, converted_dir, lock_path
 MAGIC = b"GGUF"
 SOURCE_FILE = "clover-gguf.json"  # in a converted directory: which file it came from, and how
 # what a conversion writes, in its record: an older one is converted again (2: no token past the file's vocabulary;
-# files missing tensors or layers refused, where 1 made them models with random weights)
-CONVERTER = 2
+# files missing tensors or layers refused, where 1 made them models with random weights; 3: the file's quantized
+# blocks repacked beside the weights, clover_cli/quantized.py)
+CONVERTER = 3
 DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -281,10 +282,26 @@ def _write_converted(info: GGUFInfo, sha: str, dtype: str, tmp: Path, quiet: boo
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     _drop_tokens_not_in_file(tmp, info.tokens)
+    _write_blocks(info, model, tmp)
     record = {"converter": CONVERTER, "versions": _versions(), "gguf": str(info.path.resolve()), "name": info.name,
               "sha256": sha,
               "architecture": info.architecture, "tensor_types": info.types, "dtype": dtype, "size": info.size}
     (tmp / SOURCE_FILE).write_text(json.dumps(record, indent=1) + "\n")
+
+
+def _write_blocks(info: GGUFInfo, model, tmp: Path) -> None:
+    """The file's quantized tensors, decoded, checked against the weights transformers made of them and repacked for
+    clover's CPU kernels (clover_cli/quantized.py), beside the converted weights: what `--dtype auto` runs on a CPU.
+    A file of float tensors only has none."""
+    from gguf import GGUFReader
+
+    from .quantized import BLOCKS_FILE, GGUF_TYPES, gguf_blocks, write_blocks
+
+    if not set(info.types) & set(GGUF_TYPES):
+        return
+    blocks, left = gguf_blocks(GGUFReader(str(info.path)), model)
+    if blocks:
+        write_blocks(tmp / BLOCKS_FILE, blocks, left)
 
 
 def _check_layers(info: GGUFInfo, config) -> None:

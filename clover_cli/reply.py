@@ -175,6 +175,8 @@ def placement(session) -> str:
 
 
 def weights_bits(session) -> str:
+    if session.weights_note:  # the CPU's quantized linears (clover_cli/quantized.py)
+        return f"weights {session.weights_text}"
     return "8-bit" if session.load_in_8bit else "4-bit NF4" if session.load_in_4bit else "not quantized"
 
 

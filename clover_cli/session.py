@@ -20,6 +20,7 @@ from .hub import looks_like_repo, resolve_model
 from .loading import keep_loaded, load
 from .options import DRAFTS, Options, check_options, compile_mode, parse_budget  # noqa: F401 - importable here too
 from .packed import finish_packing
+from .quantized import apply, weights_for
 from .step.costs import StepCosts
 from .step.manager import StepCompiler
 from .target import Target, check_exact
@@ -54,6 +55,10 @@ class Session:
         self.model, self.tokenizer, self.offload = loaded.model, loaded.tokenizer, loaded.offload
         self.device, self.dtype, self.load_in_8bit = loaded.device, loaded.dtype, loaded.load_in_8bit
         self.load_in_4bit = loaded.load_in_4bit
+        self.weights = weights_for(opts.quantize, opts.dtype, self.device, self.resolved.path)
+        self.weights_note = apply(self.model, self.resolved.path, self.weights, warn=self._warn)
+        if self.weights_note is None:  # float weights, or no kernels to run quantized ones here (said)
+            self.weights = "float"
         spec = self.resolved.spec
         self.template_name, self.template = chat_template(self.tokenizer, spec.template if spec else None,
                                                           opts.chat_template)
@@ -68,7 +73,7 @@ class Session:
         check_exact(self.target)  # a model clover would not run exactly is refused here, in one line
         self.compiler = StepCompiler(compile_mode(opts.compile), self.target, self.resolved.path, self.dtype,
                                      self.device, self.load_in_8bit, opts.trust_remote_code, opts.allow_pickle,
-                                     warn=self._warn)
+                                     warn=self._warn, weights=self.weights)
         self.drafter = self._drafter(opts)
         self._choices_from = None  # (the ChoiceStats, the file) the default drafter's choice was last restored from
         self.engine = Engine(self.target, self.drafter, budget=budget, auto_budget=auto,
@@ -84,6 +89,11 @@ class Session:
     def _warn(self, text: str):
         if not self.quiet:
             print(f"clover: {text}", file=sys.stderr)
+
+    @property
+    def weights_text(self) -> str:
+        """What the linears run on, in words: "float", or e.g. "gguf (Q4_1 x210, Q8_0 x1: 92 MiB of linear weights)"."""
+        return self.weights + (f" ({self.weights_note})" if self.weights_note else "")
 
     @property
     def draft_name(self) -> str:

@@ -87,14 +87,22 @@ def cache_root() -> Path:
     return Path(env("CLOVER_COMPILE_CACHE") or cache_dir() / "compiled")
 
 
+def kernels_dir() -> Path:
+    """Where clover's own C++ kernels (clover_kernels.quant) are built for this machine."""
+    from .stats import cache_dir
+
+    return Path(env("CLOVER_KERNEL_CACHE") or cache_dir() / "kernels")
+
+
 def fingerprint_files(model_path: Path) -> list:
     """(name, size, mtime) of the files that make the model: its config and weights (not the n-gram prior)."""
     return [(f.name, f.stat().st_size, f.stat().st_mtime_ns)
             for f in model_files(model_path, (".json", ".safetensors", ".bin", ".pt", ".py"))]
 
 
-def package_key(model_path: Path, dtype: torch.dtype, capacity: int) -> str:
-    """A name for the package of this model, dtype and capacity, built by these versions on this kind of CPU."""
+def package_key(model_path: Path, dtype: torch.dtype, capacity: int, weights: str = "float") -> str:
+    """A name for the package of this model, dtype, capacity and weights (clover_cli/quantized.py: "float", "gguf",
+    "int8", "int4"), built by these versions on this kind of CPU."""
     import torch  # here, not at the top: the chat's prompt comes up before torch loads, and it reads this module
     import transformers
 
@@ -108,12 +116,17 @@ def package_key(model_path: Path, dtype: torch.dtype, capacity: int) -> str:
         # the sizes asked for; by default they follow from the model's size, which its files in the key fix
         "static": "default" if (sizes := compile_sizes()) is None else sizes,
     }
+    if weights != "float":  # (float packages keep the keys they had)
+        from clover_kernels.quant import build_key
+
+        parts["weights"] = weights
+        parts["kernels"] = build_key()
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
     return f"{Path(model_path).name[:40]}-{digest}"
 
 
-def package_dir(model_path: Path, dtype: torch.dtype, capacity: int) -> Path:
-    return cache_root() / package_key(model_path, dtype, capacity)
+def package_dir(model_path: Path, dtype: torch.dtype, capacity: int, weights: str = "float") -> Path:
+    return cache_root() / package_key(model_path, dtype, capacity, weights)
 
 
 def heads_dir(step_dir: Path, heads_path: Path, topk: int) -> Path:
@@ -126,12 +139,14 @@ def heads_dir(step_dir: Path, heads_path: Path, topk: int) -> Path:
 # ---------------------------------------------------------------------------------------------------------------
 # Step costs and the choices learned beside them (clover_cli/step/costs.py)
 
-def costs_path(model_path: Path, device: torch.device, dtype: torch.dtype, step: str, packed: bool) -> Path:
-    """Where the step costs of this model, device and dtype are kept, for `step` ("compiled" or "eager") with the
-    threads in use now (one while a build runs beside us) and `packed` (packed.supported(): the packed linears)."""
+def costs_path(model_path: Path, device: torch.device, dtype: torch.dtype, step: str, packed: bool,
+               weights: str = "float") -> Path:
+    """Where the step costs of this model, device, dtype and weights are kept, for `step` ("compiled" or "eager")
+    with the threads in use now (one while a build runs beside us) and `packed` (packed.supported(): the packed
+    linears)."""
     import torch
 
-    name = package_key(model_path, dtype, 0)
+    name = package_key(model_path, dtype, 0, weights)
     dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     tag = hashlib.sha256(f"{dev}|{torch.get_num_threads()}|{step}|{packed}".encode()).hexdigest()[:10]
     return cache_root() / "costs" / f"{name}-{step}-{tag}.json"

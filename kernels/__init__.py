@@ -1,6 +1,7 @@
-"""clover_kernels: Triton kernels for Clover-2 speculative decoding, each beside a torch reference.
+"""clover_kernels: the kernels clover's target runs, each beside a torch reference.
 
-Only what the target runs (clover_cli/target.py, on CUDA devices): tree attention and the KV commit.
+On CUDA devices, Triton kernels (clover_cli/target.py): tree attention and the KV commit. On the CPU, the quantized
+linears (clover_kernels.quant, C++ built on first use; clover_cli/quantized.py): imported on their own, not here.
 
 Installed under the import name `clover_kernels` (the source folder is `kernels/`; there is deliberately no
 top-level `kernels` package). Every `*_triton` function takes the same arguments as its `*_ref` and returns the

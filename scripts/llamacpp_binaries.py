@@ -76,8 +76,12 @@ def main():
     if not lookup_bin.is_file():
         sys.exit(f"no llama-lookup in {args.bin}: build it first (see the top of this script)")
 
-    import llama_cpp
     import torch
+
+    try:  # llama.cpp's own tokenizer, to check it reads the rendered prompt as clover's ids (the [llama] extra)
+        import llama_cpp
+    except ImportError:
+        llama_cpp = None
 
     from clover_cli.bench import load_prompts
     from clover_cli.llamacpp import gguf_for, why_unavailable
@@ -89,14 +93,15 @@ def main():
     if why:
         sys.exit(f"no GGUF for {s.resolved.name}: {why}")
     gguf = args.gguf or gguf_for(s.resolved, s.model, s.tokenizer, cache_dir())
-    vocab = llama_cpp.Llama(str(gguf), vocab_only=True, verbose=False)
+    vocab = llama_cpp.Llama(str(gguf), vocab_only=True, verbose=False) if llama_cpp is not None else None
 
     totals = {"plain": [0, 0.0], "lookup": [0, 0.0]}
-    same_ids = same_text = True
+    same_ids, same_text = True, {"plain": 0, "lookup": 0}  # prompts whose reply equals transformers' greedy one
     for prompt in load_prompts(None, args.limit):
         ids = s.encode_chat(prompt["messages"])
         text = s.tokenizer.decode(ids, skip_special_tokens=False)
-        same_ids &= vocab.tokenize(text.encode(), add_bos=False, special=True) == ids
+        if vocab is not None:
+            same_ids &= vocab.tokenize(text.encode(), add_bos=False, special=True) == ids
         with torch.inference_mode():
             x = torch.tensor([ids])
             ref = s.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=args.n, do_sample=False,
@@ -108,13 +113,14 @@ def main():
             totals[mode][0] += tokens - 1
             totals[mode][1] += seconds
             start = out.find(text)  # llama-lookup prints the prompt, then the reply (lookup may run a few tokens on)
-            same_text &= start >= 0 and out[start + len(text):].startswith(reply)
+            same_text[mode] += start >= 0 and out[start + len(text):].startswith(reply)
     report = {
         "model": s.resolved.name, "gguf": str(gguf), "prompts": args.limit, "max_new_tokens": args.n,
         "threads": args.threads, "draft_max": args.draft_max, "flash_attn": args.flash_attn, "kv_cache": args.kv_cache,
         "plain_tokens_per_s": round(totals["plain"][0] / totals["plain"][1], 1),
         "lookup_tokens_per_s": round(totals["lookup"][0] / totals["lookup"][1], 1),
-        "same_prompt_ids": same_ids, "same_text_as_hf_greedy": same_text,
+        "same_prompt_ids": same_ids if vocab is not None else None, "same_text_as_hf_greedy": same_text,
+        "weights": s.weights,
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "date": date.today().isoformat(),
     }
     if (args.bin / "llama-bench").is_file():

@@ -1,6 +1,8 @@
 """What a verify forward of the bundled model (or --model) costs by tree size: eager with stock linears, eager with
 prepacked CPU linears for every row count, eager as clover runs it (prepacked where pack_linears timed it faster:
-"auto"), and the compiled step (clover_cli/step/; built first if it is not cached).
+"auto"), and the compiled step (clover_cli/step/; built first if it is not cached) with the weights clover runs by
+default (a GGUF's own blocks on a CPU) or in a chosen format: compiled-float32 and compiled-bfloat16 (a GGUF
+dequantized), compiled-int8 and compiled-int4 (--quantize); auto-float32 and the like are the eager steps.
 
     python scripts/verify_cost.py                      # all four, alternating, 3 rounds; one JSON object
     python scripts/verify_cost.py --markdown --plot docs/step_cost.png   # also table rows and a chart
@@ -23,28 +25,34 @@ import sys
 import time
 from datetime import date
 
-SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 SETTINGS = {"stock": {"CLOVER_PACKED": "0", "CLOVER_COMPILE": "off"},
             "packed": {"CLOVER_PACKED": "1", "CLOVER_COMPILE": "off"},
             "auto": {"CLOVER_PACKED": "auto", "CLOVER_COMPILE": "off"},
             "compiled": {"CLOVER_PACKED": "1", "CLOVER_COMPILE": "on"}}
+# the weights of a setting (Options' dtype / quantize): the default is what clover runs (a GGUF: its own blocks)
+WEIGHTS = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"quantize": "int8"},
+           "int4": {"quantize": "int4"}, "gguf": {}}
+for _base in ("auto", "compiled"):
+    for _w in WEIGHTS:
+        SETTINGS[f"{_base}-{_w}"] = {**SETTINGS[_base], "WEIGHTS": _w}
 
 
-def measure(repeats: int, context: int, model: str | None) -> dict:
+def measure(repeats: int, context: int, model: str | None, weights: str | None) -> dict:
     import torch
 
     from clover_cli import packed
     from clover_cli.session import Options, Session
     from clover_cli.tree import DraftTree
 
-    session = Session(Options(model=model, draft="none"), quiet=True)
+    session = Session(Options(model=model, draft="none", **WEIGHTS.get(weights, {})), quiet=True)
     session.compiler.start(background=False)  # CLOVER_COMPILE=on: built here if not cached
     target = session.target
     prompt = torch.randint(3, target.config.vocab_size, (context,), generator=torch.Generator().manual_seed(0))
     target.forward(prompt)
     target.cache.append(context)
     out = {"packed": packed.supported() and type(target.lm_head) is packed.PackedLinear,
-           "compiled": session.compiler.active, "ms": {}}
+           "compiled": session.compiler.active, "weights": session.weights, "ms": {}}
     for n in SIZES:
         tokens, depths, mask = DraftTree([5] * n, [-1] + list(range(n - 1))).tensors("cpu")
         times = []
@@ -68,7 +76,7 @@ def main():
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(measure(args.repeats, args.context, args.model)))
+        print(json.dumps(measure(args.repeats, args.context, args.model, os.environ.get("WEIGHTS"))))
         return
     names = [n.strip() for n in args.settings.split(",") if n.strip()]
     if not names or any(n not in SETTINGS for n in names):
@@ -89,6 +97,7 @@ def main():
     for name in names:
         report[name + "_is_packed"] = runs[name][0]["packed"]
         report[name + "_is_compiled"] = runs[name][0]["compiled"]
+        report[name + "_weights"] = runs[name][0]["weights"]
         report[name + "_ms"] = {n: round(statistics.median(r["ms"][str(n)] for r in runs[name]), 3) for n in SIZES}
     if "stock" in names and "packed" in names:
         report["speedup"] = {n: round(report["stock_ms"][n] / report["packed_ms"][n], 2) for n in SIZES}
@@ -96,7 +105,8 @@ def main():
         eager = next((n for n in ("auto", "packed") if n in names), names[0])
         report["compiled_speedup"] = {n: round(report[eager + "_ms"][n] / report["compiled_ms"][n], 2)
                                       for n in SIZES}
-        report["compiled_vs_1"] = {n: round(report["compiled_ms"][n] / report["compiled_ms"][1], 2) for n in SIZES}
+    for name in names:  # each setting's cost per size against its own one-token step
+        report[name + "_vs_1"] = {n: round(report[name + "_ms"][n] / report[name + "_ms"][1], 2) for n in SIZES}
     print(json.dumps(report, indent=2))
     if args.markdown:
         for name in names:

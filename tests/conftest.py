@@ -22,6 +22,9 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 # measured step costs into the user's cache.
 os.environ.setdefault("CLOVER_COMPILE", "off")
 os.environ.setdefault("CLOVER_COMPILE_CACHE", tempfile.mkdtemp(prefix="clover-compiled-"))
+# clover's C++ kernels (the CPU's quantized linears) built once for every test and worker: keyed by their source,
+# torch and the CPU, so a directory shared between runs only saves builds
+os.environ.setdefault("CLOVER_KERNEL_CACHE", str(Path(tempfile.gettempdir()) / f"clover-test-kernels-{os.getuid()}"))
 # Fixed-size programs for 1 and 4 new tokens only (a user's build makes 1, 2, 4, 8 and 16): the tests still cover a
 # 1-token program, a tree padded to a static size and the program for any size, in half the build time.
 os.environ.setdefault("CLOVER_COMPILE_SIZES", "1,4")

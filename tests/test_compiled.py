@@ -312,6 +312,7 @@ def test_a_stale_stored_table_follows_the_builds_costs(programs, tmp_path, monke
     class Built:  # what StepCosts reads of an active StepCompiler
         active = True
         verify_s = {1: 1.0e-3, 4: 1.3e-3, 8: 2.0e-3}
+        weights = "float"
 
     assert StepCosts(tmp_path / "model", torch.device("cpu"), torch.float32, None).reference() is None
     costs = StepCosts(tmp_path / "model", torch.device("cpu"), torch.float32, Built())

@@ -58,9 +58,10 @@ def test_verify_cost_compares_the_eager_and_compiled_steps(tmp_path, llama_dir):
     assert report["model"] == str(llama_dir)
     assert report["auto_is_packed"] == packed.supported()
     assert report["compiled_is_compiled"] is True and report["auto_is_compiled"] is False
-    sizes = {"1", "2", "4", "8", "16", "24", "32", "48", "64"}
+    sizes = {"1", "2", "3", "4", "6", "8", "12", "16", "24", "32", "48", "64"}
     assert set(report["auto_ms"]) == set(report["compiled_ms"]) == sizes
     assert set(report["compiled_speedup"]) == sizes  # against the eager step as clover runs it
+    assert report["compiled_vs_1"]["1"] == 1.0 and report["compiled_weights"] == "float"
     assert all(v > 0 for v in report["compiled_ms"].values())
     assert png.read_bytes()[:4] == b"\x89PNG"
 
@@ -142,3 +143,15 @@ def test_train_throughput_on_the_bundled_model():
     rates = [line.split(": ") for line in p.stdout.splitlines()]
     assert [k for k, _ in rates] == ["features"] * 2 + ["heads step"] * 3
     assert all(float(v.split()[0]) > 0 and v.endswith("tokens/s") for _, v in rates)
+
+
+def test_weights_agreement_counts_identical_replies():
+    """scripts/weights_agreement.py on the bundled model with --quantize int8 against its float32 weights: a report
+    of the prompts compared (not how many agree: that is for docs/BENCHMARKS.md)."""
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "weights_agreement.py"), "tiny", "--weights", "int8",
+                        "--limit", "2", "-n", "8"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    report = json.loads(p.stdout)
+    assert report["prompts"] == 2 and report["weights"].startswith("int8 (int8 x")
+    assert report["against"].startswith("float") and 0 <= report["identical"] <= 2
+    assert report["identical"] + len(report["parted"]) == 2

@@ -113,9 +113,10 @@ class Clover2Heads(nn.Module):
 
     def init_from_target(self, target_model):
         """Augmenting layers start as copies of the target's last decoder layer; norms from its final norm."""
+        from ..quantized import float_state_dict
         from ..target import decoder_layers, find_final_norm
 
-        last = decoder_layers(target_model.base_model)[-1].state_dict()
+        last = float_state_dict(decoder_layers(target_model.base_model)[-1])
         for layer in self.layers:
             layer.load_state_dict(last)
         final_norm = find_final_norm(target_model.base_model)

@@ -93,13 +93,10 @@ def resolve_draft_model(name: str | None, target, quiet: bool = False) -> tuple[
 
 
 def parameter_count(model) -> int:
-    """Distinct parameters (a tied lm_head counted once)."""
-    seen, total = set(), 0
-    for p in model.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            total += p.numel()
-    return total
+    """Distinct parameters (a tied lm_head counted once; quantized linears as the weights they hold)."""
+    from ..quantized import weight_count
+
+    return weight_count(model)
 
 
 def _vocab_of(tokenizer) -> dict:

@@ -68,9 +68,10 @@ class EagleHead(nn.Module):
 
     def init_from_target(self, target_model):
         """The layer starts as a copy of the target's last decoder layer (its input norm aside)."""
+        from ..quantized import float_state_dict
         from ..target import decoder_layers
 
-        last = {k: v for k, v in decoder_layers(target_model.base_model)[-1].state_dict().items()
+        last = {k: v for k, v in float_state_dict(decoder_layers(target_model.base_model)[-1]).items()
                 if not k.startswith("input_layernorm.")}
         self.layers[0].load_state_dict(last, strict=False)
 

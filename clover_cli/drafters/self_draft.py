@@ -136,10 +136,10 @@ def skipping(model, skip) -> torch.nn.Module:
 
 def _layer_weights(model) -> tuple[list[int], int]:
     """Parameters read per forward: each decoder layer's, and the lm_head's."""
+    from ..quantized import weight_count
+
     layers = decoder_layers(model.base_model)
-    per = [sum(p.numel() for p in layer.parameters()) for layer in layers]
-    head = model.get_output_embeddings().weight.numel()
-    return per, head
+    return [weight_count(layer) for layer in layers], weight_count(model.get_output_embeddings())
 
 
 def merit(agreement: float, cost: float) -> float:

@@ -112,8 +112,8 @@ def unsupported(model, device: torch.device, dtype: torch.dtype, load_in_8bit: b
         return None  # CUDA graphs of the static step (graphs.py), captured in the session
     if device.type != "cpu":
         return f"the compiled step runs on a CPU or a CUDA device, not {device.type}"
-    if dtype != torch.float32:
-        return "the compiled step is built for float32 weights"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return "the compiled step is built for float32 or bfloat16 weights"
     size = weight_bytes(model)
     if size > MAX_WEIGHT_BYTES:
         return f"the model's weights ({size / 2**30:.1f} GiB) are too large to freeze into a compiled package"
@@ -125,8 +125,11 @@ def unsupported(model, device: torch.device, dtype: torch.dtype, load_in_8bit: b
 
 
 def weight_bytes(model) -> int:
-    """The bytes a frozen copy of the model's weights takes."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """The bytes a frozen copy of the model's weights takes (quantized linears' packed records included)."""
+    from ..quantized import QuantLinear
+
+    return sum(p.numel() * p.element_size() for p in model.parameters()) + \
+        sum(m.packed.numel() for m in model.modules() if isinstance(m, QuantLinear))
 
 
 def spread(model) -> bool:

@@ -10,14 +10,17 @@ from ..errors import CloverError, one_line
 
 
 def compile_model(resolved, heads: str | None, no_heads: bool, draft_model: str | None, with_draft: bool,
-                  trust_remote_code: bool, allow_pickle: bool, force: bool, echo):
-    """Build what `resolved` lacks (its step, its heads' programs, with --draft-model/--with-draft a draft model's
-    step) and say what was built and what a verify forward costs."""
+                  trust_remote_code: bool, allow_pickle: bool, force: bool, echo, dtype: str = "auto",
+                  quantize: str | None = None):
+    """Build what `resolved` lacks (its step with the weights a chat would run: --dtype and --quantize as there, its
+    heads' programs, with --draft-model/--with-draft a draft model's step) and say what was built and what a verify
+    forward costs."""
     import torch
     from transformers import AutoConfig
 
     from . import capacity_for
     from ..drafters import registry
+    from ..quantized import weights_for
     from ..store import heads_dir, package_dir
     from ..target import context_limit
     from .aot import Package, find_heads
@@ -36,9 +39,16 @@ def compile_model(resolved, heads: str | None, no_heads: bool, draft_model: str 
     if heads_path is not None and registry.detect(heads_path) == "clover":  # before the target's step is built (a minute)
         _check_heads(heads_path, config)
     capacity = capacity_for(context_limit(config))
-    out = package_dir(resolved.path, torch.float32, capacity)
+    weights = weights_for(quantize, dtype, torch.device("cpu"), resolved.path)
+    torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    if torch_dtype != torch.float32 and heads_path is not None:
+        echo("heads run eager beside a bfloat16 step (their programs are float32 ones): compiling the target's step "
+             "only", err=True)
+        heads_path = None
+    out = package_dir(resolved.path, torch_dtype, capacity, weights)
     job = Job(resolved.path, out, capacity, trust_remote_code, allow_pickle, heads_path,
-              heads_dir(out, heads_path, 8) if heads_path else None, force=force)
+              heads_dir(out, heads_path, 8) if heads_path else None, force=force, weights=weights,
+              dtype=str(torch_dtype).removeprefix("torch."))
     built_s = _build(job, resolved.name, echo)
     if built_s is None:
         echo(f"{resolved.name} is already compiled (--force builds it again)")

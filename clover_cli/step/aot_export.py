@@ -310,7 +310,8 @@ def build_for(target, out: Path, log=print, static: tuple[int, ...] | None = Non
             for name, (program, tuned, blocking) in exported.items():
                 compile_package(program, tmp / name, tuned, blocking, freeze=name not in narrowed)
             step = CompiledStep(tmp, capacity, ranges)
-            check(step, target)
+            # bfloat16: eager and compiled round their sums differently, by far more than float32's
+            check(step, target, 1e-3 if next(target.model.parameters()).dtype == torch.float32 else 5e-2)
             meta = {"program": PROGRAM_VERSION, "capacity": capacity, "ranges": ranges, "torch": torch.__version__,
                     "threads": torch.get_num_threads(), "narrow": narrowed, "verify_s": measure(step, target),
                     "build_s": round(time.perf_counter() - t0, 1), "files": sums(tmp, ranges)}
@@ -323,7 +324,8 @@ def build_for(target, out: Path, log=print, static: tuple[int, ...] | None = Non
 @torch.inference_mode()
 def check(step: "CompiledStep", target, tolerance: float = 1e-3):
     """The package must compute what the eager forward computes: logits, hidden states and the keys and values it
-    writes, on random trees of a few sizes after random cached keys and values."""
+    writes, on random trees of a few sizes after the keys and values of random committed tokens (the model's own:
+    random values in the cache make a deep model's attention chaotic, and two correct programs 1e-3 apart)."""
     keys, values = target.cache.buffers()
     g = torch.Generator().manual_seed(1)
     attached, target.program = target.program, None  # the reference is the eager forward
@@ -343,8 +345,9 @@ def _compare(step, target, keys, values, g, tolerance):
         if step._route(n, past) is None:
             continue  # a step the program does not take runs eager
         served += 1
-        for buf in keys + values:
-            buf.copy_(torch.randn(buf.shape, generator=g) * 0.5)
+        target.cache.truncate(0)
+        if past:  # the committed tokens' keys and values, by the eager forward
+            target.forward(torch.randint(0, target.config.vocab_size, (past,), generator=g, device=target.device))
         tokens, positions, tree, rows, _ = _example(target, n, past, seed=n)
         mine = TreeKVCache.over([k.clone() for k in keys], [v.clone() for v in values], past)
         pre_c, logits_c = step(mine, tokens, positions, tree, None)

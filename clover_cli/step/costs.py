@@ -48,7 +48,7 @@ class StepCosts:
         from ..packed import supported
 
         return costs_path(self.model_path, self.device, self.dtype, "compiled" if self.padded else "eager",
-                          supported())
+                          supported(), self.compiler.weights if self.compiler is not None else "float")
 
     def load(self) -> dict[int, float] | None:
         table = read_cache_json(self._path(), cost_table)

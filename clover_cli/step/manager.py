@@ -41,9 +41,9 @@ class StepCompiler:
 
     def __init__(self, mode: str, target, model_path: Path, dtype: torch.dtype, device: torch.device,
                  load_in_8bit: bool = False, trust_remote_code: bool = False, allow_pickle: bool = False,
-                 warn=None):
+                 warn=None, weights: str = "float"):
         self.mode, self.target, self.model_path = mode, target, Path(model_path)
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device, self.weights = dtype, device, weights
         self.trust_remote_code, self.allow_pickle = trust_remote_code, allow_pickle
         # a draft model's own compiled step (use_drafter with a ModelDrafter): a StepCompiler of its own, built after
         # this one; `_started` is what start() was last asked (None: not yet), which a draft set later also gets
@@ -61,7 +61,7 @@ class StepCompiler:
         self._loaded: dict[Path, HeadsPrograms] = {}  # heads' programs loaded so far, by directory
         self._threads = 0  # torch's thread count to restore when a background build ends (0: none changed)
         self._said_other = False  # said that another process is building this package
-        self.out = package_dir(self.model_path, dtype, self.capacity)
+        self.out = package_dir(self.model_path, dtype, self.capacity, weights)
         why = None if mode == "off" else unsupported(target.model, device, dtype, load_in_8bit)
         self.state, self.reason = State.OFF, "--compile off"
         self.graphs = None  # on CUDA: the static step whose CUDA graphs are captured as each size is first used
@@ -127,7 +127,8 @@ class StepCompiler:
         self.heads_out = None
         if self.graphs is not None and self.heads is not None:
             self._attach_graphs(self.heads)
-        if self.heads_path is not None and self.state not in (State.OFF, State.EAGER) and self.graphs is None:
+        if (self.heads_path is not None and self.state not in (State.OFF, State.EAGER) and self.graphs is None
+                and self.dtype == torch.float32):  # the heads' programs are float32 ones (bfloat16: heads eager)
             self.heads_out = heads_dir(self.out, self.heads_path, self.heads.grower.topk)
             self._activate_heads()
 
@@ -177,7 +178,8 @@ class StepCompiler:
     def job(self) -> Job:
         return Job(self.model_path, self.out, self.capacity, self.trust_remote_code, self.allow_pickle,
                    self.heads_path if self.heads_out else None, self.heads_out,
-                   self.heads.grower.topk if self.heads is not None else 8)
+                   self.heads.grower.topk if self.heads is not None else 8, weights=self.weights,
+                   dtype=str(self.dtype).removeprefix("torch."))
 
     def start(self, background: bool) -> None:
         """Build what is not cached (the step, the heads' programs, then a draft model's step): wait for it (mode on),
@@ -324,14 +326,14 @@ class StepCompiler:
     def ready_heads(self, drafter, heads_path: Path) -> bool:
         """Attach compiled programs to another heads drafter (clover bench makes one per run), building them first
         (waiting) when they are not cached yet. False when the compiled step is not in use or the build failed."""
-        if self.state != State.ACTIVE or heads_kind(drafter) is None:
+        if self.state != State.ACTIVE or heads_kind(drafter) is None or self.dtype != torch.float32:
             return False
         if self.graphs is not None:
             return self._attach_graphs(drafter)
         out = heads_dir(self.out, Path(heads_path), drafter.grower.topk)
         if out not in self._loaded and find_heads(out) is None:
             job = Job(self.model_path, self.out, self.capacity, self.trust_remote_code, self.allow_pickle,
-                      Path(heads_path), out, drafter.grower.topk)
+                      Path(heads_path), out, drafter.grower.topk, weights=self.weights)
             builder = self._builder(job, step=False)
             if builder is None:
                 return False

@@ -1,0 +1,387 @@
+"""Quantized weights on the CPU: a GGUF's own blocks (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0) kept as
+they are, or any float model's linears quantized in groups of 32 (--quantize int8 | int4), run by the kernels of
+clover_kernels.quant (C++, AVX-512 VNNI where the CPU has it), inside the eager forward and the compiled step.
+
+The weights a step streams are what bounds it on a CPU: SmolLM2-135M's Q4_1 file holds 98 MB where its float32
+weights take 538 MB. Each QuantLinear multiplies int8-quantized activations (blocks of 32, as llama.cpp does) by the
+weights' integers; a row's result does not depend on the other rows, so a draft tree's verify gives each row what a
+one-row step gives, and speculative decoding stays exact with respect to the quantized target that runs (its own
+greedy decoding, or transformers' generate on the same model). Against the dequantized float32 weights the
+activations' rounding shows: logits differ by ~0.5% of their range (docs/BENCHMARKS.md measures how often a greedy
+reply differs).
+
+A GGUF's blocks are decoded when the file is converted (gguf_model.py) and written beside the converted model
+(BLOCKS_FILE), each tensor only after its blocks were checked to hold exactly the float weights transformers made of
+it (rows reordered where transformers reorders them: Llama's q and k); a tensor of another type, or one that does not
+match, stays float and is counted in the description.
+
+    weights_for(...)                  which weights a session runs: "float", "gguf", "int8", "int4"
+    apply(model, model_dir, weights)  the model's linears as QuantLinears; returns what was done, in words
+    gguf_blocks(reader, model)        decode and check a GGUF's tensors (at conversion)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from .errors import CloverError, one_line
+
+BLOCKS_FILE = "clover-gguf-blocks.safetensors"  # in a converted GGUF directory: its tensors' blocks, repacked
+BLOCKS_VERSION = 1  # bump when the packed records change: older files are not used (the model runs float)
+WEIGHTS = ("float", "gguf", "int8", "int4")
+QUANTIZE = ("int8", "int4")  # --quantize
+GROUP = 32  # --quantize: weights per scale
+# GGUF tensor types run in their own blocks, and how: (bits of the kernel's integers, weights per scale)
+GGUF_TYPES = {"Q8_0": (8, 32), "Q4_0": (4, 32), "Q4_1": (4, 32), "Q5_0": (8, 32), "Q5_1": (8, 32),
+              "Q4_K": (4, 32), "Q5_K": (8, 32), "Q6_K": (8, 16)}
+
+_kernels_ok: bool | None = None
+
+
+def kernels(warn=None) -> bool:
+    """Whether the quantized kernels are built and loaded (built once per machine into clover's cache, ~20 s);
+    False with one line when this machine cannot build them (no C++ compiler, say)."""
+    global _kernels_ok
+    if _kernels_ok is None:
+        from clover_kernels import quant
+
+        from .store import kernels_dir
+
+        try:
+            quant.load(kernels_dir())
+            _kernels_ok = True
+        except Exception as e:  # noqa: BLE001 - a compiler's failure comes in many shapes
+            _kernels_ok = False
+            (warn or _say)(f"cannot build the quantized kernels here ({one_line(e)}): the weights run as floats")
+    return _kernels_ok
+
+
+def _say(text: str) -> None:
+    print(f"clover: {text}", file=sys.stderr)
+
+
+class QuantLinear(nn.Module):
+    """A linear layer whose weight is packed records of integers and scales (clover_kernels.quant.Packed). `weight`
+    gives the float weight it holds (dequantized when first asked, or the float tensor it was made from, as a tied
+    embedding is): the drafters project through the target's lm_head weight."""
+
+    def __init__(self, packed, in_features: int, bias: torch.Tensor | None = None, weight=None, fmt: str = ""):
+        super().__init__()
+        self.register_buffer("packed", packed.data, persistent=False)
+        self.out_features, self.in_features = packed.out_features, in_features
+        self.padded, self.kind, self.format = packed.in_features, packed.kind, fmt
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self._weight = weight
+
+    @property
+    def weight(self) -> torch.Tensor:
+        if self._weight is None:
+            from clover_kernels.quant import Packed
+
+            w = Packed(self.packed, self.out_features, self.padded, self.kind).dequantize()
+            self._weight = w[:, :self.in_features].contiguous()
+        return self._weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.clover_quant.linear(x, self.packed, self.out_features, self.padded, self.kind)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, {self.format}"
+
+
+def weight_count(module: nn.Module) -> int:
+    """The module's distinct parameters (a tied one counted once), a QuantLinear's weight counted as the float
+    weight it holds (once: a tied output embedding's is the input embedding's)."""
+    seen, total = set(), 0
+    for p in module.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel()
+    for m in module.modules():
+        if isinstance(m, QuantLinear) and (m._weight is None or m._weight.data_ptr() not in seen):
+            total += m.out_features * m.in_features
+    return total
+
+
+def float_state_dict(module: nn.Module) -> dict:
+    """module.state_dict() with each QuantLinear's float weight in it, as an nn.Linear's would be (the drafters
+    start their layers as copies of the target's)."""
+    state = module.state_dict()
+    for name, sub in module.named_modules():
+        if isinstance(sub, QuantLinear):
+            state[f"{name}.weight" if name else "weight"] = sub.weight
+    return state
+
+
+def weights_for(quantize: str | None, dtype: str, device: torch.device, model_dir: Path) -> str:
+    """The weights a session runs: --quantize's; on a CPU a GGUF's own blocks unless a --dtype asks for floats;
+    else float."""
+    if quantize is not None:
+        if quantize not in QUANTIZE:
+            raise CloverError(f"--quantize must be {' or '.join(QUANTIZE)}, not {quantize!r}")
+        if device.type != "cpu":
+            raise CloverError("--quantize runs on the CPU; on a GPU use --load-in-8bit or --load-in-4bit")
+        if dtype not in ("auto", "float32", "fp32"):
+            raise CloverError(f"--quantize {quantize} computes in float32: drop --dtype {dtype}")
+        return quantize
+    if device.type == "cpu" and dtype == "auto" and (Path(model_dir) / BLOCKS_FILE).is_file():
+        return "gguf"
+    return "float"
+
+
+def apply(model, model_dir: Path, weights: str, warn=None) -> str | None:
+    """Make the model's linears QuantLinears for `weights` ("gguf": the blocks in model_dir's BLOCKS_FILE; "int8" or
+    "int4": quantized now). Returns what runs, in words (None for float weights, or when the kernels cannot be
+    built: the model then runs as it is, with one line)."""
+    if weights == "float":
+        return None
+    if not kernels(warn):
+        return None
+    if weights == "gguf":
+        blocks = read_blocks(Path(model_dir) / BLOCKS_FILE, warn)
+        if not blocks:
+            return None
+    else:
+        blocks = quantize_model(model, 8 if weights == "int8" else 4)
+    replace_linears(model, blocks)
+    return describe(model)
+
+
+def describe(model) -> str:
+    """The weight formats of the model's linears and their bytes, in words ("Q4_1 x210, Q8_0 x1: 96 MiB")."""
+    kinds: dict[str, int] = {}
+    size = 0
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            kinds[module.format] = kinds.get(module.format, 0) + 1
+            size += module.packed.numel()
+        elif isinstance(module, nn.Linear):
+            kinds["float"] = kinds.get("float", 0) + 1
+            size += module.weight.numel() * module.weight.element_size()
+    parts = ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1]))
+    return f"{parts}: {size / 2**20:.0f} MiB of linear weights"
+
+
+def replace_linears(model, blocks: dict) -> int:
+    """Swap each nn.Linear named in `blocks` (module name -> (Packed, format)) for a QuantLinear. The output
+    embedding keeps its float weight for the drafters (a tied one: the input embedding's). Returns how many."""
+    out_embed = model.get_output_embeddings()
+    tied = out_embed is not None and out_embed.weight is model.get_input_embeddings().weight
+    done = 0
+    for name, module in list(model.named_modules()):
+        if name not in blocks or not isinstance(module, nn.Linear):
+            continue
+        packed, fmt = blocks[name]
+        if packed.out_features != module.out_features or packed.in_features < module.in_features:
+            raise CloverError(f"the quantized weights of {name} are {packed.out_features}x{packed.in_features}, "
+                              f"the model's {module.out_features}x{module.in_features}")
+        keep = module.weight.detach() if module is out_embed and tied else None
+        quant = QuantLinear(packed, module.in_features, module.bias, keep, fmt)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, quant)
+        done += 1
+    return done
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --quantize: groupwise round-to-nearest, scales in float16 (as a GGUF's Q8_0 and Q4_1 keep them)
+
+def quantize_weight(w: torch.Tensor, bits: int, group: int = GROUP):
+    """(q [N, K padded to the group], d, m) of float weight w [N, K] in groups of `group`: 8-bit symmetric (d = max|w| / 127, Q8_0's rule) or
+    4-bit affine (d = (max - min) / 15, m = min, Q4_1's), d and m rounded to float16 first."""
+    w = w.detach().float()
+    n, k = w.shape
+    pad = -k % group
+    if pad:
+        w = torch.nn.functional.pad(w, (0, pad))
+    g = w.view(n, -1, group)
+    if bits == 8:
+        d = (g.abs().amax(dim=2) / 127).half().float()
+        q = torch.where(d[..., None] > 0, torch.round(g / d[..., None].clamp_min(1e-30)), 0).clamp(-127, 127)
+        return q.view(n, -1).to(torch.int8).numpy(), d.numpy(), None
+    lo, hi = g.amin(dim=2), g.amax(dim=2)
+    m = lo.half().float()
+    d = ((hi - m) / 15).half().float()
+    q = torch.where(d[..., None] > 0, torch.round((g - m[..., None]) / d[..., None].clamp_min(1e-30)), 0).clamp(0, 15)
+    return q.view(n, -1).to(torch.uint8).numpy(), d.numpy(), m.numpy()
+
+
+def quantize_model(model, bits: int) -> dict:
+    """Module name -> (Packed, format) for every linear of the model's decoder (`bits`) and its output embedding
+    (8 bits: the logits are where a coarser weight shows most, and llama.cpp's 4-bit files keep it wider too)."""
+    from clover_kernels.quant import pack
+
+    out_embed = model.get_output_embeddings()
+    blocks = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or module.weight.device.type == "meta":
+            continue
+        b = 8 if module is out_embed else bits
+        q, d, m = quantize_weight(module.weight, b)
+        blocks[name] = (pack(q, d, m, b), f"int{b}")
+    return blocks
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A GGUF's own blocks: decoded into integers and scales, checked against transformers' float weights
+
+def _half(raw: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(raw).view(np.float16).astype(np.float32)
+
+
+def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K: the 8 six-bit scales and mins of each super-block from its 12 bytes [blocks, 12]."""
+    s = s.astype(np.uint8)
+    sc = np.empty((s.shape[0], 8), np.uint8)
+    mn = np.empty((s.shape[0], 8), np.uint8)
+    sc[:, :4], mn[:, :4] = s[:, 0:4] & 63, s[:, 4:8] & 63
+    sc[:, 4:] = (s[:, 8:12] & 0xF) | ((s[:, 0:4] >> 6) << 4)
+    mn[:, 4:] = (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def decode(type_name: str, raw: np.ndarray, n: int, k: int):
+    """(q [n, k], d, m or None, bits) of a GGUF tensor of `type_name` from its bytes, such that d * q + m (per group)
+    is what the gguf package dequantizes it to; None for a type not run in its own blocks."""
+    raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+    if type_name == "Q8_0":
+        b = raw.reshape(-1, 34)
+        return b[:, 2:].view(np.int8).reshape(n, k), _half(b[:, :2]).reshape(n, -1), None, 8
+    if type_name in ("Q4_0", "Q4_1"):
+        width = 18 if type_name == "Q4_0" else 20
+        b = raw.reshape(-1, width)
+        qs = b[:, width - 16:]
+        q = np.concatenate([qs & 0xF, qs >> 4], axis=1).reshape(n, k)
+        d = _half(b[:, :2]).reshape(n, -1)
+        m = -8 * d if type_name == "Q4_0" else _half(b[:, 2:4]).reshape(n, -1)
+        return q, d, m, 4
+    if type_name in ("Q5_0", "Q5_1"):
+        width = 22 if type_name == "Q5_0" else 24
+        b = raw.reshape(-1, width)
+        qh = np.ascontiguousarray(b[:, width - 20:width - 16]).view(np.uint32)[:, 0]
+        qs = b[:, width - 16:].astype(np.int16)
+        bits = ((qh[:, None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16) << 4
+        q = (np.concatenate([qs & 0xF, qs >> 4], axis=1) | bits).reshape(n, k)
+        d = _half(b[:, :2]).reshape(n, -1)
+        if type_name == "Q5_0":
+            return (q - 16).astype(np.int8), d, None, 8
+        return q.astype(np.int8), d, _half(b[:, 2:4]).reshape(n, -1), 8
+    if type_name in ("Q4_K", "Q5_K"):
+        width = 144 if type_name == "Q4_K" else 176
+        b = raw.reshape(-1, width)
+        d, dmin = _half(b[:, 0:2]), _half(b[:, 2:4])
+        sc, mn = _k_scales(b[:, 4:16])
+        qs = b[:, width - 128:].reshape(-1, 4, 32)
+        q = np.stack([qs & 0xF, qs >> 4], axis=2).reshape(-1, 256).astype(np.int16)  # chunk i: sub-blocks 2i, 2i+1
+        if type_name == "Q5_K":
+            qh = b[:, 16:48]
+            hi = ((qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1).astype(np.int16)
+            q = q | (hi.reshape(-1, 256) << 4)  # bit j of qh[l]: element 32 j + l
+        return (q.reshape(n, k).astype(np.uint8 if type_name == "Q4_K" else np.int8),
+                (d * sc).reshape(n, -1), -(dmin * mn).reshape(n, -1), 4 if type_name == "Q4_K" else 8)
+    if type_name == "Q6_K":
+        b = raw.reshape(-1, 210)
+        ql, qh = b[:, 0:128].reshape(-1, 2, 64), b[:, 128:192].reshape(-1, 2, 32)
+        scales = b[:, 192:208].view(np.int8).astype(np.float32)
+        d = _half(b[:, 208:210])
+        parts = [(ql[:, :, :32] & 0xF) | ((qh & 3) << 4), (ql[:, :, 32:] & 0xF) | (((qh >> 2) & 3) << 4),
+                 (ql[:, :, :32] >> 4) | (((qh >> 4) & 3) << 4), (ql[:, :, 32:] >> 4) | (((qh >> 6) & 3) << 4)]
+        q = np.stack(parts, axis=2).reshape(-1, 256).astype(np.int16) - 32  # per half: l, l+32, l+64, l+96
+        return q.reshape(n, k).astype(np.int8), (d * scales).reshape(n, -1), None, 8
+    return None
+
+
+def _row_order(reference: torch.Tensor, weight: torch.Tensor) -> np.ndarray | None:
+    """order such that reference[order] == weight bitwise (rows moved, as transformers moves Llama's q and k
+    rows), or None when some row of `weight` is in no row of `reference`."""
+    if torch.equal(reference, weight):
+        return np.arange(weight.shape[0])
+    rows = {bytes(r): i for i, r in enumerate(reference.contiguous().view(torch.uint8).numpy())}
+    order = [rows.get(bytes(r)) for r in weight.contiguous().view(torch.uint8).numpy()]
+    return None if None in order else np.array(order)
+
+
+def gguf_blocks(reader, model) -> tuple[dict, dict]:
+    """({module name: (Packed, GGUF type)}, {GGUF type: tensors left float}) for the linears of `model` (transformers'
+    model of the file `reader` reads), each packed only where its blocks dequantize exactly to the model's weight."""
+    import gguf
+    from clover_kernels.quant import pack
+
+    arch = reader.fields["general.architecture"].contents()
+    by_name = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}
+    if arch not in by_name:
+        return {}, {}
+    names = gguf.get_tensor_name_map(by_name[arch], model.config.num_hidden_layers)
+    tensors = {t.name: t for t in reader.tensors}
+    out_embed = model.get_output_embeddings()
+    blocks, left = {}, {}
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        key = names.get_name(name)
+        key = None if key is None else f"{key}.weight"
+        if (key not in tensors and module is out_embed and "token_embd.weight" in tensors
+                and module.weight is model.get_input_embeddings().weight):
+            key = "token_embd.weight"  # a tied output embedding: the file holds it once
+        tensor = tensors.get(key)
+        if tensor is None:
+            continue
+        type_name = tensor.tensor_type.name
+        n, k = module.weight.shape
+        decoded = decode(type_name, tensor.data, n, k) if type_name in GGUF_TYPES else None
+        if decoded is None:
+            left[type_name] = left.get(type_name, 0) + 1
+            continue
+        q, d, m, bits = decoded
+        weight = module.weight.detach()
+        reference = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(n, k).copy())
+        order = _row_order(reference.to(weight.dtype), weight)
+        if order is not None:
+            q, d, m = q[order], d[order], None if m is None else m[order]
+            packed = pack(q, d, m, bits)
+            if torch.equal(packed.dequantize()[:, :k].to(weight.dtype), weight):
+                blocks[name] = (packed, type_name)
+                continue
+        left[type_name] = left.get(type_name, 0) + 1  # not the weight transformers made: it runs float
+    return blocks, left
+
+
+def write_blocks(path: Path, blocks: dict, left: dict) -> None:
+    """The blocks (gguf_blocks) as a safetensors file: their records, and in its header their shapes and layouts and
+    the GGUF types left float (gguf_model.py writes it into the conversion's temporary directory, renamed whole)."""
+    from safetensors.torch import save_file
+
+    meta = {name: [p.out_features, p.in_features, p.kind, fmt] for name, (p, fmt) in blocks.items()}
+    header = {"clover-blocks": json.dumps({"version": BLOCKS_VERSION, "tensors": meta, "float": left})}
+    tensors = {name: p.data for name, (p, _) in blocks.items()}
+    save_file(tensors, str(path), metadata=header)  # not atomic: into the conversion's temporary directory
+
+
+def read_blocks(path: Path, warn=None) -> dict | None:
+    """The blocks written by write_blocks, or None (with one line) when the file is damaged or from another
+    version."""
+    from clover_kernels.quant import Packed
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            header = json.loads(f.metadata()["clover-blocks"])
+            if header.get("version") != BLOCKS_VERSION:
+                raise ValueError(f"version {header.get('version')}, not {BLOCKS_VERSION}")
+            out = {}
+            for name, (n, k, kind, fmt) in header["tensors"].items():
+                data = f.get_tensor(name)
+                if data.dtype != torch.uint8 or data.dim() != 1:
+                    raise ValueError(f"{name} is not a byte tensor")
+                out[name] = (Packed(data, int(n), int(k), int(kind)), str(fmt))
+        return out
+    except Exception as e:  # noqa: BLE001 - a damaged cache file of any shape
+        (warn or _say)(f"ignoring the damaged quantized weights {path} ({one_line(e)}): the weights run as floats")
+        return None

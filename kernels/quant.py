@@ -1,0 +1,244 @@
+"""Quantized linears on the CPU: weights kept in groups of integers with a scale (and an offset) per group, as a
+GGUF's blocks hold them, rebuilt in float32 as they are read and multiplied by the float32 activations in C++
+(quant_cpu.cpp: AVX-512 where the CPU has it, portable C++ elsewhere; built on first use with the machine's
+compiler), beside a torch reference.
+
+    w[n, k] = d[n, g] * q[n, k] + m[n, g]        g = k // group, group 16 or 32; q 4-bit (0..15) or 8-bit (-128..127)
+
+The kernel multiplies the float32 activations by the integers as they are: per group, s = sum over k (in order) of
+q * x, then y += d * s + m * (sum of x over the group), fused multiply-adds in float32: the product with the
+dequantized weights up to the order of float32 sums (no rounding of the activations). A row's result does not depend
+on the other rows: a draft tree's verify gives each row what a one-row step gives.
+
+    pack(q, d, m)                  -> Packed (the kernel's records; float16 scales where they hold d and m exactly)
+    Packed.unpack() / dequantize() -> q, d, m / the float32 weight the kernel multiplies by
+    qlinear(x, packed)             the kernel (torch.ops.clover_quant.linear); load(build_dir) builds and loads it
+    qlinear_ref(x, packed)         the same sums in torch (rounded as the kernel's fused multiply-adds round)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SOURCE = Path(__file__).with_name("quant_cpu.cpp")
+LANES = 16  # outputs per tile (one 512-bit register of float32)
+
+
+def kind_code(bits: int, group: int, affine: bool, f32: bool) -> int:
+    """The integer naming a packed layout (quant_cpu.cpp's Kind)."""
+    assert bits in (4, 8) and group in (16, 32)
+    return (bits == 8) | (group == 16) << 1 | bool(affine) << 2 | bool(f32) << 3
+
+
+def kind_of(code: int) -> tuple[int, int, bool, bool]:
+    return (8 if code & 1 else 4), (16 if code & 2 else 32), bool(code & 4), bool(code & 8)
+
+
+@dataclass
+class Packed:
+    """A linear's weight in the kernel's records: `data` (uint8), out_features x in_features (padded to 32)."""
+
+    data: torch.Tensor
+    out_features: int
+    in_features: int
+    kind: int
+
+    @property
+    def group(self) -> int:
+        return kind_of(self.kind)[1]
+
+    def unpack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(q [N, K] int, d [N, K / group] float32, m or None), N and K as packed (K padded to 32)."""
+        bits, group, affine, f32 = kind_of(self.kind)
+        n, k = self.out_features, self.in_features
+        tiles, groups = -(-n // LANES), k // group
+        qbytes = LANES * group * bits // 8
+        sbytes = LANES * (4 if f32 else 2)
+        record = qbytes + (2 if affine else 1) * sbytes
+        raw = self.data.view(tiles, groups, record)
+        qs = raw[:, :, :qbytes].reshape(tiles, groups, -1, LANES)  # per k (8-bit) or pair of k (4-bit), the lanes
+        if bits == 4:
+            qs = qs.to(torch.int32)
+            q = torch.stack([qs & 15, qs >> 4], dim=3)  # tiles, groups, pair, lo/hi, lane
+        else:
+            q = qs.view(torch.int8).to(torch.int32)
+        q = q.reshape(tiles, groups, group, LANES).permute(0, 3, 1, 2).reshape(tiles * LANES, k)
+        scale = torch.float32 if f32 else torch.float16
+
+        def side(offset):
+            s = raw[:, :, offset:offset + sbytes].contiguous().view(scale).view(tiles, groups, LANES)
+            return s.permute(0, 2, 1).reshape(tiles * LANES, groups).float()[:n]
+
+        d = side(qbytes)
+        m = side(qbytes + sbytes) if affine else None
+        return q[:n], d, m
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [N, K] the records hold: d * q + m, group by group (for a GGUF's blocks exactly what the
+        gguf package dequantizes them to)."""
+        q, d, m = self.unpack()
+        group = self.group
+        w = d.repeat_interleave(group, dim=1) * q.float()
+        if m is not None:
+            w = w + m.repeat_interleave(group, dim=1)
+        return w
+
+
+def _exact_in_half(t: np.ndarray) -> bool:
+    return bool(np.array_equal(t.astype(np.float16).astype(np.float32), t) and np.all(np.isfinite(t)))
+
+
+def pack(q, d, m=None, bits: int = 4) -> Packed:
+    """Records for the kernel from integers q [N, K] (4-bit: 0..15; 8-bit: -128..127), scales d [N, groups]
+    and offsets m (same shape, or None), groups of 32 or 16 weights covering K. K is padded to a multiple of 32 with
+    zero weights. Scales are kept in float16 where that holds every d and m exactly, else in float32."""
+    q = np.asarray(q)
+    d = np.asarray(d, dtype=np.float32)
+    n, k = q.shape
+    group = next((g for g in (32, 16) if -(-k // g) == d.shape[1]), 0)  # the groups cover k (the last one padded)
+    if not group or d.shape[0] != n or (m is not None and np.shape(m) != d.shape):
+        raise ValueError(f"pack: weights {q.shape} with scales {d.shape} are not groups of 16 or 32")
+    if bits == 4 and (q.min(initial=0) < 0 or q.max(initial=0) > 15):
+        raise ValueError("pack: 4-bit integers must lie in 0..15")
+    if bits == 8 and (q.min(initial=0) < -128 or q.max(initial=0) > 127):
+        raise ValueError("pack: 8-bit integers must lie in -128..127")
+    m = None if m is None else np.asarray(m, dtype=np.float32)
+    pad_k = -k % 32
+    if pad_k:  # zero integers past the real inputs (and zero scales for groups wholly past them)
+        q = np.pad(q, ((0, 0), (0, pad_k)))
+        more = (k + pad_k) // group - d.shape[1]
+        d = np.pad(d, ((0, 0), (0, more)))
+        m = None if m is None else np.pad(m, ((0, 0), (0, more)))
+    kp = k + pad_k
+    tiles = -(-n // LANES)
+    pad_n = tiles * LANES - n
+    q = np.pad(q, ((0, pad_n), (0, 0)))
+    d = np.pad(d, ((0, pad_n), (0, 0)))
+    m = None if m is None else np.pad(m, ((0, pad_n), (0, 0)))
+    groups = kp // group
+    f32 = not (_exact_in_half(d) and (m is None or _exact_in_half(m)))
+    scale = np.float32 if f32 else np.float16
+    # q [tiles * lanes, groups * group] -> tiles, groups, k, lanes
+    qt = q.reshape(tiles, LANES, groups, group).transpose(0, 2, 3, 1)
+    if bits == 4:
+        qt = qt.astype(np.uint8).reshape(tiles, groups, group // 2, 2, LANES)
+        qbytes = (qt[:, :, :, 0] | (qt[:, :, :, 1] << 4)).reshape(tiles, groups, -1)
+    else:
+        qbytes = np.ascontiguousarray(qt.astype(np.int8)).view(np.uint8).reshape(tiles, groups, -1)
+
+    def side(s):
+        return np.ascontiguousarray(s.reshape(tiles, LANES, groups).transpose(0, 2, 1)).astype(scale) \
+            .view(np.uint8).reshape(tiles, groups, -1)
+
+    parts = [qbytes, side(d)] + ([side(m)] if m is not None else [])
+    data = np.ascontiguousarray(np.concatenate(parts, axis=2)).reshape(-1)
+    return Packed(torch.from_numpy(data.copy()), n, kp, kind_code(bits, group, m is not None, f32))
+
+
+def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """a * b + c rounded once to float32 (through float64: equal to a fused multiply-add except where that double
+    rounding differs, by an ulp)."""
+    return (a.double() * b.double() + c.double()).float()
+
+
+def qlinear_ref(x: torch.Tensor, packed: Packed) -> torch.Tensor:
+    """The kernel's result in torch: per group, s = fma(q[:, k], x[:, k], s) for the group's k in order, then
+    acc = fma(d, s, acc) and (affine) acc = fma(m, sum of x over the group, acc)."""
+    shape = x.shape
+    q, d, m = packed.unpack()
+    group, n = packed.group, packed.out_features
+    x = x.reshape(-1, shape[-1]).float()
+    if x.shape[1] < packed.in_features:
+        x = torch.nn.functional.pad(x, (0, packed.in_features - x.shape[1]))
+    qf = q.float()
+    acc = torch.zeros(x.shape[0], n, dtype=torch.float32)
+    for g in range(packed.in_features // group):
+        s = torch.zeros_like(acc)
+        sx = torch.zeros(x.shape[0], 1)
+        for k in range(g * group, (g + 1) * group):
+            s = _fma(qf[None, :, k], x[:, k, None], s)
+            sx = sx + x[:, k, None]
+        acc = _fma(d[None, :, g], s, acc)
+        if m is not None:
+            acc = _fma(m[None, :, g], sx, acc)
+    return acc.view(*shape[:-1], n)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the C++ kernel
+
+_library: Path | None = None  # the kernel library this process loaded (one per process)
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
+
+
+def build_key(generic: bool = False) -> str:
+    """What the built library depends on: its source, torch, the compiler's target (this CPU's flags), whether it is
+    the portable path."""
+    h = hashlib.sha256()
+    h.update(SOURCE.read_bytes())
+    h.update(torch.__version__.encode())
+    h.update(_cpu_flags().encode())
+    h.update(repr((FLAGS, generic)).encode())
+    return h.hexdigest()[:16]
+
+
+def load(build_dir: Path, generic: bool = False, verbose: bool = False) -> Path:
+    """Build (once per build_key, in build_dir) and load the kernel library; its path. `generic`: the portable C++
+    path even where the CPU has AVX-512 (one library per process: the first loaded stays). Raises what the compiler
+    raised when it cannot be built."""
+    global _library
+    if _library is not None:
+        return _library
+    from torch.utils.cpp_extension import load as build
+
+    key = build_key(generic)
+    name = f"clover_quant_{key}"
+    where = Path(build_dir) / name
+    so, done = where / f"{name}.so", where / "built"
+    if not done.is_file():  # built by this process (another one building it meanwhile holds torch's lock there)
+        where.mkdir(parents=True, exist_ok=True)
+        build(name=name, sources=[str(SOURCE)], extra_cflags=FLAGS + ["-DCLOVER_GENERIC"] * generic,
+              extra_ldflags=["-fopenmp"], build_directory=str(where), is_python_module=False, verbose=verbose)
+        done.write_text(key)
+    else:
+        torch.ops.load_library(str(so))
+    _register_fake()
+    _library = so
+    return so
+
+
+def avx512() -> bool:
+    """Whether the loaded kernel runs its AVX-512 path (else its portable C++)."""
+    import ctypes
+
+    return _library is not None and bool(ctypes.CDLL(str(_library)).clover_quant_avx512())
+
+
+def _register_fake() -> None:
+    """The op's output shape for torch.export (the compiled step traces it)."""
+
+    @torch.library.register_fake("clover_quant::linear")
+    def _(x, packed, out_features, in_features, kind):
+        return x.new_empty(*x.shape[:-1], out_features)
+
+
+def qlinear(x: torch.Tensor, packed: Packed) -> torch.Tensor:
+    return torch.ops.clover_quant.linear(x, packed.data, packed.out_features, packed.in_features, packed.kind)

@@ -1,0 +1,267 @@
+// Quantized linears for the CPU: y[M, N] = x[M, K] . W[N, K]^T with W kept in groups of 16 or 32 weights along K as
+// integers and a scale (and an offset) per group, w = d * q + m, as a GGUF's Q4_0, Q4_1, Q4_K, Q5_x, Q6_K, Q8_0
+// blocks hold them, multiplied by the float32 activations as they are: per group, s = sum over k (in order) of
+// q[k] * x[k], then y += d * s + m * sum(x over the group), fused multiply-adds in float32. This is the dequantized
+// weights' product up to the order of the float32 sums, with no rounding of the activations. The reference
+// (kernels/quant.py, qlinear_ref) computes the same numbers in torch.
+//
+// Every output row is computed by the same instructions in the same order whatever the number of rows M and
+// wherever the row sits among them: a verify over a draft tree gives each row exactly what a one-row step gives.
+//
+// The weights are repacked at load (kernels/quant.py, pack) into records, one per (tile of 16 outputs, group):
+//   qs   the 16 outputs' integers, 16 bytes per k (8-bit: signed bytes) or per two k (4-bit: the low nibble k, the
+//        high one k + 1), byte l being output l's
+//   d    16 scales (float16 or float32)
+//   m    16 offsets (affine formats only), same type
+// so that one 512-bit register holds one k's weights of 16 outputs. Records are read in order: one stream per
+// thread, the tiles split between threads.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(CLOVER_GENERIC)
+#include <immintrin.h>
+#define CLOVER_AVX512 1
+#else
+#define CLOVER_AVX512 0
+#endif
+
+namespace {
+
+constexpr int LANES = 16;  // outputs per tile
+
+// kind: bits (4 or 8) | group (16 or 32) | affine | float32 scales, in one integer (kernels/quant.py kind_code)
+struct Kind {
+  int bits, group;
+  bool affine, f32;
+  explicit Kind(int64_t code)
+      : bits(code & 1 ? 8 : 4), group(code & 2 ? 16 : 32), affine(code & 4), f32(code & 8) {}
+  int record() const { return LANES * group * bits / 8 + (affine ? 2 : 1) * LANES * (f32 ? 4 : 2); }
+};
+
+inline float half_to_float(uint16_t h) {
+  uint32_t sign = (h >> 15) & 1, exp = (h >> 10) & 0x1f, man = h & 0x3ff, f;
+  if (exp == 0) {
+    if (man == 0) {
+      f = sign << 31;
+    } else {  // subnormal
+      exp = 127 - 15 + 1;
+      while (!(man & 0x400)) { man <<= 1; exp--; }
+      man &= 0x3ff;
+      f = (sign << 31) | (exp << 23) | (man << 13);
+    }
+  } else if (exp == 31) {
+    f = (sign << 31) | 0x7f800000 | (man << 13);
+  } else {
+    f = (sign << 31) | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  float out;
+  std::memcpy(&out, &f, 4);
+  return out;
+}
+
+// T tiles (consecutive, 16 outputs each) for R rows of x, group by group: s = sum over the group's k, in order, of
+// q[k] * x[k]; acc = d * s + acc; acc = m * sx + acc (sx: the sum of x over the group, in order; affine formats).
+// T > 1 only gives the core independent sums to overlap (few rows); a row's arithmetic is the same for any R and T.
+template <int BITS, int GROUP, bool AFFINE, bool F32, int R, int T>
+void tiles_rows(const uint8_t* rec, int64_t tile_bytes, int64_t groups, const float* x, const float* sx, int64_t K,
+                float* y, int64_t N, int64_t n0) {
+  constexpr int QB = LANES * GROUP * BITS / 8;
+  constexpr int SB = LANES * (F32 ? 4 : 2);
+  constexpr int REC = QB + (AFFINE ? 2 : 1) * SB;
+#if CLOVER_AVX512
+  __m512 acc[T][R];
+  for (int t = 0; t < T; t++)
+    for (int r = 0; r < R; r++) acc[t][r] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi32(0x0f);
+  for (int64_t g = 0; g < groups; g++) {
+    __m512 s[T][R];
+    for (int t = 0; t < T; t++)
+      for (int r = 0; r < R; r++) s[t][r] = _mm512_setzero_ps();
+    const float* xg = x + g * GROUP;
+    if (BITS == 4) {
+      for (int j = 0; j < GROUP / 2; j++) {
+        for (int t = 0; t < T; t++) {
+          const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(rec + t * tile_bytes + g * REC + 16 * j)));
+          const __m512 q0 = _mm512_cvtepi32_ps(_mm512_and_si512(v, low));
+          const __m512 q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+          for (int r = 0; r < R; r++) {
+            s[t][r] = _mm512_fmadd_ps(q0, _mm512_set1_ps(xg[r * K + 2 * j]), s[t][r]);
+            s[t][r] = _mm512_fmadd_ps(q1, _mm512_set1_ps(xg[r * K + 2 * j + 1]), s[t][r]);
+          }
+        }
+      }
+    } else {
+      for (int k = 0; k < GROUP; k++) {
+        for (int t = 0; t < T; t++) {
+          const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(rec + t * tile_bytes + g * REC + 16 * k)));
+          const __m512 q = _mm512_cvtepi32_ps(v);
+          for (int r = 0; r < R; r++) s[t][r] = _mm512_fmadd_ps(q, _mm512_set1_ps(xg[r * K + k]), s[t][r]);
+        }
+      }
+    }
+    for (int t = 0; t < T; t++) {
+      const uint8_t* p = rec + t * tile_bytes + g * REC + QB;
+      const __m512 d = F32 ? _mm512_loadu_ps((const float*)p) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+      for (int r = 0; r < R; r++) acc[t][r] = _mm512_fmadd_ps(d, s[t][r], acc[t][r]);
+      if (AFFINE) {
+        const __m512 m = F32 ? _mm512_loadu_ps((const float*)(p + SB))
+                             : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p + SB)));
+        for (int r = 0; r < R; r++) acc[t][r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * groups + g]), acc[t][r]);
+      }
+    }
+  }
+  for (int t = 0; t < T; t++) {
+    const int64_t first = n0 + t * LANES;
+    const int64_t valid = N - first < LANES ? N - first : LANES;
+    if (valid <= 0) break;
+    const __mmask16 mask = (__mmask16)((1u << valid) - 1);
+    for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * N + first, mask, acc[t][r]);
+  }
+#else
+  for (int t = 0; t < T; t++) {
+    float acc[R][LANES];
+    for (int r = 0; r < R; r++)
+      for (int l = 0; l < LANES; l++) acc[r][l] = 0.0f;
+    for (int64_t g = 0; g < groups; g++) {
+      const uint8_t* p = rec + t * tile_bytes + g * REC;
+      const float* xg = x + g * GROUP;
+      for (int l = 0; l < LANES; l++) {
+        float d, m = 0.0f;
+        if (F32) {
+          std::memcpy(&d, p + QB + 4 * l, 4);
+          if (AFFINE) std::memcpy(&m, p + QB + SB + 4 * l, 4);
+        } else {
+          uint16_t h;
+          std::memcpy(&h, p + QB + 2 * l, 2);
+          d = half_to_float(h);
+          if (AFFINE) {
+            std::memcpy(&h, p + QB + SB + 2 * l, 2);
+            m = half_to_float(h);
+          }
+        }
+        for (int r = 0; r < R; r++) {
+          float s = 0.0f;
+          for (int k = 0; k < GROUP; k++) {
+            int q;
+            if (BITS == 4) {
+              const uint8_t byte = p[16 * (k / 2) + l];
+              q = k % 2 ? byte >> 4 : byte & 0x0f;
+            } else {
+              q = (int8_t)p[16 * k + l];
+            }
+            s = std::fma((float)q, xg[r * K + k], s);
+          }
+          acc[r][l] = std::fma(d, s, acc[r][l]);
+          if (AFFINE) acc[r][l] = std::fma(m, sx[r * groups + g], acc[r][l]);
+        }
+      }
+    }
+    for (int r = 0; r < R; r++)
+      for (int64_t l = 0; l < LANES && n0 + t * LANES + l < N; l++) y[r * N + n0 + t * LANES + l] = acc[r][l];
+  }
+#endif
+}
+
+template <int BITS, int GROUP, bool AFFINE, bool F32>
+void run(const uint8_t* packed, int64_t M, int64_t N, int64_t K, const float* x, float* y) {
+  constexpr int REC = LANES * GROUP * BITS / 8 + (AFFINE ? 2 : 1) * LANES * (F32 ? 4 : 2);
+  const int64_t groups = K / GROUP, tiles = (N + LANES - 1) / LANES, tile_bytes = groups * REC;
+  // each row's sum over each group (in order), for the offsets' term
+  std::vector<float> sums(AFFINE ? M * groups : 0);
+  for (int64_t r = 0; AFFINE && r < M; r++)
+    for (int64_t g = 0; g < groups; g++) {
+      float s = 0.0f;
+      for (int k = 0; k < GROUP; k++) s += x[r * K + g * GROUP + k];
+      sums[r * groups + g] = s;
+    }
+  // Tasks of 8 tiles: with one row a thread's tiles go 8 at a time (independent sums to overlap), with more rows
+  // one at a time. Rows in blocks of 8, then the rest.
+  constexpr int64_t BLOCK = 8;
+  const int64_t tasks = (tiles + BLOCK - 1) / BLOCK;
+  at::parallel_for(0, tasks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; b++) {
+      const int64_t t_end = (b + 1) * BLOCK < tiles ? (b + 1) * BLOCK : tiles;
+      for (int64_t r = 0; r < M;) {
+        const int64_t left = M - r;
+        const float* xr = x + r * K;
+        const float* sr = sums.data() + r * groups;
+        float* yr = y + r * N;
+        int64_t t = b * BLOCK;
+#define CLOVER_RT(RR, TT)                                                                                     \
+  for (; t + TT <= t_end; t += TT)                                                                            \
+    tiles_rows<BITS, GROUP, AFFINE, F32, RR, TT>(packed + t * tile_bytes, tile_bytes, groups, xr, sr, K, yr, N, \
+                                                 t * LANES);                                                  \
+  for (; t < t_end; t++)                                                                                      \
+    tiles_rows<BITS, GROUP, AFFINE, F32, RR, 1>(packed + t * tile_bytes, tile_bytes, groups, xr, sr, K, yr, N,  \
+                                                t * LANES);                                                   \
+  r += RR;
+        if (left >= 8) {
+          CLOVER_RT(8, 1)
+        } else if (left >= 4) {
+          CLOVER_RT(4, 2)
+        } else if (left >= 2) {
+          CLOVER_RT(2, 4)
+        } else {
+          CLOVER_RT(1, 8)
+        }
+#undef CLOVER_RT
+      }
+    }
+  });
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, int64_t in_features,
+                  int64_t kind) {
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "clover_quant::linear runs on the CPU");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "packed weights must be contiguous uint8");
+  const Kind k(kind);
+  TORCH_CHECK(x.size(-1) <= in_features && in_features % k.group == 0, "input features do not fit the packed weights");
+  const int64_t tiles = (out_features + LANES - 1) / LANES, groups = in_features / k.group;
+  TORCH_CHECK(packed.numel() == tiles * groups * k.record(), "packed weights of the wrong size");
+  auto sizes = x.sizes().vec();
+  at::Tensor x2 = x.reshape({-1, x.size(-1)}).to(at::kFloat);
+  if (x2.size(1) < in_features) x2 = at::constant_pad_nd(x2, {0, in_features - x2.size(1)});
+  x2 = x2.contiguous();
+  const int64_t M = x2.size(0);
+  sizes.back() = out_features;
+  at::Tensor y = at::empty({M, out_features}, x2.options());
+  if (M > 0) {
+    const uint8_t* p = packed.data_ptr<uint8_t>();
+    const float* xp = x2.data_ptr<float>();
+    float* out = y.data_ptr<float>();
+    const int64_t N = out_features, K = in_features;
+#define CLOVER_KIND(code, B, G, A, F) \
+  case code:                          \
+    run<B, G, A, F>(p, M, N, K, xp, out); \
+    break;
+    switch (kind) {
+      CLOVER_KIND(0, 4, 32, false, false) CLOVER_KIND(1, 8, 32, false, false) CLOVER_KIND(2, 4, 16, false, false)
+      CLOVER_KIND(3, 8, 16, false, false) CLOVER_KIND(4, 4, 32, true, false) CLOVER_KIND(5, 8, 32, true, false)
+      CLOVER_KIND(6, 4, 16, true, false) CLOVER_KIND(7, 8, 16, true, false) CLOVER_KIND(8, 4, 32, false, true)
+      CLOVER_KIND(9, 8, 32, false, true) CLOVER_KIND(10, 4, 16, false, true) CLOVER_KIND(11, 8, 16, false, true)
+      CLOVER_KIND(12, 4, 32, true, true) CLOVER_KIND(13, 8, 32, true, true) CLOVER_KIND(14, 4, 16, true, true)
+      CLOVER_KIND(15, 8, 16, true, true)
+      default: TORCH_CHECK(false, "unknown packed weight kind ", kind);
+    }
+#undef CLOVER_KIND
+  }
+  y = y.reshape(sizes);
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY(clover_quant, m) {
+  m.def("linear(Tensor x, Tensor packed, int out_features, int in_features, int kind) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(clover_quant, CPU, m) { m.impl("linear", &linear); }
+
+extern "C" int clover_quant_avx512() { return CLOVER_AVX512; }

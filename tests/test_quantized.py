@@ -1,0 +1,307 @@
+"""The CPU's quantized linears (issue #47): clover_kernels.quant's C++ kernel beside its torch reference, a GGUF's
+blocks decoded exactly, and models run on them losslessly.
+
+  - the kernel equals qlinear_ref (the same float32 sums, in the same order) for every layout it packs, its portable
+    C++ path too, and each row's result is the same whatever rows come with it (a verify gives a row what a one-row
+    step gives); against the dequantized weights' float32 product it differs by float32 rounding only;
+  - every GGUF type clover runs in its own blocks decodes to exactly what the gguf package dequantizes it to;
+  - a converted GGUF (Llama with its q/k rows reordered by transformers, Qwen2 with biases) gets every linear packed,
+    checked against transformers' weights; run on them, every drafter gives exactly transformers' greedy `generate`
+    on the same quantized model, and so does the compiled step;
+  - --quantize int8 / int4 quantizes any float model within the bound its bits allow, losslessly run too;
+  - bad --quantize values and combinations fail in one line.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from clover_cli import hub, quantized, store  # noqa: E402
+from clover_kernels import quant  # noqa: E402
+from helpers import hf_greedy, offline, run_engine  # noqa: E402
+
+# (bits, group, affine, float32 scales)
+LAYOUTS = [(4, 32, True, False), (4, 32, False, False), (8, 32, False, False), (8, 16, False, True),
+           (8, 32, True, True), (4, 16, True, False), (4, 32, True, True)]
+SHAPES = [(48, 64), (37, 96), (200, 256)]  # N not a multiple of 16, K of 32 and more
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    quant.load(store.kernels_dir())
+
+
+def random_packed(n: int, k: int, bits: int, group: int, affine: bool, f32: bool, seed: int = 0):
+    g = np.random.default_rng(seed)
+    q = g.integers(0, 16, (n, k)) if bits == 4 else g.integers(-128, 128, (n, k))
+    d = (g.random((n, k // group)) * 0.01 + 1e-4).astype(np.float32)
+    m = (g.standard_normal((n, k // group)) * 0.01).astype(np.float32) if affine else None
+    if not f32:  # scales float16 holds exactly: packed in float16
+        d = d.astype(np.float16).astype(np.float32)
+        m = None if m is None else m.astype(np.float16).astype(np.float32)
+    else:
+        d = d + np.float32(1e-9)  # not float16 values
+    packed = quant.pack(q, d, m, bits)
+    assert quant.kind_of(packed.kind) == (bits, group, affine, f32)
+    return packed, q, d, m
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    return int((a.view(torch.int32).long() - b.view(torch.int32).long()).abs().max())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_kernel_equals_its_reference_row_by_row(layout):
+    """The kernel's outputs are the reference's (an ulp apart at most, where the reference's float64 rounding of a
+    fused multiply-add differs); each row alone gives the same bits as in any batch of rows; the packed records
+    unpack to the integers and scales they were made from."""
+    for n, k in SHAPES:
+        packed, q, d, m = random_packed(n, k, *layout)
+        uq, ud, um = packed.unpack()
+        assert np.array_equal(uq.numpy(), q) and np.array_equal(ud.numpy(), d)
+        assert (um is None) == (m is None) and (um is None or np.array_equal(um.numpy(), m))
+        x = torch.randn(17, k)
+        y = quant.qlinear(x, packed)
+        ref = quant.qlinear_ref(x, packed)
+        assert y.shape == (17, n) and ulps(y, ref) <= 1 and (y == ref).float().mean() > 0.99
+        for rows in (1, 2, 3, 5, 8, 13):
+            assert torch.equal(quant.qlinear(x[:rows], packed), y[:rows])
+        assert torch.equal(quant.qlinear(x[9:10], packed), y[9:10])
+        assert torch.equal(quant.qlinear(x[4:17], packed), y[4:17])  # a row in another place among others
+
+
+def test_kernel_is_the_dequantized_product_up_to_rounding():
+    """Against F.linear with the dequantized float32 weights: float32 rounding apart, no more (no rounding of the
+    activations, which would show at ~1e-2)."""
+    for layout in LAYOUTS:
+        packed, *_ = random_packed(96, 256, *layout, seed=3)
+        x = torch.randn(8, 256)
+        want = torch.nn.functional.linear(x.double(), packed.dequantize().double()).float()
+        got = quant.qlinear(x, packed)
+        assert (got - want).abs().max() <= 2e-5 * want.abs().max(), layout
+
+
+def test_kernel_takes_any_leading_shape_and_pads_inputs():
+    packed, *_ = random_packed(40, 96, 4, 32, True, False)
+    x = torch.randn(2, 3, 96)
+    assert torch.equal(quant.qlinear(x, packed), quant.qlinear(x.reshape(6, 96), packed).reshape(2, 3, 40))
+    narrow = quant.pack(np.zeros((16, 40), np.uint8), np.ones((16, 2), np.float32), None, 4)  # K 40 -> 64
+    assert narrow.in_features == 64
+    assert torch.equal(quant.qlinear(torch.randn(3, 40), narrow), torch.zeros(3, 16))
+    assert quant.qlinear(torch.randn(0, 96), packed).shape == (0, 40)
+
+
+def test_portable_path_equals_the_reference(tmp_path):
+    """The portable C++ (machines without AVX-512) computes the same sums as the reference, in a process of its own
+    (one kernel library per process)."""
+    code = f"""
+import sys, torch
+sys.path[:0] = {sys.path!r}
+from clover_kernels import quant
+from test_quantized import LAYOUTS, random_packed, ulps
+quant.load({str(tmp_path)!r}, generic=True)
+assert not quant.avx512()
+for layout in LAYOUTS:
+    packed, *_ = random_packed(37, 96, *layout)
+    x = torch.randn(11, 96)
+    y = quant.qlinear(x, packed)
+    assert ulps(y, quant.qlinear_ref(x, packed)) <= 1, layout
+    assert torch.equal(quant.qlinear(x[3:4], packed), y[3:4])
+print("ok")
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                       cwd=Path(__file__).parent)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-3000:]
+
+
+def test_pack_refuses_integers_out_of_range():
+    with pytest.raises(ValueError, match="0..15"):
+        quant.pack(np.full((16, 32), 16), np.ones((16, 1), np.float32), None, 4)
+    with pytest.raises(ValueError, match="groups of 16 or 32"):
+        quant.pack(np.zeros((16, 64)), np.ones((16, 1), np.float32), None, 8)
+
+
+# ------------------------------------------------------------------------------------------ a GGUF's own blocks
+
+def gguf_data(type_name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Blocks of `type_name` for a random [n, k] weight: written by the gguf package, or by test_gguf's own K-quant
+    writers, or (Q5_K) random bytes with sane scales."""
+    from test_gguf import encode
+
+    w = (np.random.default_rng(seed).standard_normal((n, k)) * 0.05).astype(np.float32)
+    if type_name == "Q5_K":
+        raw = np.random.default_rng(seed).integers(0, 256, (n, k // 256 * 176), dtype=np.uint8).reshape(-1, 176)
+        raw[:, 0:4] = np.array([0.01, 0.003], np.float16).view(np.uint8)  # d, dmin
+        return raw.reshape(n, -1)
+    data, _ = encode(w, type_name)
+    return data
+
+
+@pytest.mark.parametrize("type_name", sorted(quantized.GGUF_TYPES))
+def test_gguf_blocks_decode_to_what_the_gguf_package_dequantizes(type_name):
+    n, k = 40, 512
+    data = gguf_data(type_name, n, k)
+    q, d, m, bits = quantized.decode(type_name, data, n, k)
+    assert (bits, k // d.shape[1]) == quantized.GGUF_TYPES[type_name]
+    packed = quant.pack(q, d, m, bits)
+    want = gguf.quants.dequantize(data, getattr(gguf.GGMLQuantizationType, type_name)).reshape(n, k)
+    assert np.array_equal(packed.dequantize().numpy(), want)
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """GGUFs of test_gguf's random Llama and Qwen2 models in a few types (written once for the module)."""
+    from conftest import build_tokenizer
+    from test_gguf import source_model, write_gguf
+
+    root = tmp_path_factory.mktemp("quantized-ggufs")
+    tok = build_tokenizer(root / "tokenizer")
+    files = {}
+    for arch, file_type in (("llama", "Q4_K_M"), ("llama", "Q4_1"), ("qwen2", "Q8_0"), ("llama", "F16")):
+        path = root / f"{arch}-{file_type}.gguf"
+        write_gguf(path, tok, source_model(tok, arch, 0), arch, file_type)
+        files[(arch, file_type)] = path
+    return files
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    offline(tmp_path, monkeypatch)
+    monkeypatch.delenv("CLOVER_GGUF_CACHE", raising=False)
+
+
+def quantized_model(path: Path, weights: str = "gguf"):
+    from clover_cli.loading import load
+
+    resolved = hub.resolve_model(str(path), quiet=True)
+    loaded = load(resolved.path, device="cpu", dtype="float32")
+    float_model = load(resolved.path, device="cpu", dtype="float32").model
+    note = quantized.apply(loaded.model, resolved.path, weights)
+    return loaded.model, float_model, loaded.tokenizer, resolved, note
+
+
+@pytest.mark.parametrize("arch,file_type,formats", [("llama", "Q4_K_M", {"Q4_K", "Q6_K"}), ("llama", "Q4_1", {"Q4_1"}),
+                                                    ("qwen2", "Q8_0", {"Q8_0"})])
+def test_a_converted_gguf_runs_every_linear_in_its_own_blocks(arch, file_type, formats, written, cache):
+    """The conversion writes the blocks file; every linear of the model (the tied output embedding included) becomes a
+    QuantLinear whose weight is exactly transformers' float weight, with the file's own formats."""
+    model, float_model, _, resolved, note = quantized_model(written[(arch, file_type)])
+    assert (resolved.path / quantized.BLOCKS_FILE).is_file()
+    assert quantized.weights_for(None, "auto", torch.device("cpu"), resolved.path) == "gguf"
+    assert quantized.weights_for(None, "float32", torch.device("cpu"), resolved.path) == "float"
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    quants = {name: m for name, m in model.named_modules() if isinstance(m, quantized.QuantLinear)}
+    assert not linears and {m.format for m in quants.values()} == formats
+    assert "float" not in note and note.startswith(tuple(formats))
+    floats = dict(float_model.named_modules())
+    for name, module in quants.items():
+        assert torch.equal(module.weight, floats[name].weight), name
+        if floats[name].bias is not None:
+            assert torch.equal(module.bias, floats[name].bias), name
+
+
+def test_a_float_gguf_has_no_blocks(written, cache):
+    resolved = hub.resolve_model(str(written[("llama", "F16")]), quiet=True)
+    assert not (resolved.path / quantized.BLOCKS_FILE).exists()
+    assert quantized.weights_for(None, "auto", torch.device("cpu"), resolved.path) == "float"
+
+
+def make(kind: str, model, target, seed: int):
+    from test_gguf import make_drafter
+
+    return make_drafter(kind, model, target, None, seed)
+
+
+PROMPTS = ["Tell me about the quick brown fox and the lazy dog.", "What is the capital of France?"]
+
+
+@pytest.mark.parametrize("arch,file_type", [("llama", "Q4_K_M"), ("qwen2", "Q8_0")])
+def test_every_drafter_is_lossless_on_the_quantized_target(arch, file_type, written, cache):
+    """On the file's own blocks, each drafter gives exactly transformers' greedy `generate` run on the same quantized
+    model; and the quantized model's greedy text stays close to the dequantized float model's (counted, not
+    required equal: float32 sums in another order)."""
+    from clover_cli.decode.engine import Engine
+    from clover_cli.decode.verify import StopCheck
+    from clover_cli.target import Target
+    from test_gguf import chat_ids
+
+    model, float_model, tok, _, _ = quantized_model(written[(arch, file_type)])
+    target = Target(model)
+    prompts = [chat_ids(tok, text) for text in PROMPTS]
+    references = [hf_greedy(model, p, 24) for p in prompts]
+    same_as_float = sum(r == hf_greedy(float_model, p, 24) for r, p in zip(references, prompts))
+    for i, kind in enumerate(("none", "ngram", "self", "clover", "medusa", "eagle", "merged")):
+        engine = Engine(target, make(kind, model, target, seed=i), budget=16, auto_budget=False)
+        for prompt, reference in zip(prompts, references):
+            out, _ = run_engine(engine, prompt, StopCheck(24))
+            assert out == reference, (kind, prompt)
+    assert same_as_float >= 1
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantize_any_float_model(bits, llama_dir):
+    """--quantize: groupwise round to nearest with float16 scales, within half a step of the weight; the output
+    embedding in 8 bits; the model runs losslessly against transformers' greedy generate on it."""
+    from transformers import AutoModelForCausalLM
+
+    from clover_cli.decode.engine import Engine
+    from clover_cli.decode.verify import StopCheck
+    from clover_cli.drafters.ngram import NgramDrafter
+    from clover_cli.target import Target
+
+    model = AutoModelForCausalLM.from_pretrained(llama_dir).eval()
+    originals = {name: m.weight.detach().clone() for name, m in model.named_modules()
+                 if isinstance(m, torch.nn.Linear)}
+    note = quantized.apply(model, Path("."), f"int{bits}")
+    assert note.startswith(f"int{bits}") and "float" not in note
+    out_embed = model.get_output_embeddings()
+    assert out_embed.format == "int8"
+    for name, module in model.named_modules():
+        if isinstance(module, quantized.QuantLinear):
+            w, want = module.weight, originals[name]
+            b = 8 if module is out_embed else bits
+            groups = want.view(want.shape[0], -1, 32)
+            step = (groups.abs().amax(2) / 127 if b == 8 else (groups.amax(2) - groups.amin(2)) / 15)
+            slack = groups.abs().amax(2, keepdim=True) * 2**-10 + 1e-7  # the float16 rounding of d and m
+            assert ((w - want).view_as(groups).abs() <= step[..., None] * 0.5 + slack).all(), name
+    target = Target(model)
+    prompt = list(range(5, 25))
+    reference = hf_greedy(model, prompt, 20)
+    for drafter in (None, NgramDrafter()):
+        engine = Engine(target, drafter or make("none", model, target, 0), budget=8, auto_budget=False)
+        out, _ = run_engine(engine, prompt, StopCheck(20))
+        assert out == reference
+
+
+def test_quantize_options_fail_in_one_line(run_cli, tmp_path):
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("hi")
+    for args, says in ((["--quantize", "int3"], "--quantize must be int8 or int4"),
+                       (["--quantize", "int8", "--load-in-8bit"], "exclude each other"),
+                       (["--quantize", "int4", "--dtype", "bfloat16"], "drop --dtype bfloat16")):
+        code, out, err = run_cli("generate", "tiny", "--prompt", str(prompt), "-n", "2", "--stats-file", "off", *args)
+        assert code == 2 and says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_generate_runs_quantized_and_says_so(run_cli, tmp_path):
+    import json
+
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("Tell me a story.")
+    outs = {}
+    for q in ("int8", "int4"):
+        code, out, err = run_cli("generate", "tiny", "--prompt", str(prompt), "-n", "16", "--stats-file", "off",
+                                 "--quantize", q, "--json")
+        assert code == 0, err
+        result = json.loads(out)
+        assert result["weights"].startswith(q), result["weights"]
+        outs[q] = result["text"]
+    assert all(outs.values())
