@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -188,6 +189,73 @@ def replace_linears(model, blocks: dict) -> int:
         setattr(model.get_submodule(parent) if parent else model, child, quant)
         done += 1
     return done
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The compiled step's fused products: q/k/v and gate/up, each one call of the kernel
+
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # siblings a decoder layer feeds one input
+
+
+class _Shared:
+    """A fused QuantLinear's output for the input it was last called with (its slices ask in turn)."""
+
+    def __init__(self, fused: QuantLinear):
+        self.fused, self.x, self.y = fused, None, None
+
+    def __call__(self, x):
+        if x is not self.x:
+            self.x, self.y = x, self.fused(x)
+        return self.y
+
+
+class SliceOf(nn.Module):
+    """One of several linears computed as one QuantLinear: its outputs [start, stop). Called with another input
+    than its siblings it computes the fused product again: the result is right either way."""
+
+    def __init__(self, shared: _Shared, start: int, stop: int):
+        super().__init__()
+        self.fused = shared.fused  # a submodule: export sees its records
+        self.shared, self.start, self.stop = shared, start, stop
+
+    def forward(self, x):
+        return self.shared(x)[..., self.start:self.stop]
+
+
+@contextmanager
+def fused_linears(model):
+    """While the block runs (an export), each decoder layer's q/k/v and gate/up QuantLinears of one layout are one
+    QuantLinear whose records are theirs end to end (their outputs a multiple of 16: whole tiles), sliced: fewer,
+    larger calls of the kernel. Put back after."""
+    from clover_kernels.quant import Packed
+
+    swapped, shared = [], []
+    for parent in list(model.modules()):
+        for names in FUSED:
+            parts = [getattr(parent, n, None) for n in names]
+            if not all(isinstance(p, QuantLinear) for p in parts):
+                continue
+            if len({(p.kind, p.padded, p.in_features, p.bias is None) for p in parts}) != 1 or \
+                    any(p.out_features % 16 for p in parts):
+                continue
+            first = parts[0]
+            bias = None if first.bias is None else torch.cat([p.bias for p in parts])
+            packed = Packed(torch.cat([p.packed for p in parts]), sum(p.out_features for p in parts), first.padded,
+                            first.kind)
+            one = _Shared(QuantLinear(packed, first.in_features, bias, fmt=first.format))
+            shared.append(one)
+            start = 0
+            for name, part in zip(names, parts):
+                setattr(parent, name, SliceOf(one, start, start + part.out_features))
+                swapped.append((parent, name, part))
+                start += part.out_features
+    try:
+        yield len(swapped)
+    finally:
+        for parent, name, part in reversed(swapped):
+            setattr(parent, name, part)
+        for one in shared:
+            one.x = one.y = None
 
 
 # ---------------------------------------------------------------------------------------------------------------

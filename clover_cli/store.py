@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING
 from . import atomic
 from .options import compile_sizes, env
 
-# bump when the compiled programs or their metadata change (12: file sizes and checksums): old packages are not reused
-PROGRAM_VERSION = 12
+# bump when the compiled programs or their metadata change (12: file sizes and checksums; 13: quantized weights, their
+# q/k/v and gate/up fused, and the build's check on real cached keys and values): old packages are not reused
+PROGRAM_VERSION = 13
 
 if TYPE_CHECKING:
     import torch

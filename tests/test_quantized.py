@@ -305,3 +305,48 @@ def test_generate_runs_quantized_and_says_so(run_cli, tmp_path):
         assert result["weights"].startswith(q), result["weights"]
         outs[q] = result["text"]
     assert all(outs.values())
+
+
+def test_fused_products_equal_the_ones_they_replace(written, cache):
+    """fused_linears (the compiled step's q/k/v and gate/up as one call each) changes no bit of the forward, and
+    puts the model back as it was."""
+    from clover_cli.quantized import SliceOf, fused_linears
+
+    model, *_ = quantized_model(written[("llama", "Q4_K_M")])
+    ids = torch.tensor([list(range(3, 40))])
+    with torch.inference_mode():
+        want = model(ids).logits
+        with fused_linears(model) as swapped:
+            assert swapped and any(isinstance(m, SliceOf) for m in model.modules())
+            got = model(ids).logits
+    assert not any(isinstance(m, SliceOf) for m in model.modules())
+    assert torch.equal(got, want)
+
+
+@pytest.mark.slow
+def test_the_compiled_step_runs_quantized_weights_losslessly(tmp_path):
+    """A quantized model's compiled step (its kernel called from the AOTInductor program, q/k/v and gate/up fused)
+    passes the build's check against the eager step, and decoding on it gives transformers' greedy generate on the
+    same quantized model, for plain decoding, n-gram lookup and Clover-2 heads merged with it."""
+    from clover_cli.decode.engine import Engine
+    from clover_cli.decode.verify import StopCheck
+    from clover_cli.step.aot import Package
+    from clover_cli.step.aot_export import build_for
+    from clover_cli.target import Target
+    from test_lossless import drafter_for, make_model
+
+    import random
+
+    model = make_model("llama", seed=3)
+    quantized.apply(model, Path("."), "int4")
+    target = Target(model)
+    meta = build_for(target, tmp_path / "pkg", log=lambda text: None, static=(1,), autotune=False)
+    assert set(meta["ranges"]) == {"step-1.pt2", "step.pt2"}
+    target = Target(model)
+    target.attach_program(Package.find(tmp_path / "pkg").load())
+    prompt = list(range(5, 30))
+    reference = hf_greedy(model, prompt, 24)
+    for kind in ("none", "ngram", "merged"):
+        drafter = drafter_for(kind, model, target, random.Random(0), prompt, 0)
+        out, events = run_engine(Engine(target, drafter, budget=8, auto_budget=False), prompt, StopCheck(24))
+        assert out == reference, kind

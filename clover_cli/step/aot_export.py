@@ -21,6 +21,7 @@ import torch
 
 from .. import atomic
 from ..errors import CloverError
+from ..quantized import fused_linears
 from ..store import PROGRAM_VERSION
 from . import SIZES, STATIC, heads_kind, static_sizes, weight_bytes
 from .aot import (HEADS_PROGRAM_VERSION, MAX_LEVEL_ROWS, META, SMALL_ROWS, CompiledStep, HeadsPrograms, augment_name,
@@ -284,26 +285,29 @@ def build_for(target, out: Path, log=print, static: tuple[int, ...] | None = Non
         static = static_sizes(weight_bytes(target.model))
     narrow = narrow_dtype(target.model)
     narrowed = {}  # program -> the type its linears' weights are kept in (NarrowLinear)
-    for name, lo, hi, example_n, tuned, blocking in program_table(static):
-        hi = min(hi or capacity - 1, capacity - 1)
-        if lo > hi:
-            continue  # more rows than the buffers hold
-        example_n = min(example_n, hi)
-        # how many committed tokens a program takes is for export to work out (past + n < capacity at least; some
-        # models need more): the ranges it finds are kept and a step outside them runs another program or eager
-        if lo == hi:  # every size static: the program computes the logits of all its rows
-            shapes = ((None, None, None, None, {0: Dim.DYNAMIC}, *(None for _ in keys + values)),)
-        else:
-            n, rows = Dim("n", min=lo, max=hi), Dim("rows", min=1, max=hi)
-            shapes = (({0: n}, {0: n}, {0: n, 1: n}, {0: rows}, {0: Dim.DYNAMIC}, *(None for _ in keys + values)),)
-        example = _example(target, example_n, min(max(37, capacity // 2), capacity - example_n - 1))
-        if narrow is not None and lo == hi <= NARROW_ROWS:  # a few rows: half the bytes (see NARROW)
-            with narrow_linears(target.model, narrow):
-                exported[name] = (export(program, (*example, *keys, *values), shapes), False, None)
-            narrowed[name] = str(narrow).removeprefix("torch.")
-        else:
-            exported[name] = (export(program, (*example, *keys, *values), shapes), autotune and tuned, blocking)
-        ranges[name] = input_ranges(exported[name][0], {"n": (0, 0), "past": (4, 0)})
+    # a quantized model's q/k/v and gate/up products are one call of its kernel each (fused_linears), in every
+    # program; check() compares them with the eager step, which calls them one by one
+    with fused_linears(target.model):
+        for name, lo, hi, example_n, tuned, blocking in program_table(static):
+            hi = min(hi or capacity - 1, capacity - 1)
+            if lo > hi:
+                continue  # more rows than the buffers hold
+            example_n = min(example_n, hi)
+            # how many committed tokens a program takes is for export to work out (past + n < capacity at least; some
+            # models need more): the ranges it finds are kept and a step outside them runs another program or eager
+            if lo == hi:  # every size static: the program computes the logits of all its rows
+                shapes = ((None, None, None, None, {0: Dim.DYNAMIC}, *(None for _ in keys + values)),)
+            else:
+                n, rows = Dim("n", min=lo, max=hi), Dim("rows", min=1, max=hi)
+                shapes = (({0: n}, {0: n}, {0: n, 1: n}, {0: rows}, {0: Dim.DYNAMIC}, *(None for _ in keys + values)),)
+            example = _example(target, example_n, min(max(37, capacity // 2), capacity - example_n - 1))
+            if narrow is not None and lo == hi <= NARROW_ROWS:  # a few rows: half the bytes (see NARROW)
+                with narrow_linears(target.model, narrow):
+                    exported[name] = (export(program, (*example, *keys, *values), shapes), False, None)
+                narrowed[name] = str(narrow).removeprefix("torch.")
+            else:
+                exported[name] = (export(program, (*example, *keys, *values), shapes), autotune and tuned, blocking)
+            ranges[name] = input_ranges(exported[name][0], {"n": (0, 0), "past": (4, 0)})
     log(f"compiling (AOTInductor, weights frozen) ... {time.perf_counter() - t0:.0f} s")
     try:
         with building(out) as tmp:
