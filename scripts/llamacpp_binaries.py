@@ -89,10 +89,12 @@ def main():
     from clover_cli.stats import cache_dir
 
     s = Session(Options(model=args.model, draft="none"), quiet=True)
-    why = why_unavailable(s.model, s.tokenizer, s.device, s.dtype)
-    if why:
-        sys.exit(f"no GGUF for {s.resolved.name}: {why}")
-    gguf = args.gguf or gguf_for(s.resolved, s.model, s.tokenizer, cache_dir())
+    gguf = args.gguf
+    if gguf is None:  # the float32 GGUF of the model's weights, written by clover (llama-cpp-python's writer)
+        why = why_unavailable(s.model, s.tokenizer, s.device, s.dtype)
+        if why:
+            sys.exit(f"no GGUF for {s.resolved.name}: {why}")
+        gguf = gguf_for(s.resolved, s.model, s.tokenizer, cache_dir())
     vocab = llama_cpp.Llama(str(gguf), vocab_only=True, verbose=False) if llama_cpp is not None else None
 
     totals = {"plain": [0, 0.0], "lookup": [0, 0.0]}
