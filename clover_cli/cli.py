@@ -561,9 +561,9 @@ def compile_step(
                                     "alias names too (the bundled model's own draft for tiny)."),
     trust_remote_code: bool = Common.trust_remote_code, allow_pickle: bool = Common.allow_pickle,
     force: bool = typer.Option(False, "--force", help="Build again even when a package is cached."),
-    dtype: str = typer.Option("auto", "--dtype", autocompletion=_choices("auto", "float32", "bfloat16"),
-                              help="auto (a GGUF's own quantized blocks, as chat runs it; else float32), float32 or "
-                              "bfloat16 (a GGUF dequantized to it), as chat's --dtype."),
+    dtype: str = typer.Option("auto", "--dtype", autocompletion=_choices("auto", "float32"),
+                              help="auto (a GGUF's own quantized blocks, as chat runs it; else float32) or float32 (a "
+                              "GGUF dequantized), as chat's --dtype."),
     quantize: Optional[str] = Common.quantize,
 ):
     """Build the compiled target step of a model (and its draft heads' programs) ahead of time (CPU, float32; a
@@ -578,8 +578,8 @@ def compile_step(
     from .hub import resolve_model
     from .step.ahead import compile_model
 
-    if dtype not in ("auto", "float32", "bfloat16"):
-        raise CloverError(f"clover compile builds the CPU's step: --dtype auto, float32 or bfloat16, not {dtype!r}")
+    if dtype not in ("auto", "float32"):
+        raise CloverError(f"clover compile builds the CPU's float32 step: --dtype auto or float32, not {dtype!r}")
     if quantize is not None and quantize not in QUANTIZE:
         raise CloverError(f"--quantize must be {' or '.join(QUANTIZE)}, not {quantize!r}")
     resolved = resolve_model(model, revision, allow_pickle, dtype=dtype)  # a GGUF: converted as chat converts it

@@ -112,8 +112,8 @@ def unsupported(model, device: torch.device, dtype: torch.dtype, load_in_8bit: b
         return None  # CUDA graphs of the static step (graphs.py), captured in the session
     if device.type != "cpu":
         return f"the compiled step runs on a CPU or a CUDA device, not {device.type}"
-    if dtype not in (torch.float32, torch.bfloat16):
-        return "the compiled step is built for float32 or bfloat16 weights"
+    if dtype != torch.float32:
+        return "the compiled step is built for float32 weights"
     size = weight_bytes(model)
     if size > MAX_WEIGHT_BYTES:
         return f"the model's weights ({size / 2**30:.1f} GiB) are too large to freeze into a compiled package"

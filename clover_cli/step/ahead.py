@@ -40,15 +40,9 @@ def compile_model(resolved, heads: str | None, no_heads: bool, draft_model: str 
         _check_heads(heads_path, config)
     capacity = capacity_for(context_limit(config))
     weights = weights_for(quantize, dtype, torch.device("cpu"), resolved.path)
-    torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
-    if torch_dtype != torch.float32 and heads_path is not None:
-        echo("heads run eager beside a bfloat16 step (their programs are float32 ones): compiling the target's step "
-             "only", err=True)
-        heads_path = None
-    out = package_dir(resolved.path, torch_dtype, capacity, weights)
+    out = package_dir(resolved.path, torch.float32, capacity, weights)
     job = Job(resolved.path, out, capacity, trust_remote_code, allow_pickle, heads_path,
-              heads_dir(out, heads_path, 8) if heads_path else None, force=force, weights=weights,
-              dtype=str(torch_dtype).removeprefix("torch."))
+              heads_dir(out, heads_path, 8) if heads_path else None, force=force, weights=weights)
     built_s = _build(job, resolved.name, echo)
     if built_s is None:
         echo(f"{resolved.name} is already compiled (--force builds it again)")

@@ -37,7 +37,6 @@ class Job:
     topk: int = 8
     force: bool = False
     weights: str = "float"  # the linears' weights (clover_cli/quantized.py): float, gguf, int8 or int4
-    dtype: str = "float32"  # the model's (float32 or bfloat16); heads' programs are built for float32 only
 
     def argv(self) -> list[str]:
         """The child's arguments: every path absolute (it runs from another directory)."""
@@ -46,7 +45,7 @@ class Job:
         if self.heads is not None:
             args += ["--heads", path(self.heads), "--heads-out", path(self.heads_out)]
         return args + ["--trust-remote-code"] * self.trust_remote_code + ["--allow-pickle"] * self.allow_pickle \
-            + ["--force"] * self.force + ["--weights", self.weights, "--dtype", self.dtype]
+            + ["--force"] * self.force + ["--weights", self.weights]
 
     def missing(self) -> tuple[bool, bool]:
         """(the step, the heads' programs) still to build."""
@@ -56,7 +55,7 @@ class Job:
 
 
 def build(job: Job, log=print) -> dict:
-    """Load the model (CPU, job.dtype) once and build what `job` still lacks. Returns {"step": meta, "heads": meta}
+    """Load the model (CPU, float32) once and build what `job` still lacks. Returns {"step": meta, "heads": meta}
     for the parts built."""
     from ..drafters.registry import FAMILIES, load as load_heads
     from ..loading import load
@@ -67,11 +66,11 @@ def build(job: Job, log=print) -> dict:
     if not (need_step or need_heads):
         return {}
     t0 = time.perf_counter()
-    loaded = load(Path(job.model), "cpu", job.dtype, False, job.trust_remote_code, job.allow_pickle)
+    loaded = load(Path(job.model), "cpu", "float32", False, job.trust_remote_code, job.allow_pickle)
     model = loaded.model.eval()
     if job.weights != "float" and apply(model, Path(job.model), job.weights, warn=log) is None:
         raise CloverError(f"cannot compile {job.model} with {job.weights} weights: the quantized kernels are missing")
-    why = unsupported(model, torch.device("cpu"), getattr(torch, job.dtype), False)
+    why = unsupported(model, torch.device("cpu"), torch.float32, False)
     if why:
         raise CloverError(f"cannot compile {job.model}: {why}")
     target = Target(model, max_context=job.capacity, initial_capacity=job.capacity, pack=False)
@@ -254,7 +253,6 @@ def main(argv=None) -> int:
     p.add_argument("--allow-pickle", action="store_true")
     p.add_argument("--force", action="store_true")
     p.add_argument("--weights", default="float", choices=("float", "gguf", "int8", "int4"))
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--log", help="the file standard output goes to: emptied once the build lock is taken")
     a = p.parse_args(argv)
     from ..signals import exit_on_signals
@@ -262,7 +260,7 @@ def main(argv=None) -> int:
     exit_on_signals()
     job = Job(Path(a.model), Path(a.out), a.capacity, a.trust_remote_code, a.allow_pickle,
               Path(a.heads) if a.heads else None, Path(a.heads_out) if a.heads_out else None, a.topk, a.force,
-              a.weights, a.dtype)
+              a.weights)
 
     def empty_log():
         if a.log:

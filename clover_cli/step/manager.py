@@ -127,8 +127,7 @@ class StepCompiler:
         self.heads_out = None
         if self.graphs is not None and self.heads is not None:
             self._attach_graphs(self.heads)
-        if (self.heads_path is not None and self.state not in (State.OFF, State.EAGER) and self.graphs is None
-                and self.dtype == torch.float32):  # the heads' programs are float32 ones (bfloat16: heads eager)
+        if self.heads_path is not None and self.state not in (State.OFF, State.EAGER) and self.graphs is None:
             self.heads_out = heads_dir(self.out, self.heads_path, self.heads.grower.topk)
             self._activate_heads()
 
@@ -178,8 +177,7 @@ class StepCompiler:
     def job(self) -> Job:
         return Job(self.model_path, self.out, self.capacity, self.trust_remote_code, self.allow_pickle,
                    self.heads_path if self.heads_out else None, self.heads_out,
-                   self.heads.grower.topk if self.heads is not None else 8, weights=self.weights,
-                   dtype=str(self.dtype).removeprefix("torch."))
+                   self.heads.grower.topk if self.heads is not None else 8, weights=self.weights)
 
     def start(self, background: bool) -> None:
         """Build what is not cached (the step, the heads' programs, then a draft model's step): wait for it (mode on),
@@ -326,7 +324,7 @@ class StepCompiler:
     def ready_heads(self, drafter, heads_path: Path) -> bool:
         """Attach compiled programs to another heads drafter (clover bench makes one per run), building them first
         (waiting) when they are not cached yet. False when the compiled step is not in use or the build failed."""
-        if self.state != State.ACTIVE or heads_kind(drafter) is None or self.dtype != torch.float32:
+        if self.state != State.ACTIVE or heads_kind(drafter) is None:
             return False
         if self.graphs is not None:
             return self._attach_graphs(drafter)
