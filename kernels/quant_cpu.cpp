@@ -76,9 +76,10 @@ void tiles_rows(const uint8_t* rec, int64_t tile_bytes, int64_t groups, const fl
   constexpr int SB = LANES * (F32 ? 4 : 2);
   constexpr int REC = QB + (AFFINE ? 2 : 1) * SB;
 #if CLOVER_AVX512
-  __m512 acc[T][R];
+  // the group's sums s in registers; the running totals in memory (L1), updated once per group
+  alignas(64) float acc[T][R][LANES];
   for (int t = 0; t < T; t++)
-    for (int r = 0; r < R; r++) acc[t][r] = _mm512_setzero_ps();
+    for (int r = 0; r < R; r++) _mm512_store_ps(acc[t][r], _mm512_setzero_ps());
   const __m512i low = _mm512_set1_epi32(0x0f);
   for (int64_t g = 0; g < groups; g++) {
     __m512 s[T][R];
@@ -87,33 +88,40 @@ void tiles_rows(const uint8_t* rec, int64_t tile_bytes, int64_t groups, const fl
     const float* xg = x + g * GROUP;
     if (BITS == 4) {
       for (int j = 0; j < GROUP / 2; j++) {
+        __m512 q0[T], q1[T];
         for (int t = 0; t < T; t++) {
           const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(rec + t * tile_bytes + g * REC + 16 * j)));
-          const __m512 q0 = _mm512_cvtepi32_ps(_mm512_and_si512(v, low));
-          const __m512 q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
-          for (int r = 0; r < R; r++) {
-            s[t][r] = _mm512_fmadd_ps(q0, _mm512_set1_ps(xg[r * K + 2 * j]), s[t][r]);
-            s[t][r] = _mm512_fmadd_ps(q1, _mm512_set1_ps(xg[r * K + 2 * j + 1]), s[t][r]);
+          q0[t] = _mm512_cvtepi32_ps(_mm512_and_si512(v, low));
+          q1[t] = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+        }
+        for (int r = 0; r < R; r++) {
+          const __m512 x0 = _mm512_set1_ps(xg[r * K + 2 * j]), x1 = _mm512_set1_ps(xg[r * K + 2 * j + 1]);
+          for (int t = 0; t < T; t++) {
+            s[t][r] = _mm512_fmadd_ps(q0[t], x0, s[t][r]);
+            s[t][r] = _mm512_fmadd_ps(q1[t], x1, s[t][r]);
           }
         }
       }
     } else {
       for (int k = 0; k < GROUP; k++) {
-        for (int t = 0; t < T; t++) {
-          const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(rec + t * tile_bytes + g * REC + 16 * k)));
-          const __m512 q = _mm512_cvtepi32_ps(v);
-          for (int r = 0; r < R; r++) s[t][r] = _mm512_fmadd_ps(q, _mm512_set1_ps(xg[r * K + k]), s[t][r]);
+        __m512 q[T];
+        for (int t = 0; t < T; t++)
+          q[t] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(rec + t * tile_bytes + g * REC + 16 * k))));
+        for (int r = 0; r < R; r++) {
+          const __m512 xk = _mm512_set1_ps(xg[r * K + k]);
+          for (int t = 0; t < T; t++) s[t][r] = _mm512_fmadd_ps(q[t], xk, s[t][r]);
         }
       }
     }
     for (int t = 0; t < T; t++) {
       const uint8_t* p = rec + t * tile_bytes + g * REC + QB;
       const __m512 d = F32 ? _mm512_loadu_ps((const float*)p) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
-      for (int r = 0; r < R; r++) acc[t][r] = _mm512_fmadd_ps(d, s[t][r], acc[t][r]);
-      if (AFFINE) {
-        const __m512 m = F32 ? _mm512_loadu_ps((const float*)(p + SB))
-                             : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p + SB)));
-        for (int r = 0; r < R; r++) acc[t][r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * groups + g]), acc[t][r]);
+      __m512 m;
+      if (AFFINE) m = F32 ? _mm512_loadu_ps((const float*)(p + SB)) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p + SB)));
+      for (int r = 0; r < R; r++) {
+        __m512 a = _mm512_fmadd_ps(d, s[t][r], _mm512_load_ps(acc[t][r]));
+        if (AFFINE) a = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * groups + g]), a);
+        _mm512_store_ps(acc[t][r], a);
       }
     }
   }
@@ -122,7 +130,7 @@ void tiles_rows(const uint8_t* rec, int64_t tile_bytes, int64_t groups, const fl
     const int64_t valid = N - first < LANES ? N - first : LANES;
     if (valid <= 0) break;
     const __mmask16 mask = (__mmask16)((1u << valid) - 1);
-    for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * N + first, mask, acc[t][r]);
+    for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * N + first, mask, _mm512_load_ps(acc[t][r]));
   }
 #else
   for (int t = 0; t < T; t++) {
@@ -203,9 +211,9 @@ void run(const uint8_t* packed, int64_t M, int64_t N, int64_t K, const float* x,
                                                 t * LANES);                                                   \
   r += RR;
         if (left >= 8) {
-          CLOVER_RT(8, 1)
+          CLOVER_RT(8, 2)
         } else if (left >= 4) {
-          CLOVER_RT(4, 2)
+          CLOVER_RT(4, 4)
         } else if (left >= 2) {
           CLOVER_RT(2, 4)
         } else {
