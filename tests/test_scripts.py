@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -155,3 +156,26 @@ def test_weights_agreement_counts_identical_replies():
     assert report["prompts"] == 2 and report["weights"].startswith("int8 (int8 x")
     assert report["against"].startswith("float") and 0 <= report["identical"] <= 2
     assert report["identical"] + len(report["parted"]) == 2
+
+
+def test_weight_kernels_times_every_kernel():
+    """scripts/weight_kernels.py, one layer, 1 and 2 rows: a row per kernel, each timed (the figures are for
+    docs/BENCHMARKS.md)."""
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "weight_kernels.py"), "--layers", "1", "--rows", "1,2",
+                        "--threads", "1"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    rows = [line for line in p.stdout.splitlines() if line.startswith("| ") and "kernel" not in line]
+    assert [r.split("|")[1].strip() for r in rows] == ["float32", "bfloat16", "aten int8pack", "aten int4pack (g32)",
+                                                      "clover Q4_1", "clover Q8_0"]
+    assert all(len(r.split("|")) == 5 for r in rows)
+
+
+def test_quant_kernel_ab_times_two_versions(tmp_path):
+    """scripts/quant_kernel_ab.py with the working tree's kernel against a copy of it: both built, one row timed."""
+    copy = tmp_path / "copy.cpp"
+    copy.write_text((ROOT / "kernels" / "quant_cpu.cpp").read_text())
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "quant_kernel_ab.py"), str(copy),
+                        str(ROOT / "kernels" / "quant_cpu.cpp"), "--rows", "1", "--rounds", "1", "--threads", "1"],
+                       capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    assert re.search(r"rows  1: A +[\d.]+  B +[\d.]+  B/A [\d.]+", p.stdout), p.stdout
