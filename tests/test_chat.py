@@ -436,3 +436,21 @@ def test_a_reply_that_ends_in_a_loop_gets_the_penalty_hint_once(tmp_path, run_cl
         hints[bool(args)] = err.count("/penalty 1.3 makes repetition less likely")
         assert ("repetition penalty 1.3" if args else "repetition penalty 1 (none)") in err
     assert hints == {False: 1, True: 0}
+
+
+def test_the_banner_says_where_the_heads_come_from(tmp_path):
+    """Heads shipped inside clover's package (smollm2's) are said to be so, not to come from the Hub."""
+    from types import SimpleNamespace
+
+    from clover_cli.aliases import HEADS_SUBDIR, bundled_heads
+    from clover_cli.chat.repl import _heads_source
+
+    def source(heads_path, heads_opt=None):
+        session = SimpleNamespace(heads_path=heads_path, draft_name="clover+ngram", opts=SimpleNamespace(heads=heads_opt),
+                                  resolved=SimpleNamespace(path=tmp_path / "model"))
+        return _heads_source(session)
+
+    assert source(bundled_heads("smollm2")).endswith("(shipped in clover's package)")
+    assert source(tmp_path / "model" / HEADS_SUBDIR).endswith("(shipped with the model)")
+    assert source(tmp_path / "hub" / "heads").endswith("(from the Hub)")
+    assert source(tmp_path / "mine", heads_opt="mine").endswith("(--heads)")

@@ -239,7 +239,7 @@ def _load(opts, out: Out, show_progress: bool):
 
 
 def _heads_source(session) -> str:
-    from ..aliases import HEADS_SUBDIR
+    from ..aliases import HEADS_SUBDIR, PACKAGE_FILES
 
     hp = session.heads_path
     if session.draft_name in ("model", "model-chain"):
@@ -253,6 +253,8 @@ def _heads_source(session) -> str:
         return f"heads {hp} (--heads)"
     if Path(hp) == Path(session.resolved.path) / HEADS_SUBDIR:
         return f"heads {hp} (shipped with the model)"
+    if Path(hp).resolve().is_relative_to(PACKAGE_FILES.resolve()):
+        return f"heads {hp} (shipped in clover's package)"
     return f"heads {hp} (from the Hub)"
 
 
