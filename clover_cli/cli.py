@@ -466,6 +466,9 @@ def train(
     regen_turns: int = typer.Option(4, "--regen-turns", help="With --regenerate: assistant turns per conversation "
                                                              "to regenerate (later turns are dropped)."),
     regen_max_tokens: int = typer.Option(256, "--regen-max-tokens", help="With --regenerate: longest reply."),
+    repetition_penalty: Optional[float] = typer.Option(None, "--repetition-penalty", help="Of the regenerated "
+                                                       "replies and the held-out τ (default: the model's own, as "
+                                                       "chat uses it)."),
     cache_features: bool = typer.Option(False, "--cache-features", help="Precompute the target's hidden states "
                                                                         "to a safetensors shard cache."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the last checkpoint in --out."),
@@ -492,7 +495,7 @@ def train(
         num_layers=layers, lr=lr, lr_schedule=lr_schedule, batch_tokens=batch_tokens, max_len=max_len,
         eval_every=eval_every,
         max_conversations=max_conversations, regenerate=regenerate, regen_turns=regen_turns,
-        regen_max_tokens=regen_max_tokens, draft_vocab=draft_vocab, cache_features=cache_features, resume=resume,
+        regen_max_tokens=regen_max_tokens, repetition_penalty=repetition_penalty, draft_vocab=draft_vocab, cache_features=cache_features, resume=resume,
         overwrite=overwrite, push_to_hub=push_to_hub, seed=seed, device=device, dtype=dtype, revision=revision,
         trust_remote_code=trust_remote_code, reg_weight=reg_weight, loss_vocab=loss_vocab))
 

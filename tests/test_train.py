@@ -100,6 +100,37 @@ def test_regenerate_uses_the_targets_own_replies(fresh_model, data_file, tmp_pat
     original = {c["conversations"][0]["value"]: c["conversations"][1]["value"] for c in CONVERSATIONS}
     changed = [r for r in rows if r[1]["content"] != original[r[0]["content"]]]
     assert changed, "assistant turns were not replaced"
+    assert json.loads((out / "config.json").read_text())["training"]["repetition_penalty"] == 1.0  # not an alias
+
+
+def test_regenerate_in_batches_on_a_cpu_with_the_penalty(fresh_model, data_file, tmp_path, run_cli, monkeypatch):
+    """A target as big as BATCHED_CPU_PARAMS is regenerated on a CPU in padded batches of transformers' generate,
+    with the repetition penalty asked for, and a padding token that ends no reply (the penalty reads the padding)."""
+    from transformers import GenerationMixin
+
+    from clover_cli.train import data as train_data
+
+    monkeypatch.setattr(train_data, "BATCHED_CPU_PARAMS", 0)
+    calls = []
+    real = GenerationMixin.generate
+
+    def spy(self, *a, **k):
+        calls.append({"rows": k["input_ids"].shape[0], "penalty": k.get("repetition_penalty"),
+                      "pad": k["pad_token_id"], "eos": k.get("eos_token_id")})
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(GenerationMixin, "generate", spy)
+    out = tmp_path / "regen-batched"
+    code, _, err = run_cli("train", str(fresh_model), "--data", str(data_file), "--out", str(out), "--heads", "2",
+                           "--layers", "1", "--max-steps", "1", "--batch-tokens", "2048", "--max-len", "384",
+                           "--max-conversations", "6", "--regenerate", "--regen-max-tokens", "24",
+                           "--repetition-penalty", "1.3")
+    assert code == 0, err
+    assert calls and calls[0]["rows"] > 1 and sum(c["rows"] for c in calls) >= 6
+    assert all(c["penalty"] == 1.3 and c["pad"] not in (c["eos"] or []) for c in calls)
+    rows = [json.loads(line) for line in (out / "regenerated.jsonl").read_text().splitlines()]
+    assert len(rows) == 6
+    assert json.loads((out / "config.json").read_text())["training"]["repetition_penalty"] == 1.3
 
 
 def test_interrupt_keeps_the_last_checkpoint(fresh_model, data_file, tmp_path, run_cli, monkeypatch):

@@ -42,6 +42,9 @@ class TrainConfig:
     draft_vocab: int = 32768
     regen_turns: int = 4
     regen_max_tokens: int = 256
+    # the repetition penalty of the regenerated replies and of the held-out τ's replies: None = the model's own (its
+    # alias's measured default, as chat and generate use it; else 1, none), resolved once the model is known
+    repetition_penalty: float | None = None
     reg_weight: float = 1.0
     loss_vocab: str = "full"
     decay: float = 0.7
@@ -86,6 +89,9 @@ def validate(cfg: TrainConfig):
         raise CloverError(f"--draft-vocab must be 0 (the whole vocabulary) or positive, not {cfg.draft_vocab}")
     if not 1 <= cfg.regen_turns <= 64:
         raise CloverError(f"--regen-turns must be between 1 and 64, not {cfg.regen_turns}")
+    if cfg.repetition_penalty is not None and not (math.isfinite(cfg.repetition_penalty)
+                                                   and 0.0 < cfg.repetition_penalty <= 10.0):
+        raise CloverError(f"--repetition-penalty must be above 0 and at most 10, not {cfg.repetition_penalty}")
     if cfg.regenerate and not 1 <= cfg.regen_max_tokens < cfg.max_len:
         raise CloverError(f"--regen-max-tokens must be between 1 and --max-len - 1, not {cfg.regen_max_tokens}")
     if cfg.lr_schedule not in ("cosine", "constant"):

@@ -76,14 +76,23 @@ def _read_jsonl(path: Path, repair: bool = True) -> list:
     return rows
 
 
+# Regeneration on a CPU: a target this big is run in padded batches of CPU_BATCH (see regenerate()).
+BATCHED_CPU_PARAMS = 50_000_000
+CPU_BATCH = 48
+
+
 def regenerate(cfg: TrainConfig, model, tokenizer, template: str, stop_strings, conversations, device, log,
                target_box: dict, rank: int = 0, world: int = 1, barrier=lambda: None):
-    """Self-distillation: replace each assistant turn with the target's own greedy reply.
+    """Self-distillation: replace each assistant turn with the target's own greedy reply (with
+    cfg.repetition_penalty, as chat gives it).
 
     Turn by turn, so later turns see the target's earlier replies; at most cfg.regen_turns turns, each at most
-    cfg.regen_max_tokens tokens. On a CPU each reply comes from clover's own engine with the n-gram drafter (greedy
-    is lossless, and one sequence at a time beats padded batches there); on a GPU from batched transformers
-    generate over prompts sorted by length, at most 32 and at most 4 * --batch-tokens / --max-len at a time.
+    cfg.regen_max_tokens tokens. A small target on a CPU gets each reply from clover's own engine with the n-gram
+    drafter (greedy is lossless, and one sequence at a time beats padded batches there); a GPU, or a CPU with a
+    target of BATCHED_CPU_PARAMS parameters or more, from batched transformers generate over prompts sorted by length
+    (on a GPU at most 32 and at most 4 * --batch-tokens / --max-len at a time, on a CPU CPU_BATCH: transformers'
+    generate on SmolLM2-135M, float32, two cores, made 13 tokens/s one reply at a time, 103 sixteen at a time, 130
+    forty-eight at a time).
     Finished conversations are appended to --out/regenerated.jsonl, so an interrupted run resumes where it stopped.
     With several processes (rank of world), process r regenerates conversations r, r+world, ... of those still to
     do into its own regenerated.<start>.<r>-of-<world>.jsonl; the main process then merges them in order into
@@ -110,7 +119,7 @@ def regenerate(cfg: TrainConfig, model, tokenizer, template: str, stop_strings, 
     def replies_engine(prompts):
         from ..drafters.ngram import NgramDrafter
         from ..decode.engine import Engine
-        from ..decode.verify import StopCheck
+        from ..decode.verify import Sampling, StopCheck
 
         if target_box.get("target") is None:
             from ..target import Target
@@ -121,14 +130,16 @@ def regenerate(cfg: TrainConfig, model, tokenizer, template: str, stop_strings, 
         for ids in prompts:
             stop = StopCheck(cfg.regen_max_tokens, eos, stop_strings,
                              lambda t: tokenizer.decode(t, skip_special_tokens=False))
-            outs.append([tok for ev in engine.generate(ids, stop) for tok in ev.tokens])
+            sampling = Sampling(repetition_penalty=cfg.repetition_penalty)
+            outs.append([tok for ev in engine.generate(ids, stop, sampling) for tok in ev.tokens])
         return outs
 
     def replies_batched(prompts):
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (min(eos) if eos else 0)
+        # a padding token that ends no reply: the repetition penalty reads the padding as part of each prompt
+        pad = next(t for t in (tokenizer.pad_token_id, 0, 1, 2, 3) if t is not None and t not in eos)
         order = sorted(range(len(prompts)), key=lambda k: len(prompts[k]))
         outs = [None] * len(prompts)
-        per_batch = max(1, min(32, 4 * cfg.batch_tokens // cfg.max_len))
+        per_batch = CPU_BATCH if device.type == "cpu" else max(1, min(32, 4 * cfg.batch_tokens // cfg.max_len))
         for b in range(0, len(order), per_batch):
             rows = order[b:b + per_batch]
             width = max(len(prompts[k]) for k in rows)
@@ -142,6 +153,7 @@ def regenerate(cfg: TrainConfig, model, tokenizer, template: str, stop_strings, 
                 with torch.no_grad():
                     out = model.generate(input_ids=x.to(device), attention_mask=att.to(device), do_sample=False,
                                          max_new_tokens=cfg.regen_max_tokens, pad_token_id=pad,
+                                         repetition_penalty=cfg.repetition_penalty,
                                          eos_token_id=sorted(eos) or None)
             finally:
                 from ..target import ATTN_NAME
@@ -151,8 +163,11 @@ def regenerate(cfg: TrainConfig, model, tokenizer, template: str, stop_strings, 
                 outs[k] = out[r, width:].tolist()
         return outs
 
-    generate = replies_engine if device.type == "cpu" else replies_batched
-    chunk_size = 8 if device.type == "cpu" else 256
+    from ..quantized import weight_count
+
+    small_on_cpu = device.type == "cpu" and weight_count(model) < BATCHED_CPU_PARAMS
+    generate = replies_engine if small_on_cpu else replies_batched
+    chunk_size = 8 if small_on_cpu else CPU_BATCH if device.type == "cpu" else 256
     t0 = time.time()
     start = len(done)
     todo = convs[start:][rank::world]

@@ -30,7 +30,7 @@ def evaluate(heads, cfg, model, tokenizer, template, held_ids, held_masks, held_
     import copy
 
     from ..decode.engine import Engine
-    from ..decode.verify import StopCheck
+    from ..decode.verify import Sampling, StopCheck
     from ..drafters.registry import drafter_for
     from ..stats import Stats
     from ..target import Target
@@ -67,7 +67,7 @@ def evaluate(heads, cfg, model, tokenizer, template, held_ids, held_masks, held_
         room = min(EVAL_NEW_TOKENS, target.max_context - len(ids) - 30)
         if room < 2:
             continue
-        for ev in engine.generate(ids, StopCheck(room, eos)):
+        for ev in engine.generate(ids, StopCheck(room, eos), Sampling(repetition_penalty=cfg.repetition_penalty)):
             stats.add(ev)
     engine.reset()
     heads.train()
@@ -150,6 +150,8 @@ def run_training(cfg: TrainConfig):
     model, tokenizer = loaded.model, loaded.tokenizer
     model.requires_grad_(False)
     spec = resolved.spec
+    if cfg.repetition_penalty is None:
+        cfg.repetition_penalty = spec.repetition_penalty if spec else 1.0
     template_name, template = chat_template(tokenizer, spec.template if spec else None)
     stop_strings = STOP_STRINGS.get(template_name) or STOP_STRINGS.get(spec.template if spec else "", [])
     train_msgs, held_msgs = load_data(cfg, tokenizer, template)
@@ -303,7 +305,7 @@ def _train(cfg, accelerator, device, log, resuming, resolved, model, tokenizer, 
         unwrapped = accelerator.unwrap_model(heads)
         unwrapped.cfg.training = {"data": cfg.data, "steps": step, "regenerate": cfg.regenerate,
                                   "conversations": len(ids), "tokens_per_epoch": n_tokens, "lr": cfg.lr,
-                                  "lr_schedule": cfg.lr_schedule,
+                                  "lr_schedule": cfg.lr_schedule, "repetition_penalty": cfg.repetition_penalty,
                                   "batch_tokens": cfg.batch_tokens, "max_len": cfg.max_len,
                                   "reg_weight": cfg.reg_weight, "loss_vocab": cfg.loss_vocab,
                                   "heldout_accuracy": final.get("heldout_accuracy"),

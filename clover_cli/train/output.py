@@ -55,7 +55,8 @@ def check_out(cfg: TrainConfig) -> bool:
 
 
 # What the regenerated replies (--out/regenerated.jsonl) depend on: they are reused only when these match.
-REGEN_KEYS = ("model", "revision", "data", "max_conversations", "regen_turns", "regen_max_tokens", "max_len")
+REGEN_KEYS = ("model", "revision", "data", "max_conversations", "regen_turns", "regen_max_tokens", "max_len",
+             "repetition_penalty")
 
 
 def _marker(cfg: TrainConfig) -> dict:
