@@ -44,6 +44,7 @@ class BenchConfig:
     methods: str | None = None
     max_new_tokens: int = 128
     temperature: float = 0.0
+    top_p: float = 1.0  # with a temperature: nucleus sampling in every row (hf's too)
     repetition_penalty: float = 1.0  # every row, hf's too (transformers' repetition_penalty); llama.cpp's: none
     repeats: int = 1
     limit: int | None = None
@@ -379,7 +380,7 @@ class BenchSession:
             kwargs = dict(max_new_tokens=n, eos_token_id=sorted(s.eos_ids) or None,
                           pad_token_id=s.tokenizer.pad_token_id or (sorted(s.eos_ids) or [0])[0])
             if cfg.temperature > 0:
-                kwargs.update(do_sample=True, temperature=cfg.temperature, top_p=1.0, top_k=0)
+                kwargs.update(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=0)
                 torch.manual_seed(seed)
             else:
                 kwargs.update(do_sample=False)
@@ -406,7 +407,7 @@ class BenchSession:
         new = []
         t0 = time.perf_counter()
         stop = StopCheck(n, s.eos_ids)
-        for ev in eng.generate(ids, stop, Sampling(cfg.temperature, 1.0, seed, cfg.repetition_penalty)):
+        for ev in eng.generate(ids, stop, Sampling(cfg.temperature, cfg.top_p, seed, cfg.repetition_penalty)):
             stats.add(ev)
             new += ev.tokens
         t1 = time.perf_counter()
@@ -427,6 +428,8 @@ def run_bench(cfg: BenchConfig):
         raise CloverError(f"--temperature must be between 0 and 10, not {cfg.temperature}")
     if not (math.isfinite(cfg.repetition_penalty) and 0 < cfg.repetition_penalty <= 10):
         raise CloverError(f"--repetition-penalty must be above 0 and at most 10, not {cfg.repetition_penalty}")
+    if not (math.isfinite(cfg.top_p) and 0.0 < cfg.top_p <= 1.0):
+        raise CloverError(f"--top-p must be in (0, 1], not {cfg.top_p}")
     if not 1 <= cfg.repeats <= 100:
         raise CloverError(f"--repeats must be between 1 and 100, not {cfg.repeats}")
     if cfg.limit is not None and cfg.limit < 1:
@@ -459,7 +462,7 @@ def run_bench(cfg: BenchConfig):
     progress = _progress(cfg, len(prompts) * cfg.repeats * len(methods) + len(methods))
     with torch.inference_mode():
         for m in methods:  # warm-up: first-call costs (and the engine's cost measurement) stay out of the timings
-            bs.run(m, encoded[0][:64], BenchConfig(max_new_tokens=8, temperature=cfg.temperature,
+            bs.run(m, encoded[0][:64], BenchConfig(max_new_tokens=8, temperature=cfg.temperature, top_p=cfg.top_p,
                                                    repetition_penalty=cfg.repetition_penalty), seed=0)
             progress.advance(f"warm-up {m}")
         for r in range(cfg.repeats):
@@ -534,7 +537,7 @@ def make_report(cfg, bs, methods, rows, prompts) -> dict:
         "model": s.resolved.name, "device": str(s.device), "dtype": str(s.dtype).replace("torch.", ""),
         "weights": s.weights_text,
         "prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
-        "repetition_penalty": cfg.repetition_penalty,
+        "top_p": cfg.top_p, "repetition_penalty": cfg.repetition_penalty,
         "repeats": cfg.repeats, "tree_budget": cfg.tree_budget, "compiled": s.compiler.active,
         "step": s.compiler.describe(),
         "machine": f"{platform.machine()} {platform.processor() or ''} {torch.get_num_threads()} threads".strip(),

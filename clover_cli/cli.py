@@ -516,6 +516,7 @@ def bench(
                                                                   "too)."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="Tokens per prompt."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy (outputs are compared)."),
+    top_p: float = Common.top_p,
     repetition_penalty: float = typer.Option(1.0, "--repetition-penalty", help="Every row with transformers' "
                                              "repetition penalty (hf's too; no llama.cpp rows); 1 = none."),
     repeats: int = typer.Option(1, "--repeats", help="Timed runs per prompt and method."),
@@ -543,7 +544,7 @@ def bench(
 
     compile_mode(compile)
     run_bench(BenchConfig(model=model, prompts=prompts, methods=methods, max_new_tokens=max_new_tokens,
-                          temperature=temperature, repetition_penalty=repetition_penalty, repeats=repeats,
+                          temperature=temperature, top_p=top_p, repetition_penalty=repetition_penalty, repeats=repeats,
                           limit=limit, heads=heads, medusa_heads=medusa_heads, eagle_heads=eagle_heads, assistant=assistant,
                           draft_model=draft_model,
                           tree_budget=tree_budget, device=device, dtype=dtype, load_in_8bit=load_in_8bit,

@@ -87,6 +87,38 @@ def test_bench_with_a_repetition_penalty_compares_with_hf_penalised(model_with_h
     assert seen["hf"] and set(seen["hf"]) == {1.8} and seen["clover"] and set(seen["clover"]) == {1.8}
 
 
+def test_bench_samples_with_top_p_in_every_row(model_with_heads, prompts_file, run_cli, monkeypatch):
+    """--temperature 0.7 --top-p 0.9: hf samples with transformers' top-p warper at 0.9, clover's rows with
+    Sampling(top_p=0.9); the report says so."""
+    import transformers
+
+    from clover_cli.decode import engine
+
+    model, heads = model_with_heads
+    seen = {"hf": [], "clover": []}
+    real_warper = transformers.TopPLogitsWarper.__init__
+    real_generate = engine.Engine.generate
+
+    def warper(self, top_p, *a, **k):
+        seen["hf"].append(top_p)
+        real_warper(self, top_p, *a, **k)
+
+    def generate(self, prompt, stop, sampling=engine.Sampling()):
+        seen["clover"].append((sampling.temperature, sampling.top_p))
+        return real_generate(self, prompt, stop, sampling)
+
+    monkeypatch.setattr(transformers.TopPLogitsWarper, "__init__", warper)
+    monkeypatch.setattr(engine.Engine, "generate", generate)
+    code, out, err = run_cli("bench", str(model), "--heads", str(heads["clover2"]), "--prompts", str(prompts_file),
+                             "-n", "16", "--json", "--methods", "hf,plain,clover+ngram", "--temperature", "0.7",
+                             "--top-p", "0.9", "--limit", "2")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["temperature"] == 0.7 and report["top_p"] == 0.9
+    assert seen["hf"] and set(seen["hf"]) == {0.9}
+    assert seen["clover"] and set(seen["clover"]) == {(0.7, 0.9)}
+
+
 def test_bench_prompt_directory_and_methods(model_with_heads, tmp_path, run_cli):
     model, _ = model_with_heads
     d = tmp_path / "p"
@@ -156,6 +188,7 @@ def test_builtin_prompts_are_heldout_and_categorised():
     (["--repeats", "0"], "--repeats"),
     (["--temperature", "-1"], "--temperature"),
     (["--repetition-penalty", "0"], "--repetition-penalty"),
+    (["--top-p", "0"], "--top-p"),
     (["--repetition-penalty", "1.2", "--methods", "plain,llama.cpp"], "llama.cpp"),
 ])
 def test_bench_bad_input(llama_dir, run_cli, args, needle, prompts_file):
