@@ -12,7 +12,6 @@ import typer
 
 from .drafter_names import DRAFTS
 from .errors import CloverError
-from .templates import BUILTIN
 
 MODES = ("auto", "on", "off")  # --compile, see clover_cli/step/manager.py
 TREES = ("dynamic", "static")  # --tree
@@ -187,6 +186,13 @@ def completes(*values: str):
     return lambda incomplete: [v for v in values if v.startswith(incomplete)]
 
 
+def _templates(incomplete: str) -> list[str]:
+    """Shell completion of --chat-template: the built-in templates (templates.py is a layer above: read here only)."""
+    from .templates import BUILTIN
+
+    return completes(*BUILTIN)(incomplete)
+
+
 # Options shared by the commands that load a model.
 class Common:
     revision = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit) of the model.")
@@ -241,7 +247,7 @@ class Common:
                            "threads; default: torch's own, one per core).", show_default=False)
     chat_template = typer.Option(None, "--chat-template", help="The chat template: vicuna_v1.1, llama3, chatml or a "
                                  "Jinja file (default: the model's own, else its alias's, else vicuna_v1.1).",
-                                 autocompletion=completes(*BUILTIN), show_default=False)
+                                 autocompletion=_templates, show_default=False)
     max_context = typer.Option(None, "--ctx-size", "-c", help="Most tokens of context, prompt and replies together: "
                                "caps the KV cache (default: the model's own limit).", show_default=False)
     seed = typer.Option(None, "--seed", help="Random seed for sampling.")
