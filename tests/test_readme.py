@@ -215,3 +215,23 @@ def test_ollama_llama_cpp_table_flags_are_clover_s():
                 assert all(w in own for w in words[2:] if w[:1] == "-" and w != "-"), code
             else:
                 assert all(w in flags for w in words if w[:1] == "-" and w != "-"), (code, ours)
+
+
+# flags the README names that are other programs' -> whose
+FOREIGN_FLAGS = {"--dist": "pytest-xdist's", "--index-url": "pip's", "--multi_gpu": "accelerate launch's",
+                 "--num_processes": "accelerate launch's", "--repeat-penalty": "llama.cpp's (beside clover's own)"}
+
+
+def test_every_long_flag_in_the_readme_is_an_option_of_clover():
+    """Each --flag the README names is an option of clover or of one of its commands, or another program's listed in
+    FOREIGN_FLAGS (which holds none that clover has, and none the README no longer names)."""
+    from typer.main import get_command
+
+    from clover_cli.cli import app
+
+    root = get_command(app)
+    options = {"--help"} | {opt for p in root.params for opt in p.opts}
+    options |= {opt for command in root.commands.values() for p in command.params for opt in p.opts}
+    named = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9_-]*)", README.read_text()))
+    assert named - options == set(FOREIGN_FLAGS), "README flags that are no option of clover's (or stale entries)"
+    assert not options & set(FOREIGN_FLAGS)
