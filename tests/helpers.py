@@ -171,7 +171,7 @@ def check_trained_heads_cli(run_cli, model_dir, heads, prompt, family: str, n: i
 
     runs = {}
     for draft in ("none", family, "auto"):
-        code, stdout, err = run_cli("generate", str(model_dir), "--prompt", str(prompt), "--heads", str(heads),
+        code, stdout, err = run_cli("generate", str(model_dir), "-f", str(prompt), "--heads", str(heads),
                                     "--draft", draft, "--json", "-n", str(n), "--stats-file", "off")
         assert code == 0, err
         runs[draft] = json.loads(stdout)
@@ -183,7 +183,7 @@ def check_trained_heads_cli(run_cli, model_dir, heads, prompt, family: str, n: i
         lines = [line for line in err.splitlines() if line.strip()]
         assert code == 2 and len(lines) == 1 and needle in lines[0] and "Traceback" not in err, err
 
-    gen = ("generate", str(model_dir), "--prompt", str(prompt), "-n", "4", "--stats-file", "off")
+    gen = ("generate", str(model_dir), "-f", str(prompt), "-n", "4", "--stats-file", "off")
     one_line((*gen, "--heads", str(heads), "--draft", other[0]), other[1])
     one_line((*gen, "--heads", str(wrong_size_heads), "--draft", family), "hidden size 32")
     one_line((*gen, "--draft", family), f"no {family} heads")

@@ -207,7 +207,7 @@ def saved(tmp_path_factory):
 def test_cli_refuses_in_one_line(saved, tmp_path, run_cli):
     prompt = tmp_path / "p.txt"
     prompt.write_text("hello")
-    code, out, err = run_cli("generate", str(saved["lfm2"]), "--prompt", str(prompt), "--stats-file", "off")
+    code, out, err = run_cli("generate", str(saved["lfm2"]), "-f", str(prompt), "--stats-file", "off")
     assert code == 2 and out == "" and err.count("\n") == 1
     assert "cannot run lfm2 models exactly" in err
 
@@ -215,10 +215,10 @@ def test_cli_refuses_in_one_line(saved, tmp_path, run_cli):
 def test_a_model_without_a_chat_template_is_told_which_one_is_used(saved, tmp_path, run_cli):
     prompt = tmp_path / "p.txt"
     prompt.write_text("hello")
-    code, out, err = run_cli("generate", str(saved["qwen2"]), "--prompt", str(prompt), "-n", "4", "--stats-file",
+    code, out, err = run_cli("generate", str(saved["qwen2"]), "-f", str(prompt), "-n", "4", "--stats-file",
                              "off", "--draft", "none")
     assert code == 0
     assert "has no chat template of its own: using the vicuna_v1.1 template (--raw" in err
-    code, out, err = run_cli("generate", str(saved["qwen2"]), "--prompt", str(prompt), "-n", "4", "--stats-file",
+    code, out, err = run_cli("generate", str(saved["qwen2"]), "-f", str(prompt), "-n", "4", "--stats-file",
                              "off", "--draft", "none", "--raw")
     assert code == 0 and "chat template" not in err

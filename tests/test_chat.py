@@ -411,7 +411,7 @@ def test_penalty_command_sets_the_repetition_penalty(llama_dir, tmp_path, run_cl
     assert err.count("/penalty needs a number") == 2 and err.count("repetition penalty 1.8") == 2
     replies = {}
     for p in ("1.8", "1"):
-        code, gen_out, gen_err = run_cli("generate", str(llama_dir), "--prompt", str(tmp_path / "p.txt"), "-n", "16",
+        code, gen_out, gen_err = run_cli("generate", str(llama_dir), "-f", str(tmp_path / "p.txt"), "-n", "16",
                                          "--draft", "ngram", "--stats-file", "off", "--json",
                                          "--repetition-penalty", p)
         assert code == 0, gen_err

@@ -82,7 +82,7 @@ def assert_one_line_error(result, *needles, tmp=None):
 
 
 def gen(run_cli, model, prompt, *extra, stdin=None):
-    return run_cli("generate", str(model), "--prompt", str(prompt), *extra, stdin=stdin)
+    return run_cli("generate", str(model), "-f", str(prompt), *extra, stdin=stdin)
 
 
 # --- commands and the happy path ------------------------------------------------------------------------------
@@ -114,6 +114,42 @@ def test_shell_completion_lists_commands_flags_and_choices(words, cword, expecte
     assert done.returncode == 0 and done.stdout.split() == expected, done
 
 
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+def test_help_shows_the_choices(run_cli, command, monkeypatch):
+    """Options with a fixed set of values show it in --help as typer shows a choice type, each value one that the
+    option takes (checked before anything loads: test_bad_drafting_options and below); --draft, whose list is too
+    wide for the column, names its values in its help."""
+    from clover_cli.drafter_names import DRAFTS
+    from clover_cli.loading import pick_device, pick_dtype
+    from clover_cli.options import Options, check_options, compile_mode
+
+    monkeypatch.setenv("COLUMNS", "250")
+    code, out, err = run_cli(command, "--help")
+    assert code == 0, err
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\W*(--[\w-]+)(?:,--[\w-]+)?\s+(?:-\w\s+)?(<\S+>)", out,
+                                                         flags=re.M)}
+    shown = {flag: rows[flag][1:-1].split("|") for flag in ("--tree", "--early-stop", "--device", "--dtype",
+                                                             "--compile", "--quantize")}
+    assert shown == {"--tree": ["dynamic", "static"], "--early-stop": ["fixed", "learned"],
+                     "--device": ["auto", "cpu", "cuda", "cuda:N"],
+                     "--dtype": ["auto", "float32", "float16", "bfloat16"], "--compile": ["auto", "on", "off"],
+                     "--quantize": ["int8", "int4"]}
+    assert rows["--draft"] == "<drafter>" and f"{', '.join(DRAFTS[:-1])} or {DRAFTS[-1]}" in " ".join(
+        re.sub(r"[│|]", " ", out).split())
+    for value in shown["--tree"]:
+        check_options(Options(tree=value))
+    for value in shown["--early-stop"]:
+        check_options(Options(early_stop=value, tree="dynamic"))
+    for value in shown["--quantize"]:
+        check_options(Options(quantize=value))
+    for value in DRAFTS:
+        check_options(Options(draft=value))
+    assert [compile_mode(value) for value in shown["--compile"]] == shown["--compile"]
+    assert pick_device("cpu").type == "cpu" and pick_device("auto").type in ("cpu", "cuda")
+    for value in shown["--dtype"]:
+        pick_dtype(value, pick_device("cpu"))
+
+
 def test_generate_json_on_cpu(run_cli, llama_dir, prompt_path, isolated):
     code, out, err = gen(run_cli, llama_dir, prompt_path, "--draft", "none", "--json", "-n", "8")
     assert code == 0, err
@@ -131,7 +167,7 @@ def test_generate_json_on_cpu(run_cli, llama_dir, prompt_path, isolated):
     records = [json.loads(line) for line in stats_file(isolated).read_text().splitlines()]
     assert records, "generate appends to the stats stream"
 
-    # --prompt - reads the same prompt from standard input: same greedy reply.
+    # -f - reads the same prompt from standard input: same greedy reply.
     code, out2, err = gen(run_cli, llama_dir, "-", "--draft", "none", "--json", "-n", "8",
                           stdin=prompt_path.read_text())
     assert code == 0, err
@@ -165,6 +201,54 @@ def test_flags_as_llama_cpp_users_type_them(run_cli, llama_dir, prompt_path, iso
     assert sampled("--min-p", "0.999") == greedy
     code, out, err = gen(run_cli, llama_dir, prompt_path, "-c", "100")  # the prompt: 151 tokens
     assert code == 2 and out == "" and err.count("\n") == 1 and "context (100)" in err, err
+
+
+def test_prompt_as_text_or_file(run_cli, llama_dir, prompt_path, isolated, tmp_path, monkeypatch):
+    """-p takes the prompt's text (llama-cli's -p, `ollama run MODEL TEXT`), -f a file: the same prompt gives the
+    same reply either way. A -p text that names a file is the text, never the file (a note says how to read it);
+    -p and -f exclude each other, one of them is needed, and -p - is refused (-f - reads standard input)."""
+    args = ("--draft", "none", "--json", "-n", "8")
+    code, out, err = gen(run_cli, llama_dir, prompt_path, *args)
+    assert code == 0, err
+    from_file = json.loads(out)
+    text = prompt_path.read_text().removesuffix("\n")
+    code, out, err = run_cli("generate", str(llama_dir), "-p", text, *args)
+    assert code == 0 and err == "", err
+    from_text = json.loads(out)
+    assert from_text["text"] == from_file["text"] and from_text["prompt_tokens"] == from_file["prompt_tokens"]
+    code, out, err = run_cli("generate", str(llama_dir), "--prompt", text, *args)
+    assert code == 0 and json.loads(out)["text"] == from_file["text"], err
+
+    # a file named like the text: the text is the prompt (its few tokens), the file is not read
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("x " * 400)
+    code, out, err = run_cli("generate", str(llama_dir), "-p", "notes.txt", *args)
+    assert code == 0, err
+    assert json.loads(out)["prompt_tokens"] < from_file["prompt_tokens"] < 400
+    assert err.strip() == "clover: note: -p/--prompt takes the prompt's text; to read the file of that name give " \
+                          "-f notes.txt", err
+
+    stats_file(isolated).unlink()  # the runs above wrote it; the refused ones below must not
+    both = run_cli("generate", str(llama_dir), "-p", text, "-f", str(prompt_path), *args)
+    assert_one_line_error(both, "exclude each other", tmp=isolated)
+    assert_one_line_error(run_cli("generate", str(llama_dir), *args), "-p TEXT or -f FILE", tmp=isolated)
+    assert_one_line_error(run_cli("generate", str(llama_dir), "-p", "-", *args), "-f -", tmp=isolated)
+    assert_one_line_error(run_cli("generate", str(llama_dir), "-p", "  \n", *args), "empty", tmp=isolated)
+    assert_one_line_error(run_cli("generate", str(llama_dir), "-p", "caf\udce9", *args), "not UTF-8",
+                          tmp=isolated)  # a Latin-1 byte in argv, as Python decodes it
+
+
+def test_chat_threads(run_cli, llama_dir, isolated):
+    """chat -t N sets torch's threads too (generate's -t: test_flags_as_llama_cpp_users_type_them)."""
+    before = torch.get_num_threads()
+    want = 3 if before != 3 else 2
+    try:
+        code, out, err = run_cli("chat", str(llama_dir), "-t", str(want), "-n", "2", "--draft", "none",
+                                 "--stats-file", "off", stdin="Hello\n")
+        assert code == 0, err
+        assert torch.get_num_threads() == want
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_chat_template_by_name_or_file(run_cli, llama_dir, prompt_path, tmp_path, isolated):
@@ -230,7 +314,7 @@ def test_an_alias_default_penalty_applies_unless_one_is_asked(run_cli, prompt_pa
     monkeypatch.setitem(aliases.ALIASES, "tiny", dataclasses.replace(aliases.ALIASES["tiny"], repetition_penalty=1.4))
     runs = {}
     for args in ([], ["--repetition-penalty", "1.4"], ["--repetition-penalty", "1"]):
-        code, out, err = run_cli("generate", "tiny", "--prompt", str(prompt_path), "--json", "-n", "24", *args)
+        code, out, err = run_cli("generate", "tiny", "-f", str(prompt_path), "--json", "-n", "24", *args)
         assert code == 0, err
         result = json.loads(out)
         runs[tuple(args)] = (result["repetition_penalty"], result["text"])
@@ -393,10 +477,10 @@ def test_bad_sampling(run_cli, llama_dir, prompt_path, isolated, option, value):
     (["--temperature", "abc"], "--temperature"),
     (["--max-new-tokens", "1.5"], "--max-new-tokens"),
     (["--no-such-flag"], "--no-such-flag"),
-    ([], "--prompt"),
+    ([], "-p TEXT or -f FILE"),
 ], ids=["non-numeric", "non-integer", "unknown-option", "missing-prompt"])
 def test_usage_errors(run_cli, llama_dir, prompt_path, isolated, args, needle):
-    prompt = ["--prompt", str(prompt_path)] if args else []
+    prompt = ["-f", str(prompt_path)] if args else []
     assert_one_line_error(run_cli("generate", str(llama_dir), *prompt, *args), needle, tmp=isolated)
 
 

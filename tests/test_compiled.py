@@ -399,7 +399,7 @@ def test_background_build_swaps_in_and_the_cli_reuses_it(llama_dir, tmp_path, mo
     prompt_file.write_text("Hello! How can I help")
     results = {}
     for mode in ("auto", "off"):
-        code, out, err = run_cli("generate", str(llama_dir), "--prompt", str(prompt_file), "-n", "16", "--json",
+        code, out, err = run_cli("generate", str(llama_dir), "-f", str(prompt_file), "-n", "16", "--json",
                                  "--compile", mode, "--stats-file", "off")
         assert code == 0, err
         results[mode] = json.loads(out)
@@ -416,7 +416,7 @@ def test_background_build_swaps_in_and_the_cli_reuses_it(llama_dir, tmp_path, mo
 
     tmpdir = tmp_path / "tmpdir"
     tmpdir.mkdir()
-    p = subprocess.run([*clover_command(), "generate", str(llama_dir), "--prompt", str(prompt_file), "-n", "8",
+    p = subprocess.run([*clover_command(), "generate", str(llama_dir), "-f", str(prompt_file), "-n", "8",
                         "--json", "--compile", "on", "--stats-file", "off"], env=dict(os.environ, TMPDIR=str(tmpdir)),
                        capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     assert p.returncode == 0, p.stderr
@@ -429,7 +429,7 @@ def test_background_build_swaps_in_and_the_cli_reuses_it(llama_dir, tmp_path, mo
     draft = small_draft(tmp_path / "draft", llama_dir)
     runs = {}
     for mode in ("on", "off"):
-        code, out, err = run_cli("generate", str(llama_dir), "--prompt", str(prompt_file), "-n", "16", "--json",
+        code, out, err = run_cli("generate", str(llama_dir), "-f", str(prompt_file), "-n", "16", "--json",
                                  "--compile", mode, "--draft", "model", "--draft-model", str(draft),
                                  "--stats-file", "off")
         assert code == 0, err
@@ -448,7 +448,7 @@ def test_background_build_swaps_in_and_the_cli_reuses_it(llama_dir, tmp_path, mo
     save_heads(random_heads(s.model, "eagle", 0, 4, 1), tmp_path / "eagle", "card\n")
     code, out, err = run_cli("compile", str(llama_dir), "--heads", str(tmp_path / "eagle"))
     assert code == 0 and "already compiled" in out and "EAGLE heads run eager" in err, err
-    code, out, err = run_cli("generate", str(llama_dir), "--prompt", str(prompt_file), "-n", "16", "--json",
+    code, out, err = run_cli("generate", str(llama_dir), "-f", str(prompt_file), "-n", "16", "--json",
                              "--heads", str(tmp_path / "eagle"), "--compile", "auto", "--stats-file", "off")
     assert code == 0, err
     eagle = json.loads(out)
@@ -461,7 +461,7 @@ def test_bad_compile_mode_is_one_line(llama_dir, tmp_path, monkeypatch, run_cli,
         monkeypatch.setenv(k, v)
     p = tmp_path / "p.txt"
     p.write_text("hi")
-    code, out, err = run_cli("generate", str(llama_dir), "--prompt", str(p), *args)
+    code, out, err = run_cli("generate", str(llama_dir), "-f", str(p), *args)
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and "must be auto, on or off" in err
 
@@ -472,7 +472,7 @@ def test_bad_compile_sizes_is_one_line(llama_dir, tmp_path, monkeypatch, run_cli
     monkeypatch.setenv("CLOVER_COMPILE_CACHE", str(tmp_path / "cache"))
     p = tmp_path / "p.txt"
     p.write_text("hi")
-    extra = ["--prompt", str(p), "--compile", "auto"] if command == "generate" else []
+    extra = ["-f", str(p), "--compile", "auto"] if command == "generate" else []
     code, out, err = run_cli(command, str(llama_dir), *extra)
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and "CLOVER_COMPILE_SIZES must list step sizes" in err

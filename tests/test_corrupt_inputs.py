@@ -100,8 +100,8 @@ DAMAGE = {  # what can happen to a file: (kind, how)
 
 # command -> its arguments, with {model} {heads} {prompt} {prompts} {data} {run} {stats} filled in
 COMMANDS = {
-    "generate": ["generate", "{model}", "--prompt", "{prompt}", "-n", "4", "--stats-file", "off"],
-    "generate --heads": ["generate", "{model}", "--prompt", "{prompt}", "--heads", "{heads}", "--draft", "clover",
+    "generate": ["generate", "{model}", "-f", "{prompt}", "-n", "4", "--stats-file", "off"],
+    "generate --heads": ["generate", "{model}", "-f", "{prompt}", "--heads", "{heads}", "--draft", "clover",
                          "-n", "4", "--stats-file", "off"],
     "chat": ["chat", "{model}", "-n", "4", "--stats-file", "off"],
     "chat --heads": ["chat", "{model}", "--heads", "{heads}", "--draft", "clover", "-n", "4", "--stats-file", "off"],

@@ -447,7 +447,7 @@ def test_generate_with_a_draft_model(run_cli, llama_dir, drafts, tmp_path):
     prompt.write_text("Hello! How can I help you today?")
     runs = {}
     for draft in ("none", "model"):
-        code, out, err = run_cli("generate", str(llama_dir), "-p", str(prompt), "-n", "24", "--json",
+        code, out, err = run_cli("generate", str(llama_dir), "-f", str(prompt), "-n", "24", "--json",
                                  "--draft", draft, "--draft-model", str(drafts["good"]), "--stats-file", "off")
         assert code == 0, err
         runs[draft] = json.loads(out)
@@ -463,7 +463,7 @@ def test_generate_keeps_the_learned_early_stop_for_the_next_run(run_cli, llama_d
     monkeypatch.setenv("CLOVER_COMPILE_CACHE", str(tmp_path / "cache"))
     prompt = tmp_path / "p.txt"
     prompt.write_text("Hello! How can I help you today?")
-    common = ["generate", str(llama_dir), "-p", str(prompt), "-n", "40", "--json", "--stats-file", "off",
+    common = ["generate", str(llama_dir), "-f", str(prompt), "-n", "40", "--json", "--stats-file", "off",
               "--draft-model", str(drafts["good"])]
     code, out, err = run_cli(*common, "--draft", "none")
     assert code == 0, err
@@ -496,7 +496,7 @@ def test_bad_draft_models_are_refused_in_one_line(run_cli, llama_dir, drafts, tm
     prompt = tmp_path / "p.txt"
     prompt.write_text("Hello")
     extra = [] if case is None else ["--draft-model", str(drafts.get(case, tmp_path / "no-such-draft"))]
-    code, out, err = run_cli("generate", str(llama_dir), "-p", str(prompt), "-n", "4", "--draft", "model",
+    code, out, err = run_cli("generate", str(llama_dir), "-f", str(prompt), "-n", "4", "--draft", "model",
                              "--stats-file", "off", *extra)
     assert code != 0
     lines = [line for line in err.strip().splitlines() if line.strip()]

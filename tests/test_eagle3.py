@@ -417,7 +417,7 @@ def test_published_eagle3_from_the_hub(tmp_path):
     prompt.write_text("Hello! What is the capital of France?\n")
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf), pytest.raises(SystemExit) as e:
-        main(["generate", str(ref), "--prompt", str(prompt), "--draft", "none", "--json", "-n", "16",
+        main(["generate", str(ref), "-f", str(prompt), "--draft", "none", "--json", "-n", "16",
               "--stats-file", "off"])
     assert e.value.code == 0
     want = json.loads(buf.getvalue())["text"]
@@ -425,7 +425,7 @@ def test_published_eagle3_from_the_hub(tmp_path):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING", "TRANSFORMERS_"))}
         env.update(HF_ENDPOINT=url, HF_HOME=str(root / "hf-home"), XDG_CACHE_HOME=str(root / "xdg"),
                    HF_HUB_DISABLE_TELEMETRY="1", OMP_NUM_THREADS="1", NO_COLOR="1")
-        p = subprocess.run([*clover_command(), "generate", "llama3.1-8b", "--draft", "eagle3", "--prompt", str(prompt),
+        p = subprocess.run([*clover_command(), "generate", "llama3.1-8b", "--draft", "eagle3", "-f", str(prompt),
                             "--json", "-n", "16", "--stats-file", "off"], env=env, capture_output=True, text=True,
                            timeout=300, stdin=subprocess.DEVNULL)
         assert p.returncode == 0, p.stderr

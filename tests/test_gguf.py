@@ -394,7 +394,7 @@ def test_generate_converts_a_gguf_once(run_cli, ggufs, cache, tmp_path):
     target, draft = ggufs("llama", "Q4_K_M"), ggufs("llama", "Q4_0")
     prompt = tmp_path / "prompt.txt"
     prompt.write_text(PROMPTS[0])
-    common = ("--prompt", str(prompt), "-n", "24", "--stats-file", "off")
+    common = ("-f", str(prompt), "-n", "24", "--stats-file", "off")
 
     code, text, err = run_cli("generate", str(target.path), *common, "--draft", "none")
     assert code == 0, err
@@ -487,7 +487,7 @@ def test_bad_ggufs_fail_in_one_line_and_leave_nothing(case, run_cli, ggufs, toke
     path, needles = bad_input(case, tmp_path, ggufs, tokenizer)
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("Hello")
-    one_line_error(run_cli("generate", str(path), "--prompt", str(prompt), "-n", "4", "--stats-file", "off"),
+    one_line_error(run_cli("generate", str(path), "-f", str(prompt), "-n", "4", "--stats-file", "off"),
                    *needles)
     assert leftovers(cache) == []
     if case in ("text", "two-ggufs", "missing"):  # told before the file is read for its hash: nothing written

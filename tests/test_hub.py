@@ -197,7 +197,7 @@ def local_text(prompt_file, hub):
     def answer(ref: str) -> str:
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf), pytest.raises(SystemExit) as e:
-            main(["generate", str(hub.refs[ref]), "--prompt", str(prompt_file), "--draft", "none", "--json",
+            main(["generate", str(hub.refs[ref]), "-f", str(prompt_file), "--draft", "none", "--json",
                   "-n", "12", "--stats-file", "off"])
         assert e.value.code == 0
         return json.loads(buf.getvalue())["text"]
@@ -246,7 +246,7 @@ def test_download_fetches_only_safe_files(hub, downloaded):
 
 
 def test_generate_through_the_hub(hub, downloaded, prompt_file, local_text):
-    code, out, err = hub.run("generate", "org/model", "--prompt", str(prompt_file), "--draft", "none", "--json",
+    code, out, err = hub.run("generate", "org/model", "-f", str(prompt_file), "--draft", "none", "--json",
                              "-n", "12")
     assert code == 0, err
     assert "Traceback" not in err
@@ -262,7 +262,7 @@ def test_generate_through_the_hub(hub, downloaded, prompt_file, local_text):
 
 def test_revision_and_heads_from_the_hub(hub, prompt_file, local_text):
     code, out, err = hub.run("generate", "org/model", "--revision", "v1", "--heads", "org/heads", "--draft",
-                             "clover", "--prompt", str(prompt_file), "--json", "-n", "12", "--stats-file", "off")
+                             "clover", "-f", str(prompt_file), "--json", "-n", "12", "--stats-file", "off")
     assert code == 0, err
     result = json.loads(out)
     assert result["draft"] == "clover"
@@ -287,7 +287,7 @@ def test_unknown_repo_and_revision(hub):
 
 def test_offline(hub, downloaded, prompt_file, local_text):
     assert downloaded[0] == 0
-    code, out, err = hub.run("generate", "org/model", "--prompt", str(prompt_file), "--draft", "none", "--json",
+    code, out, err = hub.run("generate", "org/model", "-f", str(prompt_file), "--draft", "none", "--json",
                              "-n", "12", "--stats-file", "off", HF_HUB_OFFLINE="1",
                              HF_ENDPOINT="http://127.0.0.1:9")  # nothing listens there: offline must not ask
     assert code == 0, err
@@ -307,7 +307,7 @@ def test_pickled_weights_need_allow_pickle(hub, prompt_file):
     code, out, err = hub.run("download", "org/binonly")
     assert_one_line_error(code, out, err, "--allow-pickle")
     assert not [f for f in hub.cache_files("org/binonly") if f.endswith(".bin")]
-    code, out, err = hub.run("generate", "org/binonly", "--allow-pickle", "--prompt", str(prompt_file), "--draft",
+    code, out, err = hub.run("generate", "org/binonly", "--allow-pickle", "-f", str(prompt_file), "--draft",
                              "none", "--json", "-n", "4", "--stats-file", "off")
     assert code == 0, err
     assert json.loads(out)["new_tokens"] >= 1
@@ -343,7 +343,7 @@ def test_alias_downloads_the_published_heads(hub, prompt_file, local_text, alias
     """`clover generate ALIAS` with no other flag fetches the target and the heads published for it (in their
     authors' layout: the first the alias lists, or the --draft's) and decodes losslessly with them; a pickled file
     is fetched only where nothing else exists."""
-    code, out, err = hub.run("generate", alias, "--prompt", str(prompt_file), "--json", "-n", "12",
+    code, out, err = hub.run("generate", alias, "-f", str(prompt_file), "--json", "-n", "12",
                              "--stats-file", "off", *flags)
     assert code == 0, err
     result = json.loads(out)
@@ -365,7 +365,7 @@ def test_download_fetches_the_alias_draft_model(hub, prompt_file, local_text):
     assert "draft model:" in out and "models--double7--vicuna-68m" in out
     names = {Path(f).name for f in hub.cache_files("double7/vicuna-68m")}
     assert {"config.json", "model.safetensors"} <= names
-    code, out, err = hub.run("generate", "vicuna-7b", "--draft", "model", "--prompt", str(prompt_file), "--json",
+    code, out, err = hub.run("generate", "vicuna-7b", "--draft", "model", "-f", str(prompt_file), "--json",
                              "-n", "12", "--stats-file", "off", HF_HUB_OFFLINE="1",
                              HF_ENDPOINT="http://127.0.0.1:9")  # nothing listens there: all of it was fetched
     assert code == 0, err

@@ -381,7 +381,7 @@ def test_a_pickle_that_runs_code_is_refused(tmp_path):
     (tmp_path / "m" / "config.json").write_text(json.dumps({"medusa_num_heads": 5, "medusa_num_layers": 1}))
     torch.save({"0.0.linear.weight": RunsCode()}, tmp_path / "m" / "medusa_lm_head.pt")
     (tmp_path / "prompt.txt").write_text("hello")
-    p = subprocess.run([*clover_command(), "generate", str(model_dir), "--prompt", str(tmp_path / "prompt.txt"),
+    p = subprocess.run([*clover_command(), "generate", str(model_dir), "-f", str(tmp_path / "prompt.txt"),
                         "-n", "4", "--heads", str(tmp_path / "m"), "--draft", "medusa"],
                        capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
                        env=dict(os.environ, CLOVER_COMPILE="off"))

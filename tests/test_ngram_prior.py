@@ -94,14 +94,14 @@ def test_a_damaged_prior_beside_the_model_is_one_line(llama_dir, tmp_path, run_c
     (model / PRIOR_FILE).write_bytes(b"\x07" * 100)
     prompt = tmp_path / "p.txt"
     prompt.write_text("Hello")
-    one_line_error(run_cli("generate", str(model), "--prompt", str(prompt), "-n", "4", "--stats-file", "off"),
+    one_line_error(run_cli("generate", str(model), "-f", str(prompt), "-n", "4", "--stats-file", "off"),
                    PRIOR_FILE)
     # a drafter that does not use the prior never reads it: plain decoding still works
-    code, out, err = run_cli("generate", str(model), "--prompt", str(prompt), "-n", "4", "--stats-file", "off",
+    code, out, err = run_cli("generate", str(model), "-f", str(prompt), "-n", "4", "--stats-file", "off",
                              "--draft", "none")
     assert code == 0, err
     save_prior(model / PRIOR_FILE, counts([(1, 2, 3, 1)]))
-    code, out, err = run_cli("generate", str(model), "--prompt", str(prompt), "-n", "4", "--stats-file", "off")
+    code, out, err = run_cli("generate", str(model), "-f", str(prompt), "-n", "4", "--stats-file", "off")
     assert code == 0, err
 
 

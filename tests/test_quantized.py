@@ -287,7 +287,7 @@ def test_quantize_options_fail_in_one_line(run_cli, tmp_path):
     for args, says in ((["--quantize", "int3"], "--quantize must be int8 or int4"),
                        (["--quantize", "int8", "--load-in-8bit"], "exclude each other"),
                        (["--quantize", "int4", "--dtype", "bfloat16"], "drop --dtype bfloat16")):
-        code, out, err = run_cli("generate", "tiny", "--prompt", str(prompt), "-n", "2", "--stats-file", "off", *args)
+        code, out, err = run_cli("generate", "tiny", "-f", str(prompt), "-n", "2", "--stats-file", "off", *args)
         assert code == 2 and says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
 
 
@@ -298,7 +298,7 @@ def test_generate_runs_quantized_and_says_so(run_cli, tmp_path):
     prompt.write_text("Tell me a story.")
     outs = {}
     for q in ("int8", "int4"):
-        code, out, err = run_cli("generate", "tiny", "--prompt", str(prompt), "-n", "16", "--stats-file", "off",
+        code, out, err = run_cli("generate", "tiny", "-f", str(prompt), "-n", "16", "--stats-file", "off",
                                  "--quantize", q, "--json")
         assert code == 0, err
         result = json.loads(out)

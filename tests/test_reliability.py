@@ -144,10 +144,10 @@ def test_allow_pickle_model_weights_cannot_run_code(run_cli, tmp_path):
     torch.save({**state, "model.embed_tokens.weight": _Payload(marker)}, evil / "pytorch_model.bin")
     prompt = tmp_path / "p.txt"
     prompt.write_text("Hello")
-    one_line_error(run_cli("generate", str(evil), "--allow-pickle", "-p", str(prompt), "-n", "2"), "refusing",
+    one_line_error(run_cli("generate", str(evil), "--allow-pickle", "-f", str(prompt), "-n", "2"), "refusing",
                    str(evil), "posix.system")
     assert not marker.exists(), "the model's weights ran code"
-    code, out, err = run_cli("generate", str(good), "--allow-pickle", "-p", str(prompt), "-n", "2", "--draft", "none")
+    code, out, err = run_cli("generate", str(good), "--allow-pickle", "-f", str(prompt), "-n", "2", "--draft", "none")
     assert code == 0, err
 
 
@@ -203,7 +203,7 @@ def test_calibration_and_drafting_stay_inside_the_context(short_dir, monkeypatch
 def test_generate_near_the_end_of_the_context_with_the_default_budget(run_cli, short_dir, tmp_path):
     prompt = tmp_path / "long.txt"
     prompt.write_text("The quick brown fox jumps over the lazy dog. " * 24)  # about 245 of the 256 tokens, raw
-    code, out, err = run_cli("generate", str(short_dir), "--prompt", str(prompt), "--raw", "--draft", "ngram",
+    code, out, err = run_cli("generate", str(short_dir), "-f", str(prompt), "--raw", "--draft", "ngram",
                              "-n", "8", "--json", "--stats-file", "off")
     assert code == 0, err
     result = json.loads(out)
@@ -245,7 +245,7 @@ def test_damaged_model_weights(run_cli, model_copy, prompt_file, damage):
     weights = model_copy / "model.safetensors"
     data = weights.read_bytes()
     weights.write_bytes({"truncate": data[:len(data) // 2], "garbage": b"\x07" * 4096, "empty": b""}[damage])
-    one_line_error(run_cli("generate", str(model_copy), "--prompt", str(prompt_file), "--stats-file", "off"),
+    one_line_error(run_cli("generate", str(model_copy), "-f", str(prompt_file), "--stats-file", "off"),
                    "cannot load the model", "safetensors weights are damaged")
 
 
@@ -289,14 +289,14 @@ def test_heads_that_disagree_with_their_config(run_cli, llama_dir, heads_dir, pr
     heads = tmp_path / "heads"
     shutil.copytree(heads_dir, heads)
     HEADS_DAMAGE[damage](heads)
-    result = run_cli("generate", str(llama_dir), "--prompt", str(prompt_file), "--heads", str(heads), "--draft",
+    result = run_cli("generate", str(llama_dir), "-f", str(prompt_file), "--heads", str(heads), "--draft",
                      "clover", "--stats-file", "off", "-n", "8")
     assert result[1] == "", "nothing is printed before the heads are known to be good"
     one_line_error(result, str(heads))
 
 
 def test_good_heads_still_load(run_cli, llama_dir, heads_dir, prompt_file):
-    code, out, err = run_cli("generate", str(llama_dir), "--prompt", str(prompt_file), "--heads", str(heads_dir),
+    code, out, err = run_cli("generate", str(llama_dir), "-f", str(prompt_file), "--heads", str(heads_dir),
                              "--draft", "clover", "--stats-file", "off", "-n", "8", "--json")
     assert code == 0, err
     assert json.loads(out)["draft"] == "clover"
@@ -335,7 +335,7 @@ def test_stats_on_an_unreadable_stream(run_cli, tmp_path, monkeypatch, which):
 def test_a_session_that_cannot_write_its_stream_says_so(run_cli, llama_dir, prompt_file, tmp_path, monkeypatch):
     (tmp_path / "blocked").write_text("")  # the default cache directory cannot be made: a file is in the way
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "blocked"))
-    code, out, err = run_cli("generate", str(llama_dir), "--prompt", str(prompt_file), "--draft", "none", "-n", "4",
+    code, out, err = run_cli("generate", str(llama_dir), "-f", str(prompt_file), "--draft", "none", "-n", "4",
                              "--json")
     assert code == 0, err
     assert err.count("\n") == 1 and err.startswith("clover: warning: cannot write the stats stream"), err
@@ -354,7 +354,7 @@ def test_a_stream_that_fails_mid_session_is_reported_once(run_cli, llama_dir, pr
         return real(self)
 
     monkeypatch.setattr(stats.StatsWriter, "_open", full)
-    code, out, err = run_cli("generate", str(llama_dir), "--prompt", str(prompt_file), "--draft", "none", "-n", "6",
+    code, out, err = run_cli("generate", str(llama_dir), "-f", str(prompt_file), "--draft", "none", "-n", "6",
                              "--stats-file", str(tmp_path / "s.jsonl"))
     assert code == 0, err
     assert len(calls) > 3, "several records were attempted"
@@ -384,7 +384,7 @@ def test_warp_is_a_distribution_at_any_temperature(temperature):
 def test_tiny_temperature_samples_what_greedy_picks(run_cli, llama_dir, prompt_file):
     texts = {}
     for t in ("0", "1e-40"):
-        code, out, err = run_cli("generate", str(llama_dir), "--prompt", str(prompt_file), "--temp", t, "--seed", "3",
+        code, out, err = run_cli("generate", str(llama_dir), "-f", str(prompt_file), "--temp", t, "--seed", "3",
                                  "--draft", "ngram", "-n", "24", "--json", "--stats-file", "off")
         assert code == 0, err
         texts[t] = json.loads(out)["text"]
@@ -498,7 +498,7 @@ GEN = ("--draft", "none", "--stats-file", "off")
 
 def test_a_reader_that_goes_away_ends_the_run_quietly(llama_dir, prompt_file):
     """`clover generate ... | head -1`: the pipe's reader is gone before the reply is written."""
-    proc = subprocess.Popen([*CLOVER, "generate", str(llama_dir), "--prompt", str(prompt_file), "-n", "64", *GEN],
+    proc = subprocess.Popen([*CLOVER, "generate", str(llama_dir), "-f", str(prompt_file), "-n", "64", *GEN],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env={**os.environ, **CHILD_ENV})
     proc.stdout.close()  # the reader went away
     err = proc.stderr.read().decode()
@@ -509,7 +509,7 @@ def test_a_reader_that_goes_away_ends_the_run_quietly(llama_dir, prompt_file):
 def test_a_full_output_device_is_one_line(llama_dir, prompt_file):
     with open("/dev/full", "w") as full:
         for mode in ([], ["--json"]):
-            r = clover("generate", llama_dir, "--prompt", prompt_file, "-n", "8", *GEN, *mode, stdout=full)
+            r = clover("generate", llama_dir, "-f", prompt_file, "-n", "8", *GEN, *mode, stdout=full)
             err = r.stderr.decode()
             assert r.returncode == 1 and "Traceback" not in err and "Exception ignored" not in err, err
             assert err.count("\n") == 1 and err.startswith("clover: error:") and "No space left" in err, err
@@ -520,18 +520,18 @@ def test_prompts_from_pipes_and_devices(llama_dir, tmp_path, run_cli):
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     feeder = subprocess.Popen(["sh", "-c", f"printf 'Hello there' > {fifo}"])
-    code, out, err = run_cli("generate", str(llama_dir), "--prompt", str(fifo), "-n", "4", "--json", *GEN)
+    code, out, err = run_cli("generate", str(llama_dir), "-f", str(fifo), "-n", "4", "--json", *GEN)
     feeder.wait(30)
     assert code == 0, err
     assert json.loads(out)["prompt_tokens"] > 3
-    code, out, err = run_cli("generate", str(llama_dir), "--prompt", "-", "-n", "4", "--json", *GEN,
+    code, out, err = run_cli("generate", str(llama_dir), "-f", "-", "-n", "4", "--json", *GEN,
                              stdin="Hello there")
     assert code == 0, err
     assert json.loads(out)["prompt_tokens"] > 3
-    r = clover("generate", llama_dir, "--prompt", "/dev/stdin", "-n", "4", "--json", *GEN, input=b"Hello there")
+    r = clover("generate", llama_dir, "-f", "/dev/stdin", "-n", "4", "--json", *GEN, input=b"Hello there")
     assert r.returncode == 0, r.stderr.decode()
     assert json.loads(r.stdout)["prompt_tokens"] > 3
-    code, out, err = run_cli("generate", str(llama_dir), "--prompt", str(tmp_path / "nope.txt"), "-n", "4", *GEN)
+    code, out, err = run_cli("generate", str(llama_dir), "-f", str(tmp_path / "nope.txt"), "-n", "4", *GEN)
     assert code == 2 and err.strip().endswith("prompt file not found: " + str(tmp_path / "nope.txt")), err
 
 
@@ -542,7 +542,7 @@ def test_an_unexpected_error_is_one_line_and_debug_shows_it(run_cli, llama_dir, 
         raise TypeError("something nobody expected\nwith a second line")
 
     monkeypatch.setattr(session.Session, "_drafter", broken)
-    args = ("generate", str(llama_dir), "--prompt", str(prompt_file), *GEN)
+    args = ("generate", str(llama_dir), "-f", str(prompt_file), *GEN)
     line = one_line_error(run_cli(*args), "TypeError", "something nobody expected", "--debug", code=1)
     assert "second line" not in line
     for debug_args, env in ((("--debug", *args), None), (args, "1")):
@@ -560,7 +560,7 @@ def test_a_prompt_files_trailing_newline_is_not_part_of_the_prompt(run_cli, llam
     def run(text: str, *extra):
         p = tmp_path / "p.txt"
         p.write_bytes(text.encode())
-        code, out, err = run_cli("generate", str(llama_dir), "--prompt", str(p), "-n", "12", "--json", *GEN, *extra)
+        code, out, err = run_cli("generate", str(llama_dir), "-f", str(p), "-n", "12", "--json", *GEN, *extra)
         assert code == 0, err
         return json.loads(out)
 

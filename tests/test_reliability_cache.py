@@ -133,7 +133,7 @@ def test_chat_with_an_unwritable_compile_cache_runs_eager_with_one_warning(llama
 def test_generate_and_serve_with_an_unwritable_compile_cache_run_eager(llama_dir, tmp_path, monkeypatch, run_cli,
                                                                        prompt_file, capsys):
     unwritable(tmp_path, monkeypatch, "cache-under-file", llama_dir)
-    code, out, err = run_cli("generate", str(llama_dir), "--prompt", str(prompt_file), "-n", "8", "--compile", "on",
+    code, out, err = run_cli("generate", str(llama_dir), "-f", str(prompt_file), "-n", "8", "--compile", "on",
                              "--json", "--stats-file", "off")
     assert code == 0, err
     assert json.loads(out)["compiled"] is False
@@ -196,7 +196,7 @@ def test_a_damaged_package_meta_is_found_damaged_never_raises(tmp_path, name, me
                          ids=["capacity-x", "not-json"])
 def test_generate_discards_a_damaged_package_with_one_line(llama_dir, run_cli, prompt_file, meta):
     d = fake_package(package_of(llama_dir), meta)
-    code, out, err = run_cli("generate", str(llama_dir), "--prompt", str(prompt_file), "-n", "8", "--compile",
+    code, out, err = run_cli("generate", str(llama_dir), "-f", str(prompt_file), "-n", "8", "--compile",
                              "auto", "--stats-file", "off")
     assert code == 0, err
     assert len(clover_lines(err, "damaged")) == 1, err
@@ -417,7 +417,7 @@ def test_a_damaged_program_is_discarded_and_rebuilt(built, llama_dir, run_cli, p
     assert len(clover_lines(err, "damaged")) == 1, err
     # a session finds it damaged: one line, discarded, eager (chat would build it again)
     program.write_bytes(bytes(data))
-    code, stdout, err = run_cli("generate", str(llama_dir), "--prompt", str(prompt_file), "-n", "8", "--compile",
+    code, stdout, err = run_cli("generate", str(llama_dir), "-f", str(prompt_file), "-n", "8", "--compile",
                                 "auto", "--json", "--stats-file", "off")
     assert code == 0, err
     assert json.loads(stdout)["compiled"] is False
@@ -481,7 +481,7 @@ def test_sigterm_and_sighup_leave_nothing_in_tmpdir(built, llama_dir, tmp_path, 
     env = {**os.environ, "CLOVER_COMPILE": "auto"}
     base = [*clover_command(), command, str(llama_dir), "--draft", "ngram", "--stats-file", "off"]
     if command == "generate":
-        code, err = signalled([*base, "--prompt", str(prompt_file), "-n", "400"], None, sig, tmpdir, env)
+        code, err = signalled([*base, "-f", str(prompt_file), "-n", "400"], None, sig, tmpdir, env)
     elif command == "chat":
         code, err = signalled(base, "compiled step active", sig, tmpdir, env, stdin=subprocess.PIPE)
     else:

@@ -158,7 +158,7 @@ def test_the_reader_on_a_device_and_a_directory(tmp_path):
 def test_generate_prompt_from_dev_zero_is_refused_at_once(tmp_path):
     """It grew to 24 GB, deaf to Ctrl-C; under a memory cap the message blamed the model."""
     t0 = time.monotonic()
-    result = run_limited(["generate", "--prompt", "/dev/zero", "--stats-file", "off"], timeout=90)
+    result = run_limited(["generate", "-f", "/dev/zero", "--stats-file", "off"], timeout=90)
     line = one_line_error(result[:3])
     assert "binary" in line or "larger than" in line, line
     assert "out of memory" not in line and time.monotonic() - t0 < 60
@@ -167,7 +167,7 @@ def test_generate_prompt_from_dev_zero_is_refused_at_once(tmp_path):
 def test_generate_prompt_from_an_endless_pipe_is_refused_at_its_cap(tmp_path):
     yes = subprocess.Popen(["yes", "hello world"], stdout=subprocess.PIPE)
     try:
-        result = run_limited(["generate", "--prompt", "-", "--stats-file", "off"], stdin=yes.stdout, timeout=90)
+        result = run_limited(["generate", "-f", "-", "--stats-file", "off"], stdin=yes.stdout, timeout=90)
     finally:
         yes.kill()
         yes.wait()
@@ -179,7 +179,7 @@ def test_generate_prompt_far_over_the_context_is_refused_before_tokenizing(tmp_p
     """A 10 MB prompt took 21 s and 2.9 GB of tokenizing before being refused as too long."""
     prompt = tmp_path / "big.txt"
     prompt.write_text("The quick brown fox jumps over the lazy dog. " * 230_000)  # 10 MB
-    code, out, err, rss = run_limited(["generate", str(llama_dir), "--prompt", str(prompt), "--draft", "ngram",
+    code, out, err, rss = run_limited(["generate", str(llama_dir), "-f", str(prompt), "--draft", "ngram",
                                        "--stats-file", "off"], timeout=120)
     line = one_line_error((code, out, err), "characters", alone=False)
     assert "10350000 characters" in line and "512" in line, line
@@ -199,7 +199,7 @@ def test_top_p_tiny_keeps_the_top_token(tmp_path, llama_dir, run_cli):
         assert torch.equal(p > 0, torch.nn.functional.one_hot(logits.argmax(-1), 50).bool()), top_p
     prompt = tmp_path / "p.txt"
     prompt.write_text("Tell me about the fox and the dog.")
-    base = ["generate", str(llama_dir), "--prompt", str(prompt), "--json", "-n", "24", "--stats-file", "off"]
+    base = ["generate", str(llama_dir), "-f", str(prompt), "--json", "-n", "24", "--stats-file", "off"]
     greedy = run_cli(*base)
     sampled = run_cli(*base, "--temp", "1", "--top-p", "1e-300", "--seed", "3")
     assert greedy[0] == 0 and sampled[0] == 0, sampled

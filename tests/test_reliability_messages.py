@@ -42,15 +42,15 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused_in_one_line(run_cli, 
     tok.add_tokens([f"zzqx{i}" for i in range(20)])
     tok.save_pretrained(model)
     prompt.write_text("hello zzqx3 there")  # a token the model has no embedding for
-    one_line_error(run_cli("generate", str(model), "--prompt", str(prompt), "-n", "4"), "'zzqx3'", "8212 tokens",
+    one_line_error(run_cli("generate", str(model), "-f", str(prompt), "-n", "4"), "'zzqx3'", "8212 tokens",
                    "embeds only 8192")
     prompt.write_text("hello there")  # none of them: the model runs
-    code, _, err = run_cli("generate", str(model), "--prompt", str(prompt), "-n", "4")
+    code, _, err = run_cli("generate", str(model), "-f", str(prompt), "-n", "4")
     assert code == 0, err
     tok.add_special_tokens({"additional_special_tokens": ["<zzqx-special>"]})
     tok.chat_template = "<zzqx-special>{% for m in messages %}{{ m['content'] }}{% endfor %}"  # in every prompt
     tok.save_pretrained(model)
-    one_line_error(run_cli("generate", str(model), "--prompt", str(prompt), "-n", "4", "--raw"), "chat template writes",
+    one_line_error(run_cli("generate", str(model), "-f", str(prompt), "-n", "4", "--raw"), "chat template writes",
                    "<zzqx-special>", "embeds only 8192")  # at load: not even a raw prompt gets through
 
 
@@ -72,7 +72,7 @@ def nan_heads(tmp_path) -> Path:
 @pytest.mark.parametrize("draft", ["clover", "auto"])
 @pytest.mark.parametrize("temperature", ["0", "0.8"])
 def test_heads_that_compute_nan_never_stop_a_reply(run_cli, nan_heads, prompt, draft, temperature):
-    args = ("--prompt", str(prompt), "-n", "24", "--temperature", temperature, "--seed", "5", "--json")
+    args = ("-f", str(prompt), "-n", "24", "--temperature", temperature, "--seed", "5", "--json")
     code, out, err = run_cli("generate", "tiny", "--heads", str(nan_heads), "--draft", draft, *args)
     assert code == 0, err
     if temperature != "0":  # sampled: an exact sample of the target, not the same draws as plain decoding's
@@ -94,7 +94,7 @@ def test_a_chat_with_nan_heads_answers_every_message(run_cli, nan_heads):
 
 def test_8bit_on_the_cpu_runs_or_blames_the_quantization_not_the_architecture(run_cli, prompt):
     pytest.importorskip("bitsandbytes")
-    args = ("--prompt", str(prompt), "-n", "16", "--json", "--load-in-8bit", "--device", "cpu")
+    args = ("-f", str(prompt), "-n", "16", "--json", "--load-in-8bit", "--device", "cpu")
     code, out, err = run_cli("generate", "tiny", *args)
     if code != 0:  # a bitsandbytes that cannot quantize here is refused before loading, in its own words
         assert "llama models" not in err and "cannot run" in err and "bit" in err, err
@@ -109,7 +109,7 @@ def test_weights_that_do_not_fit_the_config_are_named(run_cli, tmp_path, prompt)
     config = json.loads((model / "config.json").read_text())
     config["vocab_size"] = 8000
     (model / "config.json").write_text(json.dumps(config))
-    error = one_line_error(run_cli("generate", str(model), "--prompt", str(prompt)), "embed_tokens.weight",
+    error = one_line_error(run_cli("generate", str(model), "-f", str(prompt)), "embed_tokens.weight",
                            "[8192, 256]", "[8000, 256]")
     assert "report" not in error
 
@@ -118,10 +118,10 @@ def test_a_missing_tokenizer_is_said_in_a_whole_sentence(run_cli, tmp_path, prom
     model = copy_tiny(tmp_path, "no-tokenizer")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (model / name).unlink()
-    error = one_line_error(run_cli("generate", str(model), "--prompt", str(prompt)), "tokenizer", "holds none of")
+    error = one_line_error(run_cli("generate", str(model), "-f", str(prompt)), "tokenizer", "holds none of")
     assert not error.rstrip().endswith(":"), error
     (model / "tokenizer_config.json").write_text((TINY / "tokenizer_config.json").read_text())
-    error = one_line_error(run_cli("generate", str(model), "--prompt", str(prompt)), "tokenizer")
+    error = one_line_error(run_cli("generate", str(model), "-f", str(prompt)), "tokenizer")
     assert not error.rstrip().endswith(":") and "(1)" in error, error  # the sentence goes on past its colon
 
 

@@ -208,13 +208,13 @@ def test_a_directory_is_refused_in_one_line_before_the_model_loads(tmp_path, run
     prompt = tmp_path / "p.txt"
     prompt.write_text("hi")
     nowhere = str(tmp_path / "no-such-model")
-    one_line_error(run_cli("generate", nowhere, "--prompt", str(prompt), "--stats-file", str(tmp_path)),
+    one_line_error(run_cli("generate", nowhere, "-f", str(prompt), "--stats-file", str(tmp_path)),
                    "stats file", "directory")
     one_line_error(run_cli("chat", nowhere, "--stats-file", str(tmp_path), stdin="hi\n"), "stats file", "directory")
     one_line_error(run_cli("serve", nowhere, "--port", "0", "--stats-file", str(tmp_path)), "stats file",
                    "directory")
     # a run that fails to start leaves no record: the check made no file
-    one_line_error(run_cli("generate", nowhere, "--prompt", str(prompt), "--stats-file", str(tmp_path / "s.jsonl")),
+    one_line_error(run_cli("generate", nowhere, "-f", str(prompt), "--stats-file", str(tmp_path / "s.jsonl")),
                    "no-such-model")
     assert not (tmp_path / "s.jsonl").exists()
 
@@ -248,6 +248,6 @@ def test_stats_dashboard_shows_a_file_s_strings_inert(tmp_path, run_cli):
 
 
 def test_an_error_line_shows_a_path_inert(tmp_path, run_cli):
-    result = run_cli("generate", "--prompt", str(tmp_path / "no\x1b[2J\x07.txt"))
+    result = run_cli("generate", "-f", str(tmp_path / "no\x1b[2J\x07.txt"))
     line = one_line_error(result, "no^[[2J^G.txt")
     assert "\x1b" not in result[2] and "\x07" not in result[2], line

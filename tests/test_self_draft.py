@@ -218,13 +218,13 @@ def test_cli_generate_and_bench_with_self(run_cli, tmp_path, prompts_file):
     prompt.write_text("Hello! How can I help you today?")
     runs = {}
     for draft in ("none", "self"):
-        code, out, err = run_cli("generate", str(model_dir), "-p", str(prompt), "-n", "16", "--json",
+        code, out, err = run_cli("generate", str(model_dir), "-f", str(prompt), "-n", "16", "--json",
                                  "--draft", draft, "--stats-file", "off")
         assert code == 0, err
         runs[draft] = json.loads(out)
     assert runs["self"]["draft"] == "self" and runs["self"]["text"] == runs["none"]["text"]
     small = build_model(tmp_path / "m2", "llama", seed=3)  # two layers
-    code, out, err = run_cli("generate", str(small), "-p", str(prompt), "-n", "4", "--draft", "self",
+    code, out, err = run_cli("generate", str(small), "-f", str(prompt), "-n", "4", "--draft", "self",
                              "--stats-file", "off")
     lines = [line for line in err.strip().splitlines() if line.strip()]
     assert code != 0 and len(lines) == 1 and "too few layers to skip" in lines[0], err

@@ -81,7 +81,7 @@ def reference(llama_dir, tmp_path_factory):
         path = root / f"{i}.txt"
         path.write_text(text)
         for raw in (False, True):
-            args = ["generate", str(llama_dir), "--prompt", str(path), "--json", "-n", str(N), "--draft", "ngram",
+            args = ["generate", str(llama_dir), "-f", str(path), "--json", "-n", str(N), "--draft", "ngram",
                     "--stats-file", "off"] + (["--raw"] if raw else [])
             out[text, raw] = _json_of(main, args)
     return out
@@ -190,9 +190,9 @@ def test_a_repetition_penalty_is_clover_generates(server, llama_dir, tmp_path):
 
     path = tmp_path / "p.txt"
     path.write_text(PROMPTS[1])
-    want = _json_of(main, ["generate", str(llama_dir), "--prompt", str(path), "--json", "-n", str(N), "--draft",
+    want = _json_of(main, ["generate", str(llama_dir), "-f", str(path), "--json", "-n", str(N), "--draft",
                            "ngram", "--stats-file", "off", "--repetition-penalty", "1.8"])
-    plain = _json_of(main, ["generate", str(llama_dir), "--prompt", str(path), "--json", "-n", str(N), "--draft",
+    plain = _json_of(main, ["generate", str(llama_dir), "-f", str(path), "--json", "-n", str(N), "--draft",
                             "ngram", "--stats-file", "off"])
     assert want["text"] != plain["text"]
     assert ask(server, PROMPTS[1], repetition_penalty=1.8) == want["text"].strip()

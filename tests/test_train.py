@@ -62,7 +62,7 @@ def test_trained_heads_are_lossless(trained, fresh_model, tmp_path, run_cli):
     for draft in ("none", "clover"):
         for i, words in enumerate(["Tell me about the number 12.", "Is 7 even or odd?", "Twice 30?"]):
             prompt.write_text(words)
-            code, out, err = run_cli("generate", str(fresh_model), "--prompt", str(prompt), "--draft", draft,
+            code, out, err = run_cli("generate", str(fresh_model), "-f", str(prompt), "--draft", draft,
                                      "--heads", str(trained), "--json", "-n", "48", "--stats-file", "off",
                                      "--tree-budget", "12")
             assert code == 0, err
@@ -447,7 +447,7 @@ def test_two_processes_through_accelerate_launch(fresh_model, data_file, tmp_pat
     prompt.write_text("Tell me about the number 12.")
     texts = {}
     for draft in ("none", "clover"):
-        code, stdout, err = run_cli("generate", str(fresh_model), "--prompt", str(prompt), "--draft", draft,
+        code, stdout, err = run_cli("generate", str(fresh_model), "-f", str(prompt), "--draft", draft,
                                     "--heads", str(out), "--json", "-n", "32", "--stats-file", "off",
                                     "--tree-budget", "12")
         assert code == 0, err
