@@ -13,11 +13,10 @@ from typing import Optional
 import typer
 
 from . import __version__
-from .drafter_names import DRAFTS
+from .cli_options import MODEL_ARG, Common, choices
 from .errors import CloverError
 from .inputs import read_prompt
-from .options import EARLY_STOPS, MODES, QUANTIZE, TREES, check_sampling, options_from
-from .templates import BUILTIN
+from .options import QUANTIZE, check_sampling, options_from
 
 app = typer.Typer(
     name="clover",
@@ -28,10 +27,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-
-MODEL_ARG = typer.Argument(None, help="Alias (see `clover models`), Hub repo id, local directory, GGUF file, or a "
-                                       "GGUF on the Hub as REPO:FILE.gguf or REPO:QUANT (hf.co/ prefix allowed). "
-                                       "Default: smollm2 (CLOVER_MODEL overrides it).", show_default=False)
 
 
 def _version(value: bool):
@@ -46,84 +41,6 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
           debug: bool = typer.Option(False, "--debug", help="On an error, show its traceback too (also "
                                                             "CLOVER_DEBUG=1).")):
     pass  # --debug is read by the error boundary (process.py) from the parsed command line
-
-
-def _choices(*values: str):
-    """Shell completion for an option whose values are checked by options.py (with its own one-line errors)."""
-    return lambda incomplete: [v for v in values if v.startswith(incomplete)]
-
-
-# Options shared by the commands that load a model.
-class Common:
-    revision = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit) of the model.")
-    heads = typer.Option(None, "--heads", help="Draft heads: a local directory or a Hub repo id.")
-    draft = typer.Option("auto", "--draft", help=f"Drafter: {', '.join(DRAFTS[:-1])} "
-                                                 f"or {DRAFTS[-1]}. auto = the model's heads merged with n-gram lookup when "
-                                                 "it has heads, else ngram. model = a smaller draft model "
-                                                 "(--draft-model) drafting a multi-candidate (MCSD) tree. self = the "
-                                                 "model itself with some middle layers skipped (chosen on the first "
-                                                 "prompt, cached).",
-                        autocompletion=_choices(*DRAFTS))
-    draft_model = typer.Option(None, "--draft-model", help="The draft model of --draft model: an alias, a local "
-                               "directory, a GGUF file or a Hub repo id, with the target's tokenizer and fewer "
-                               "parameters (default: the one the model's alias names).", show_default=False)
-    tree = typer.Option("dynamic", "--tree", help="Draft tree of the heads: dynamic (grown by probability) "
-                        "or static (a fixed shape of 24 nodes, cut to --tree-budget when given); with --draft model "
-                        "or self, dynamic = the MCSD tree, static = the draft's plain top-1 chain. With --draft auto "
-                        "the n-gram matches are merged in either way.",
-                        autocompletion=_choices(*TREES))
-    early_stop = typer.Option("fixed", "--early-stop", help="Where a branch of --draft model's or self's tree "
-                              "ends, greedy: fixed = where the draft gives its next token under 0.3; learned = where "
-                              "a logistic model of acceptance, fitted as the session runs (and for --draft model kept "
-                              "on disk for the next run), gives it under 0.3. Sampled candidates (a temperature) "
-                              "always end by the fixed rule.",
-                        autocompletion=_choices(*EARLY_STOPS))
-    tree_budget = typer.Option("auto", "--tree-budget", help="Most draft nodes verified per step, or auto: "
-                                                             "sized each step from the measured cost on this device.")
-    load_in_8bit = typer.Option(False, "--load-in-8bit", help="Load the target in 8 bits (bitsandbytes).")
-    load_in_4bit = typer.Option(False, "--load-in-4bit", help="Load the target in 4 bits (NF4, bitsandbytes).")
-    device = typer.Option("auto", "--device", autocompletion=_choices("auto", "cpu", "cuda"),
-                          help="auto, cpu, cuda or cuda:N.")
-    device_map = typer.Option(None, "--device-map", help="Spread the target's layers with accelerate: auto (GPUs, "
-                              "then CPU, then disk), balanced (evenly over the GPUs), or a JSON object or file "
-                              "mapping module names to a GPU index, cpu or disk. Runs eager.", show_default=False)
-    max_memory = typer.Option(None, "--max-memory", help="With --device-map: most memory per device, e.g. "
-                              "0=20GiB,cpu=64GiB (or a JSON object); the rest goes to disk.", show_default=False)
-    dtype = typer.Option("auto", "--dtype", autocompletion=_choices("auto", "float32", "float16", "bfloat16"),
-                         help="auto (bf16/fp16 on GPU; on CPU a GGUF's own quantized blocks, else fp32), float32, "
-                         "float16, bfloat16 (a GGUF dequantized to it).")
-    quantize = typer.Option(None, "--quantize", autocompletion=_choices(*QUANTIZE), help="CPU: run the linears "
-                            "quantized in groups of 32, int8 or int4 (the output embedding int8), on clover's own "
-                            "kernels; the activations are quantized to int8 as llama.cpp does.", show_default=False)
-    trust_remote_code = typer.Option(False, "--trust-remote-code", help="Run model code from its repository.")
-    allow_pickle = typer.Option(False, "--allow-pickle", help="Allow pickled .bin weights (unsafe from strangers).")
-    max_new_tokens = typer.Option(256, "--max-new-tokens", "-n", help="Most tokens to generate.")
-    temperature = typer.Option(0.0, "--temperature", "--temp", help="0 = greedy; above 0 samples.")
-    top_p = typer.Option(1.0, "--top-p", help="Nucleus sampling mass, in (0, 1].")
-    top_k = typer.Option(0, "--top-k", help="Sample only from the k most likely tokens (0 = all).")
-    min_p = typer.Option(0.0, "--min-p", help="Sample only tokens at least this share as likely as the most likely "
-                                              "one, in [0, 1) (0 = all).")
-    threads = typer.Option(None, "--threads", "-t", help="CPU threads for the model's arithmetic (torch's intra-op "
-                           "threads; default: torch's own, one per core).", show_default=False)
-    chat_template = typer.Option(None, "--chat-template", help="The chat template: vicuna_v1.1, llama3, chatml or a "
-                                 "Jinja file (default: the model's own, else its alias's, else vicuna_v1.1).",
-                                 autocompletion=_choices(*BUILTIN), show_default=False)
-    max_context = typer.Option(None, "--ctx-size", "-c", help="Most tokens of context, prompt and replies together: "
-                               "caps the KV cache (default: the model's own limit).", show_default=False)
-    seed = typer.Option(None, "--seed", help="Random seed for sampling.")
-    repetition_penalty = typer.Option(None, "--repetition-penalty", help="Penalise every token already in the "
-                                      "conversation, as transformers' repetition_penalty does (logit / p if positive, "
-                                      "x p if negative); 1 = none. The output stays exactly the target's with that "
-                                      "penalty. Default: the model's own (1.1 for smollm2, measured; none for the "
-                                      "others).", show_default=False)
-    stats_file = typer.Option(None, "--stats-file", help="Where to append per-step records (default: the user "
-                                                         "cache directory; 'off' disables).")
-    no_color = typer.Option(False, "--no-color", help="Plain text, no colours.")
-    compile = typer.Option(None, "--compile", help="The compiled target step (CPU, float32): auto = use it when "
-                           "it is built (chat and serve build it in the background meanwhile); on = build it first if "
-                           "needed; off = eager. On a CUDA GPU, auto and on capture the step as CUDA graphs as it "
-                           "runs. Default: $CLOVER_COMPILE, else auto.", show_default=False,
-                        autocompletion=_choices(*MODES))
 
 
 @app.command()
@@ -190,6 +107,42 @@ def download(model: str = typer.Argument(..., help="Alias, Hub repo id, GGUF fil
         typer.echo(f"draft model: {draft_path}")
 
 
+@app.command(name="list")
+def list_cached(json_out: bool = typer.Option(False, "--json", help="Print one JSON object.")):
+    """List what clover keeps on disk: Hub models and heads, converted GGUFs, package index downloads, compiled
+    programs and clover's other caches, each with its size and last use, and the total.
+
+    Last use: a compiled package's last load by a session (a stamp clover touches; before that, its build); anything
+    else's newest file modification or access time."""
+    from .manage import show_list
+
+    show_list(json_out)
+
+
+@app.command()
+def rm(model: Optional[str] = typer.Argument(None, help="An alias, a Hub repo id, or a name `clover list` shows.",
+                                             show_default=False),
+       compiled: bool = typer.Option(False, "--compiled", help="Only compiled programs (MODEL's, or with --all all)."),
+       all_: bool = typer.Option(False, "--all", help="Everything `clover list` shows."),
+       yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask first.")):
+    """Remove a model's cached files, its converted copies and its compiled programs (or --all).
+
+    Asks first on a terminal; elsewhere it needs --yes. Nothing in use is removed: a package a session loaded or
+    one being built, a model a running session uses, a download or conversion under way."""
+    from .manage import remove_command
+
+    remove_command(model, compiled, all_, yes)
+
+
+@app.command()
+def ps(json_out: bool = typer.Option(False, "--json", help="Print one JSON object.")):
+    """List the running chat, generate and serve sessions: pid, command, model, uptime and tokens generated so far
+    (from the stats stream; '-' when it is off)."""
+    from .manage import show_ps
+
+    show_ps(json_out)
+
+
 @app.command()
 def generate(
     model: Optional[str] = MODEL_ARG,
@@ -223,6 +176,7 @@ def generate(
     from .reply import Discard, Out, ReplyPrinter, stream
     import torch
 
+    from .running import start_session
     from .session import Session
     from .stats import StatsWriter
 
@@ -246,7 +200,7 @@ def generate(
         repetition_penalty = session.default_penalty
     writer = StatsWriter.open(stats_file)
     colour = not json_out and use_colour(no_color, sys.stdout)
-    sid = writer.new_session("generate", session) if writer else None
+    sid = start_session("generate", session, writer)
     t0 = time.perf_counter()
     # Streamed text holds back what could be the start of a stop string, so "USER:" never reaches the terminal.
     printer = ReplyPrinter(Discard() if json_out else Out(colour), session.stop_strings)
@@ -378,6 +332,7 @@ def serve(
     from .listener import LOCAL_HOSTS, listen, run
     from .serve import Server
     from .session import Session
+    from .running import start_session
     from .stats import StatsWriter
 
     if api_key is not None and not api_key.strip():
@@ -561,7 +516,7 @@ def compile_step(
                                     "alias names too (the bundled model's own draft for tiny)."),
     trust_remote_code: bool = Common.trust_remote_code, allow_pickle: bool = Common.allow_pickle,
     force: bool = typer.Option(False, "--force", help="Build again even when a package is cached."),
-    dtype: str = typer.Option("auto", "--dtype", autocompletion=_choices("auto", "float32"),
+    dtype: str = typer.Option("auto", "--dtype", autocompletion=choices("auto", "float32"),
                               help="auto (a GGUF's own quantized blocks, as chat runs it; else float32) or float32 (a "
                               "GGUF dequantized), as chat's --dtype."),
     quantize: Optional[str] = Common.quantize,
