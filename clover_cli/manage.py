@@ -452,6 +452,10 @@ def show_list(json_out: bool) -> None:
     Console().print(table)
 
 
+def interactive() -> bool:
+    return sys.stdin.isatty() and sys.stdout.isatty()
+
+
 def remove_command(model: str | None, compiled_only: bool, everything: bool, yes: bool) -> None:
     from .hub import human_size
 
@@ -463,7 +467,7 @@ def remove_command(model: str | None, compiled_only: bool, everything: bool, yes
         return
     total = human_size(sum(e.size for e in entries))
     if not yes:
-        if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        if not interactive():
             raise CloverError(f"clover rm would remove {len(entries)} entries ({total}); it asks first on a "
                               "terminal: pass --yes to remove them without asking")
         for e in entries:
