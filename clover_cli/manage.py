@@ -1,95 +1,32 @@
-"""What clover keeps on disk, listed and removed: `clover list`, `clover rm`, `clover ps`, and the pruning of the
-compile cache after each build.
+"""What clover keeps on disk, listed and removed, and the sessions running: `clover list`, `clover rm`, `clover ps`
+(the compile cache's packages, removal and pruning: cache_files.py).
 
-Every path comes from store.py. An entry (`Entry`) is one thing a user can remove: a Hub repository in the Hugging
-Face cache (a model, or draft heads), a converted GGUF model, a GGUF written for llama.cpp (bench), a file fetched
-from a package index, a compiled package (a model's step, or heads' programs), or one of clover's smaller caches
-(step costs, learned choices, kernels).
+An entry (cache_files.Entry) is one thing a user can remove: a Hub repository in the Hugging Face cache (a model, or
+draft heads), a converted GGUF model, a GGUF written for llama.cpp (bench), a file fetched from a package index, a
+compiled package (a model's step, or heads' programs), or one of clover's smaller caches (step costs, learned
+choices, kernels).
 
 Last use: a compiled package's is its last-used stamp, touched each time a session loads it (inuse.py; before its
 first load, when it was built); any other entry's is the newest modification or access time of its files (access
 times as the file system keeps them: with Linux's default relatime, at least once a day).
-
-Removal never leaves the caches: each path's folder must lie inside clover's cache or the Hub's (their real paths),
-a symbolic link is removed as a link (never what it points to), a folder is renamed aside and then removed without
-following the links inside it. What a session uses is refused: a compiled package it loaded (inuse.py), one being
-built (its build lock), a model a registered session runs (running.py), a download or conversion under way (its
-lock).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import re
-import shutil
-import stat
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import store
+from .cache_files import (COMPILED, Entry, children, compiled_entries, key_prefix, remove_entries, scan_path,
+                          within)
 from .errors import CloverError
-from .inuse import Claim, last_used
-from .options import env
 
-COMPILED = ("compiled", "compiled-heads")
-MODELS = ("model", "heads", "gguf", "package")
-KEY_PREFIX = re.compile(r"(.+?)-[0-9a-f]{20}(?=-|\.json$|$)")  # a package key's model part (store.package_key)
-GiB = 1 << 30
-
-
-@dataclass
-class Entry:
-    kind: str  # model, heads (Hub repos), gguf (a converted GGUF), export (a GGUF for llama.cpp), package (from a
-    # package index), compiled, compiled-heads, cache (clover's smaller caches)
-    name: str  # what `clover list` shows and `clover rm` takes
-    paths: list[Path]  # removed together
-    size: int = 0
-    last_used: float | None = None
-    of: str | None = None  # what it belongs to: the model of a compiled package, the file of a converted GGUF
-    keys: tuple[str, ...] = ()  # the names compiled packages of this model are keyed by (store.package_key's prefix)
-    locks: list[Path] = field(default_factory=list)  # filelocks held while it is written (a download, a conversion)
-    source: str | None = None  # a converted GGUF's file (a Hub repo's removal takes the conversions of its GGUFs)
-    sha: str | None = None  # a package index file's folder name (its sha256's first 20 digits)
-
-    def as_json(self) -> dict:
-        return {"kind": self.kind, "name": self.name, "of": self.of, "bytes": self.size,
-                "last_used": self.last_used, "paths": [str(p) for p in self.paths]}
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Walking the caches
-
-def _scan(path: Path) -> tuple[int, float | None]:
-    """(bytes, newest of mtime and atime) of a file or folder, never following a symbolic link."""
-    size, newest = 0, None
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return 0, None
-    if not stat.S_ISDIR(st.st_mode):
-        return (st.st_size if stat.S_ISREG(st.st_mode) else 0), max(st.st_mtime, st.st_atime)
-    for top, _dirs, files in os.walk(path):  # (os.walk does not follow links to folders)
-        for name in files:
-            try:
-                st = os.lstat(os.path.join(top, name))
-            except OSError:
-                continue
-            if stat.S_ISREG(st.st_mode):
-                size += st.st_size
-                newest = max(newest or 0.0, st.st_mtime, st.st_atime)
-    return size, newest
-
-
-def _children(root: Path) -> list[Path]:
-    """The entries of a cache folder, by name, without the dot-named (temporary files, a build under way)."""
-    try:
-        return sorted((p for p in Path(root).iterdir() if not p.name.startswith(".")), key=lambda p: p.name)
-    except OSError:
-        return []
-
 
 def _hub_entries() -> list[Entry]:
     from .aliases import ALIASES
@@ -97,17 +34,15 @@ def _hub_entries() -> list[Entry]:
     heads_repos = {repo for spec in ALIASES.values() for _, repo in spec.heads}
     root = store.hf_cache_root()
     out = []
-    for d in _children(root):
+    for d in children(root):
         if not d.name.startswith("models--") or d.is_symlink() or not d.is_dir():
             continue
         repo = d.name[len("models--"):].replace("--", "/")
-        snapshots = [s for s in _children(d / "snapshots") if s.is_dir()]
+        snapshots = [s for s in children(d / "snapshots") if s.is_dir()]
         kind = "heads" if repo in heads_repos or any(_heads_config(s) for s in snapshots) else "model"
-        locks = root / ".locks" / d.name
-        entry = Entry(kind, repo, [d] + ([locks] if locks.is_dir() and not locks.is_symlink() else []),
-                      *_scan(d), keys=tuple(s.name[:40] for s in snapshots))
-        entry.locks = sorted(locks.glob("*.lock")) if locks.is_dir() else []
-        out.append(entry)
+        locks = root / ".locks" / d.name  # (left: a lock file outlives its use, see store.lock_path)
+        out.append(Entry(kind, repo, [d], *scan_path(d), keys=tuple(s.name[:40] for s in snapshots),
+                         locks=sorted(locks.glob("*.lock")) if locks.is_dir() and not locks.is_symlink() else []))
     return out
 
 
@@ -125,16 +60,16 @@ def _gguf_entries() -> list[Entry]:
     from .gguf_model import source_of
 
     out = []
-    for p in _children(store.gguf_cache_root()):
+    for p in children(store.gguf_cache_root()):
         if p.is_symlink():
             continue
         if p.is_dir():
             record = source_of(p) or {}
             of = record.get("gguf") if isinstance(record.get("gguf"), str) else None
-            out.append(Entry("gguf", p.name, [p], *_scan(p), of=of and Path(of).name, keys=(p.name[:40],),
+            out.append(Entry("gguf", p.name, [p], *scan_path(p), of=of and Path(of).name, keys=(p.name[:40],),
                              locks=[store.lock_path(p.name, make=False)], source=of))
         elif p.suffix == ".gguf":
-            out.append(Entry("export", p.name, [p], *_scan(p), of="GGUF for llama.cpp (bench)"))
+            out.append(Entry("export", p.name, [p], *scan_path(p), of="GGUF for llama.cpp (bench)"))
     return out
 
 
@@ -143,37 +78,14 @@ def _package_entries() -> list[Entry]:
 
     known = {spec.package.sha256[:20]: spec for spec in ALIASES.values() if spec.package is not None}
     out = []
-    for d in _children(store.packages_root()):
+    for d in children(store.packages_root()):
         if d.is_symlink() or not d.is_dir():
             continue
         spec = known.get(d.name)
-        files = [f.name for f in _children(d) if f.is_file()]
+        files = [f.name for f in children(d) if f.is_file()]
         name = spec.package.package if spec is not None else (files[0] if files else d.name)
-        out.append(Entry("package", name, [d], *_scan(d), of=spec.alias if spec is not None else None,
+        out.append(Entry("package", name, [d], *scan_path(d), of=spec.alias if spec is not None else None,
                          locks=[store.lock_path(f"package-{d.name}", make=False)], sha=d.name))
-    return out
-
-
-def key_prefix(name: str) -> str:
-    """The model part of a compile cache file's name (store.package_key: the model directory's name, 40 characters
-    at most), or the name itself."""
-    m = KEY_PREFIX.match(name)
-    return m.group(1) if m else name
-
-
-def compiled_entries() -> list[Entry]:
-    """The compiled packages (steps and heads' programs) in the compile cache."""
-    root = store.cache_root()
-    out = []
-    for d in _children(root):
-        if d.is_symlink() or not d.is_dir() or d.name in store.COMPILE_SUBDIRS:
-            continue
-        step, sep, _ = d.name.rpartition("-heads-")
-        log = d.with_name(d.name + ".log")
-        size, _ = _scan(d)
-        out.append(Entry("compiled-heads" if sep else "compiled", d.name,
-                         [d] + ([log] if log.is_file() and not log.is_symlink() else []), size,
-                         last_used(d), of=key_prefix(step if sep else d.name)))
     return out
 
 
@@ -182,11 +94,16 @@ def _cache_entries() -> list[Entry]:
     choices, the built kernels, the index of GGUF hashes, logs of builds whose package is gone."""
     root = store.cache_root()
     places = [(f"compiled/{name}", root / name) for name in store.COMPILE_SUBDIRS]
-    places += [("kernels", store.kernels_dir()), ("gguf/hashes.json", store.gguf_cache_root() / "hashes.json")]
-    out = [Entry("cache", name, [p], *_scan(p)) for name, p in places if p.exists() and not p.is_symlink()]
-    logs = [p for p in _children(root) if p.suffix == ".log" and p.is_file() and not p.with_suffix("").is_dir()]
+    places.append(("gguf/hashes.json", store.gguf_cache_root() / "hashes.json"))
+    out = [Entry("cache", name, [p], *scan_path(p)) for name, p in places if p.exists() and not p.is_symlink()]
+    kernels = store.kernels_dir()  # (its own folder may be a root: CLOVER_KERNEL_CACHE; what is in it goes)
+    if kernels.is_dir() and not kernels.is_symlink() and (inside := children(kernels)):
+        scans = [scan_path(p) for p in inside]
+        out.append(Entry("cache", "kernels", inside, sum(n for n, _ in scans),
+                         max((t for _, t in scans if t is not None), default=None)))
+    logs = [p for p in children(root) if p.suffix == ".log" and p.is_file() and not p.with_suffix("").is_dir()]
     if logs:
-        scans = [_scan(p) for p in logs]
+        scans = [scan_path(p) for p in logs]
         out.append(Entry("cache", "compiled/logs", logs, sum(s for s, _ in scans),
                          max((t for _, t in scans if t is not None), default=None)))
     return out
@@ -205,14 +122,6 @@ def scan() -> list[Entry]:
     for e in compiled:
         e.of = owners.get(e.of, e.of)
     return entries + compiled + _cache_entries()
-
-
-def roots() -> list[Path]:
-    """The folders removal stays inside: clover's caches and the Hub's."""
-    from .stats import cache_dir
-
-    return [cache_dir(), store.cache_root(), store.gguf_cache_root(), store.kernels_dir(), store.packages_root(),
-            store.hf_cache_root()]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -242,7 +151,7 @@ def select(model: str, entries: list[Entry]) -> list[Entry]:
             chosen.append(e)
     hub_dirs = [e.paths[0] for e in chosen if e.kind in ("model", "heads")]
     for e in entries:  # the conversions of a GGUF from a chosen Hub repo
-        if e.kind == "gguf" and e not in chosen and e.source and any(_within(Path(e.source), d) for d in hub_dirs):
+        if e.kind == "gguf" and e not in chosen and e.source and any(within(Path(e.source), d) for d in hub_dirs):
             chosen.append(e)
     for e in chosen:
         keys.update(e.keys)
@@ -250,10 +159,10 @@ def select(model: str, entries: list[Entry]) -> list[Entry]:
                                                            or key_prefix(e.name) in keys)]
     chosen += [e for e in owned if e not in chosen]
     if keys:
-        files = [f for sub in store.COMPILE_SUBDIRS for f in _children(store.cache_root() / sub)
+        files = [f for sub in store.COMPILE_SUBDIRS for f in children(store.cache_root() / sub)
                  if key_prefix(f.name) in keys and not f.is_dir()]
         if files:
-            scans = [_scan(f) for f in files]
+            scans = [scan_path(f) for f in files]
             chosen.append(Entry("cache", f"compiled/costs and choices of {model}", files,
                                 sum(s for s, _ in scans), max((t for _, t in scans if t), default=None)))
     if not chosen:
@@ -276,134 +185,6 @@ def plan(model: str | None, compiled_only: bool, everything: bool) -> list[Entry
 
 # ---------------------------------------------------------------------------------------------------------------
 # Removing
-
-def _within(path: Path, root: Path) -> bool:
-    path, root = Path(os.path.realpath(path)), Path(os.path.realpath(root))
-    return path == root or root in path.parents
-
-
-def remove_path(path: Path, allowed: list[Path]) -> None:
-    """Remove the file, link or folder `path`, which must lie in one of the folders `allowed` (by the real path of
-    its parent, and not be one of them): a link is removed itself, never what it points to; a folder is first
-    renamed aside (gone at once for every reader), then removed without following the links inside it."""
-    path = Path(path)
-    if path.name in ("", ".", "..") or not any(_within(path.parent, root) for root in allowed) \
-            or any(_within(root, path) for root in allowed if not path.is_symlink()):
-        raise CloverError(f"refusing to remove {path}: it is not inside clover's or the Hub's cache", code=1)
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if stat.S_ISDIR(st.st_mode):
-        aside = path.with_name(f".{path.name}.removing-{os.getpid()}")
-        os.replace(path, aside)
-        shutil.rmtree(aside)
-    else:
-        os.unlink(path)
-
-
-class Busy(CloverError):
-    def __init__(self, message: str):
-        super().__init__(message, code=1)
-
-
-def _hold(entry: Entry, sessions: list[dict], held: list) -> None:
-    """Take what keeps `entry` from being used while it is removed, or raise Busy naming what uses it."""
-    from filelock import FileLock, Timeout
-
-    if entry.kind in COMPILED:
-        claim = Claim(entry.paths[0])
-        held.append(claim)
-        if not claim.ok:
-            raise Busy(f"{entry.name} is in use by a running clover session (clover ps); not removed")
-        entry.locks = [Path(f"{entry.paths[0]}.lock")]
-    for lock_file in entry.locks:
-        if not lock_file.exists():
-            continue
-        lock = FileLock(str(lock_file))
-        try:
-            lock.acquire(timeout=0)
-        except Timeout:
-            raise Busy(f"{entry.name} is being written by another process (a build, download or conversion); "
-                       f"not removed")
-        except OSError:
-            continue
-        held.append(lock)
-    for s in sessions:
-        if s.get("path") and any(_within(Path(s["path"]), p) for p in entry.paths):
-            raise Busy(f"{entry.name} is in use by clover {s['command']} (pid {s['pid']}); not removed")
-
-
-def remove(entries: list[Entry]) -> int:
-    """Remove the entries, after checking that none is in use (else Busy, and nothing removed); the bytes freed."""
-    from .running import sessions
-
-    live = sessions()
-    held: list = []
-    allowed = roots()
-    try:
-        for e in entries:
-            _hold(e, live, held)
-        freed = 0
-        for e in entries:
-            for p in e.paths:
-                remove_path(p, allowed)
-            freed += e.size
-        return freed
-    finally:
-        for h in held:
-            (h.close if isinstance(h, Claim) else h.release)()
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Pruning the compile cache (after each build: step/aot_build.py)
-
-def _limit(name: str, default: float, unit: float) -> float:
-    """The limit in environment variable `name` (a number >= 0; 0: none), in `unit`s; a bad value warns once and
-    keeps the default."""
-    raw = env(name)
-    if raw is None or raw.strip() == "":
-        return default * unit
-    try:
-        value = float(raw)
-        if not value >= 0 or value == float("inf"):
-            raise ValueError
-    except ValueError:
-        store.cache_warning(f"{name}={raw[:40]!r} is not a number >= 0; using {default:g}")
-        return default * unit
-    return value * unit
-
-
-def prune_compiled(keep=(), now: float | None = None, log=None) -> list[Path]:
-    """Remove the compiled packages not used for CLOVER_COMPILE_MAX_AGE days (default 30), then, oldest first, those
-    beyond CLOVER_COMPILE_MAX_SIZE GiB in all (default 5); never one in `keep` (the one just built), one a session
-    uses or one being built. Returns what was removed."""
-    now = time.time() if now is None else now
-    max_age = _limit("CLOVER_COMPILE_MAX_AGE", 30, 86400.0)
-    max_bytes = _limit("CLOVER_COMPILE_MAX_SIZE", 5, GiB)
-    keep = {os.path.realpath(k) for k in keep if k is not None}
-    packages = sorted(compiled_entries(), key=lambda e: e.last_used or 0.0)
-    total = sum(e.size for e in packages)
-    removed = []
-    for e in packages:
-        age = now - (e.last_used or 0.0)
-        too_old = max_age > 0 and age > max_age
-        too_big = max_bytes > 0 and total > max_bytes
-        if not (too_old or too_big) or os.path.realpath(e.paths[0]) in keep:
-            continue
-        try:
-            remove([e])
-        except CloverError:  # in use, being built, or not ours: kept
-            continue
-        except OSError:
-            continue
-        total -= e.size
-        removed.append(e.paths[0])
-        if log is not None:
-            why = f"unused for {age / 86400:.0f} days" if too_old else "over the compile cache's size cap"
-            log(f"removed the compiled package {e.name} ({why})")
-    return removed
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # What the commands print
@@ -477,8 +258,10 @@ def remove_command(model: str | None, compiled_only: bool, everything: bool, yes
         if not typer.confirm(f"Remove these {len(entries)} entries ({total})?", default=False):
             print("clover: nothing removed", file=sys.stderr)
             return
+    from .running import sessions
+
     try:
-        freed = remove(entries)
+        freed = remove_entries(entries, sessions())
     except OSError as e:
         raise CloverError(f"cannot remove {e.filename or 'a cache entry'}: {e.strerror or e}", code=1)
     print(f"removed {len(entries)} entries, {human_size(freed)} freed")

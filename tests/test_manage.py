@@ -170,6 +170,16 @@ def test_rm_all(tmp_path, run_cli):
     assert (tmp_path / "hf-cache").is_dir() and store.cache_root().parent.is_dir()  # the caches' folders stay
 
 
+def test_rm_all_empties_a_kernel_cache_kept_elsewhere_and_keeps_its_folder(tmp_path, run_cli, monkeypatch):
+    kernels = tmp_path / "kernels"
+    monkeypatch.setenv("CLOVER_KERNEL_CACHE", str(kernels))
+    built = write(kernels / "quant-abc" / "quant.so", 100)
+    assert by_name(listed(run_cli))["kernels"]["bytes"] == 100
+    code, out, err = run_cli("rm", "--all", "-y")
+    assert code == 0, err
+    assert kernels.is_dir() and not built.exists()
+
+
 def test_rm_an_alias_takes_its_package_conversion_and_programs(run_cli):
     from clover_cli import store
     from clover_cli.aliases import ALIASES
@@ -248,7 +258,7 @@ def test_rm_never_follows_links_out_of_the_cache(tmp_path, run_cli):
 
 
 def test_remove_path_refuses_anything_outside_the_caches(tmp_path):
-    from clover_cli import manage
+    from clover_cli import cache_files as manage
     from clover_cli.errors import CloverError
 
     roots = manage.roots()
@@ -401,7 +411,7 @@ def test_ps_without_a_stats_stream_has_no_token_count(tmp_path, run_cli):
 
 
 def test_prune_removes_packages_unused_for_30_days_but_not_the_new_one(run_cli):
-    from clover_cli.manage import prune_compiled
+    from clover_cli.cache_files import prune_compiled
 
     now = time.time()
     old = compiled(f"old-{'a' * 20}", used=now - 31 * DAY)
@@ -417,7 +427,7 @@ def test_prune_removes_packages_unused_for_30_days_but_not_the_new_one(run_cli):
 
 def test_prune_keeps_the_cache_under_its_size_cap_oldest_first(monkeypatch):
     from clover_cli import inuse, store
-    from clover_cli.manage import prune_compiled
+    from clover_cli.cache_files import prune_compiled
 
     monkeypatch.setenv("CLOVER_COMPILE_MAX_SIZE", str(2500 / (1 << 30)))  # GiB: 2,500 bytes
     now = time.time()
@@ -435,7 +445,7 @@ def test_prune_keeps_the_cache_under_its_size_cap_oldest_first(monkeypatch):
 
 
 def test_prune_stops_once_under_the_cap_and_skips_a_package_being_built(monkeypatch):
-    from clover_cli.manage import prune_compiled
+    from clover_cli.cache_files import prune_compiled
 
     monkeypatch.setenv("CLOVER_COMPILE_MAX_SIZE", str(2500 / (1 << 30)))
     now = time.time()
@@ -452,7 +462,7 @@ def test_prune_stops_once_under_the_cap_and_skips_a_package_being_built(monkeypa
 
 @pytest.mark.parametrize("value", ["lots", "-1", "nan"])
 def test_prune_with_a_bad_limit_warns_and_keeps_the_default(monkeypatch, capsys, value):
-    from clover_cli.manage import prune_compiled
+    from clover_cli.cache_files import prune_compiled
 
     monkeypatch.setenv("CLOVER_COMPILE_MAX_AGE", value)
     now = time.time()
@@ -463,7 +473,7 @@ def test_prune_with_a_bad_limit_warns_and_keeps_the_default(monkeypatch, capsys,
 
 
 def test_zero_means_no_limit(monkeypatch):
-    from clover_cli.manage import prune_compiled
+    from clover_cli.cache_files import prune_compiled
 
     monkeypatch.setenv("CLOVER_COMPILE_MAX_AGE", "0")
     monkeypatch.setenv("CLOVER_COMPILE_MAX_SIZE", "0")

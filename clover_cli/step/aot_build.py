@@ -236,9 +236,9 @@ def build_locked(job: Job, log=print, wait: bool = False, on_lock=None, name: st
 
 
 def prune(job: Job, log=print) -> None:
-    """After a build: the compile cache's packages unused for long, or beyond its size cap, removed (manage.py);
+    """After a build: the compile cache's packages unused for long, or beyond its size cap, removed (cache_files.py);
     never the ones just built. Pruning that fails costs only disk space."""
-    from ..manage import prune_compiled
+    from ..cache_files import prune_compiled
 
     try:
         prune_compiled(keep=(job.out, job.heads_out), log=log)
