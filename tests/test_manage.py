@@ -197,6 +197,23 @@ def test_rm_an_alias_takes_its_package_conversion_and_programs(run_cli):
     assert code == 0 and "nothing of smollm2 is cached" in err, err
 
 
+def test_rm_a_hub_gguf_repo_takes_the_conversions_of_its_files(tmp_path, run_cli):
+    from clover_cli import store
+
+    repo = hub_repo(tmp_path, "owner/model-GGUF")
+    blob = (repo / "snapshots" / COMMIT / "model.safetensors").resolve()  # (any file of the repo will do)
+    converted = store.gguf_cache_root() / f"{'d' * 20}-float32"
+    write(converted / "model.safetensors", 700)
+    (converted / "clover-gguf.json").write_text(json.dumps({"gguf": str(blob)}))
+    pkg = compiled(f"{converted.name}-{'a' * 20}")
+    mine = store.gguf_cache_root() / f"{'e' * 20}-float32"  # a conversion of a file of the user's own
+    write(mine / "model.safetensors", 10)
+    (mine / "clover-gguf.json").write_text(json.dumps({"gguf": str(tmp_path / "mine.gguf")}))
+    code, out, err = run_cli("rm", "hf.co/owner/model-GGUF:Q4_K_M", "-y")
+    assert code == 0, err
+    assert not repo.exists() and not converted.exists() and not pkg.exists() and mine.exists()
+
+
 def test_rm_by_the_name_list_shows(run_cli):
     pkg = compiled(f"mymodel-{'a' * 20}")
     other = compiled(f"mymodel-{'b' * 20}")
