@@ -29,6 +29,13 @@ from .options import env
 
 COMPILED = ("compiled", "compiled-heads")
 KEY_PREFIX = re.compile(r"(.+?)-[0-9a-f]{20}(?=-|\.json$|$)")  # a package key's model part (store.package_key)
+# the names clover gives what it keeps (anything else in a cache folder is not listed, nor ever removed): a package
+# (store.package_key, heads_dir), a converted GGUF (store.converted_dir), a package index file's folder
+# (sources.PackageSource.path), a build of clover's kernels (clover_kernels.quant.load)
+PACKAGE_NAME = re.compile(r".+-[0-9a-f]{20}(-heads-[0-9a-f]{12})?")
+CONVERTED_NAME = re.compile(r"[0-9a-f]{20}-[a-z0-9]+")
+SHA_NAME = re.compile(r"[0-9a-f]{20}")
+KERNELS_NAME = re.compile(r"clover_quant_[0-9a-f]{16}")
 GiB = 1 << 30
 
 
@@ -49,7 +56,6 @@ class Entry:
     def as_json(self) -> dict:
         return {"kind": self.kind, "name": self.name, "of": self.of, "bytes": self.size,
                 "last_used": self.last_used, "paths": [str(p) for p in self.paths]}
-
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -84,7 +90,6 @@ def children(root: Path) -> list[Path]:
         return []
 
 
-
 def key_prefix(name: str) -> str:
     """The model part of a compile cache file's name (store.package_key: the model directory's name, 40 characters
     at most), or the name itself."""
@@ -97,7 +102,7 @@ def compiled_entries() -> list[Entry]:
     root = store.cache_root()
     out = []
     for d in children(root):
-        if d.is_symlink() or not d.is_dir() or d.name in store.COMPILE_SUBDIRS:
+        if d.is_symlink() or not d.is_dir() or not PACKAGE_NAME.fullmatch(d.name):
             continue
         step, sep, _ = d.name.rpartition("-heads-")
         log = d.with_name(d.name + ".log")
@@ -106,7 +111,6 @@ def compiled_entries() -> list[Entry]:
                          [d] + ([log] if log.is_file() and not log.is_symlink() else []), size,
                          last_used(d), of=key_prefix(step if sep else d.name)))
     return out
-
 
 
 def roots() -> list[Path]:
@@ -147,6 +151,7 @@ def remove_path(path: Path, allowed: list[Path]) -> None:
         return
     if stat.S_ISDIR(st.st_mode):
         aside = path.with_name(f".{path.name}.removing-{os.getpid()}")
+        shutil.rmtree(aside, ignore_errors=True)  # (this process's own, left by a removal that failed)
         os.replace(path, aside)
         shutil.rmtree(aside)
     else:
@@ -205,7 +210,6 @@ def remove_entries(entries: list[Entry], sessions: list[dict] = ()) -> int:
     finally:
         for h in held:
             (h.close if isinstance(h, Claim) else h.release)()
-
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -19,10 +19,9 @@ import time
 from pathlib import Path
 
 from . import store
-from .cache_files import (COMPILED, Entry, children, compiled_entries, key_prefix, remove_entries, scan_path,
-                          within)
+from .cache_files import (COMPILED, CONVERTED_NAME, KERNELS_NAME, SHA_NAME, Entry, children, compiled_entries,
+                          key_prefix, remove_entries, scan_path, within)
 from .errors import CloverError
-
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -63,12 +62,12 @@ def _gguf_entries() -> list[Entry]:
     for p in children(store.gguf_cache_root()):
         if p.is_symlink():
             continue
-        if p.is_dir():
+        if p.is_dir() and CONVERTED_NAME.fullmatch(p.name):
             record = source_of(p) or {}
             of = record.get("gguf") if isinstance(record.get("gguf"), str) else None
             out.append(Entry("gguf", p.name, [p], *scan_path(p), of=of and Path(of).name, keys=(p.name[:40],),
                              locks=[store.lock_path(p.name, make=False)], source=of))
-        elif p.suffix == ".gguf":
+        elif p.suffix == ".gguf" and p.is_file():
             out.append(Entry("export", p.name, [p], *scan_path(p), of="GGUF for llama.cpp (bench)"))
     return out
 
@@ -79,7 +78,7 @@ def _package_entries() -> list[Entry]:
     known = {spec.package.sha256[:20]: spec for spec in ALIASES.values() if spec.package is not None}
     out = []
     for d in children(store.packages_root()):
-        if d.is_symlink() or not d.is_dir():
+        if d.is_symlink() or not d.is_dir() or not SHA_NAME.fullmatch(d.name):
             continue
         spec = known.get(d.name)
         files = [f.name for f in children(d) if f.is_file()]
@@ -96,8 +95,9 @@ def _cache_entries() -> list[Entry]:
     places = [(f"compiled/{name}", root / name) for name in store.COMPILE_SUBDIRS]
     places.append(("gguf/hashes.json", store.gguf_cache_root() / "hashes.json"))
     out = [Entry("cache", name, [p], *scan_path(p)) for name, p in places if p.exists() and not p.is_symlink()]
-    kernels = store.kernels_dir()  # (its own folder may be a root: CLOVER_KERNEL_CACHE; what is in it goes)
-    if kernels.is_dir() and not kernels.is_symlink() and (inside := children(kernels)):
+    kernels = store.kernels_dir()  # (its own folder may be a root, CLOVER_KERNEL_CACHE: its builds go, not it)
+    inside = [p for p in children(kernels) if KERNELS_NAME.fullmatch(p.name)] if not kernels.is_symlink() else []
+    if inside:
         scans = [scan_path(p) for p in inside]
         out.append(Entry("cache", "kernels", inside, sum(n for n, _ in scans),
                          max((t for _, t in scans if t is not None), default=None)))
@@ -111,10 +111,10 @@ def _cache_entries() -> list[Entry]:
 
 def scan() -> list[Entry]:
     """Everything clover can list and remove, models first."""
-    entries = _hub_entries() + _gguf_entries() + _package_entries()
-    owners = {key: e.name for e in entries for key in e.keys}
     from .aliases import ALIASES, BUNDLED
 
+    entries = _hub_entries() + _gguf_entries() + _package_entries()
+    owners = {key: e.name for e in entries for key in e.keys}
     for spec in ALIASES.values():
         if spec.repo is None:
             owners.setdefault(BUNDLED.name, spec.alias)
@@ -182,9 +182,6 @@ def plan(model: str | None, compiled_only: bool, everything: bool) -> list[Entry
     chosen = entries if model is None else select(model, entries)
     return [e for e in chosen if e.kind in COMPILED] if compiled_only else chosen
 
-
-# ---------------------------------------------------------------------------------------------------------------
-# Removing
 
 # ---------------------------------------------------------------------------------------------------------------
 # What the commands print

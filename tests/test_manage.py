@@ -161,6 +161,9 @@ def test_rm_all(tmp_path, run_cli):
     repo = hub_repo(tmp_path, "owner/model")
     pkg = compiled(f"local-{'a' * 20}")
     write(store.packages_root() / ("e" * 20) / "file.gguf", 400)
+    # what clover did not make, though it lies in its caches: neither listed nor removed
+    foreign = [write(store.cache_root() / "notes" / "mine.txt", 5), write(store.gguf_cache_root() / "x" / "y", 5),
+               write(store.packages_root() / "mine" / "y", 5), write(tmp_path / "hf-cache" / "other" / "y", 5)]
     code, out, err = run_cli("rm", "--all", "--compiled", "-y")
     assert code == 0, err
     assert repo.exists() and not pkg.exists()
@@ -168,16 +171,18 @@ def test_rm_all(tmp_path, run_cli):
     assert code == 0, err
     assert listed(run_cli)["entries"] == [] and not repo.exists()
     assert (tmp_path / "hf-cache").is_dir() and store.cache_root().parent.is_dir()  # the caches' folders stay
+    assert all(f.exists() for f in foreign)
 
 
 def test_rm_all_empties_a_kernel_cache_kept_elsewhere_and_keeps_its_folder(tmp_path, run_cli, monkeypatch):
     kernels = tmp_path / "kernels"
     monkeypatch.setenv("CLOVER_KERNEL_CACHE", str(kernels))
-    built = write(kernels / "quant-abc" / "quant.so", 100)
+    built = write(kernels / "clover_quant_0123456789abcdef" / "quant.so", 100)
+    theirs = write(kernels / "notes.txt", 7)  # not a build of clover's: neither listed nor removed
     assert by_name(listed(run_cli))["kernels"]["bytes"] == 100
     code, out, err = run_cli("rm", "--all", "-y")
     assert code == 0, err
-    assert kernels.is_dir() and not built.exists()
+    assert kernels.is_dir() and not built.exists() and theirs.exists()
 
 
 def test_rm_an_alias_takes_its_package_conversion_and_programs(run_cli):
