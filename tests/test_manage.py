@@ -519,3 +519,30 @@ def test_a_build_prunes_after_it_and_keeps_what_it_built(monkeypatch):
     older = compiled(f"older-{'a' * 20}", used=now - 50 * DAY)
     aot_build.build_locked(job, log=said.append)
     assert older.exists()
+
+
+def test_loading_a_package_marks_it_used_and_in_use(monkeypatch):
+    """Package.load (what a session runs) touches the stamp and holds the package until the process ends (the
+    programs themselves are not loaded here: a stand-in takes CompiledStep's place)."""
+    from clover_cli import inuse, store
+    from clover_cli.cache_files import prune_compiled
+    from clover_cli.step import aot
+
+    d = compiled(f"mymodel-{'a' * 20}", 100, used=time.time() - 40 * DAY)
+    meta = {"program": store.PROGRAM_VERSION, "capacity": 64, "ranges": {"step.pt2": {"n": [1, 64], "past": [0, 64]}},
+            "files": aot.sums(d, ["step.pt2"])}
+    (d / "meta.json").write_text(json.dumps(meta))
+    monkeypatch.setattr(aot, "CompiledStep", lambda *args: "loaded")
+    package = aot.Package.find(d)
+    assert package is not None and not inuse.in_use(d)
+    try:
+        assert package.load() == "loaded"
+        assert inuse.in_use(d)
+        assert abs(inuse.last_used(d) - time.time()) < 60
+        old = time.time() - 40 * DAY
+        os.utime(d / store.LAST_USED, (old, old))  # (as if loaded 40 days ago by a session still running)
+        assert prune_compiled() == [] and d.exists()
+    finally:
+        inuse.release(d)
+    assert not inuse.in_use(d)
+    assert prune_compiled() == [d] and not d.exists()
