@@ -27,6 +27,7 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
+
 MODEL_ARG = typer.Argument(None, help="Alias (see `clover models`), Hub repo id, local directory, GGUF file, or a "
                                        "GGUF on the Hub as REPO:FILE.gguf or REPO:QUANT (hf.co/ prefix allowed). "
                                        "Default: smollm2 (CLOVER_MODEL overrides it).", show_default=False)
@@ -110,6 +111,42 @@ def download(model: str = typer.Argument(..., help="Alias, Hub repo id, GGUF fil
         typer.echo(f"draft model: {draft_path}")
 
 
+@app.command(name="list")
+def list_cached(json_out: bool = typer.Option(False, "--json", help="Print one JSON object.")):
+    """List what clover keeps on disk: Hub models and heads, converted GGUFs, package index downloads, compiled
+    programs and clover's other caches, each with its size and last use, and the total.
+
+    Last use: a compiled package's last load by a session (a stamp clover touches; before that, its build); anything
+    else's newest file modification or access time."""
+    from .manage import show_list
+
+    show_list(json_out)
+
+
+@app.command()
+def rm(model: Optional[str] = typer.Argument(None, help="An alias, a Hub repo id, or a name `clover list` shows.",
+                                             show_default=False),
+       compiled: bool = typer.Option(False, "--compiled", help="Only compiled programs (MODEL's, or with --all all)."),
+       all_: bool = typer.Option(False, "--all", help="Everything `clover list` shows."),
+       yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask first.")):
+    """Remove a model's cached files, its converted copies and its compiled programs (or --all).
+
+    Asks first on a terminal; elsewhere it needs --yes. Nothing in use is removed: a package a session loaded or
+    one being built, a model a running session uses, a download or conversion under way."""
+    from .manage import remove_command
+
+    remove_command(model, compiled, all_, yes)
+
+
+@app.command()
+def ps(json_out: bool = typer.Option(False, "--json", help="Print one JSON object.")):
+    """List the running chat, generate and serve sessions: pid, command, model, uptime and tokens generated so far
+    (from the stats stream; '-' when it is off)."""
+    from .manage import show_ps
+
+    show_ps(json_out)
+
+
 @app.command()
 def generate(
     model: Optional[str] = MODEL_ARG,
@@ -146,6 +183,7 @@ def generate(
     from .reply import Discard, Out, ReplyPrinter, stream
     import torch
 
+    from .running import start_session
     from .session import Session
     from .stats import StatsWriter
 
@@ -169,7 +207,7 @@ def generate(
         repetition_penalty = session.default_penalty
     writer = StatsWriter.open(stats_file)
     colour = not json_out and use_colour(no_color, sys.stdout)
-    sid = writer.new_session("generate", session) if writer else None
+    sid = start_session("generate", session, writer)
     t0 = time.perf_counter()
     # Streamed text holds back what could be the start of a stop string, so "USER:" never reaches the terminal.
     printer = ReplyPrinter(Discard() if json_out else Out(colour), session.stop_strings)
@@ -301,6 +339,7 @@ def serve(
     from .listener import LOCAL_HOSTS, listen, run
     from .serve import Server
     from .session import Session
+    from .running import start_session
     from .stats import StatsWriter
 
     if api_key is not None and not api_key.strip():

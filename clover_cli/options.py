@@ -27,6 +27,10 @@ ENV = {
     "CLOVER_COMPILE": "--compile's default: auto, on or off",
     "CLOVER_COMPILE_SIZES": "the step sizes compiled, like 1,4 ('': none; unset: by the model's size)",
     "CLOVER_COMPILE_CACHE": "where compiled packages live (default: <cache>/compiled)",
+    "CLOVER_COMPILE_MAX_AGE": "days a compiled package may go unused before a build removes it (default 30; 0: "
+                              "no limit)",
+    "CLOVER_COMPILE_MAX_SIZE": "GiB the compiled packages may take in all; a build removes the least recently used "
+                               "beyond it (default 5; 0: no limit)",
     "CLOVER_GGUF_CACHE": "where converted GGUF models live (default: <cache>/gguf)",
     "CLOVER_KERNEL_CACHE": "where clover's C++ kernels are built for this machine (default: <cache>/kernels)",
     "CLOVER_STATS_FILE": "--stats-file's default (default: <cache>/stats.jsonl)",

@@ -42,6 +42,7 @@ from .errors import CloverError, one_line
 from .api import (CHAT_FIELDS, COMPLETION_FIELDS, ApiError, Prompt, check_fields, check_text, error_body, integer_field,
                   number_field, parse_messages, parse_stops)
 from .listener import log_error
+from .running import start_session
 
 MAX_BODY = 4 << 20  # bytes of one request body
 MAX_WAITING = 256  # requests queued behind the running one; more are turned away (503)
@@ -90,7 +91,7 @@ class Worker:
 
     def __init__(self, session, writer=None):
         self.session, self.writer = session, writer
-        self.sid = writer.new_session("serve", session) if writer else None
+        self.sid = start_session("serve", session, writer)
         self.jobs: queue.Queue = queue.Queue()
         self.lock = threading.Lock()
         self.waiting = 0

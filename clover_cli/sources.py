@@ -33,7 +33,7 @@ from pathlib import Path
 from . import atomic
 from .errors import CloverError
 from .options import env
-from .store import content_hash, lock_path, sha256_of
+from .store import content_hash, lock_path, packages_root, sha256_of
 
 DEFAULT_INDEX = "https://pypi.org/simple"
 TIMEOUT_S = 10.0  # per connection and read: an index that does not answer falls through within seconds
@@ -67,9 +67,7 @@ class PackageSource:
         return f"{self.package} (package index)"
 
     def path(self) -> Path:
-        from .stats import cache_dir
-
-        return cache_dir() / "packages" / self.sha256[:20] / self.file
+        return packages_root() / self.sha256[:20] / self.file
 
     def cached(self) -> Path | None:
         """The file, when it is in the cache whole (its sha256 checked once per size and modification time)."""

@@ -88,6 +88,12 @@ def cache_root() -> Path:
     return Path(env("CLOVER_COMPILE_CACHE") or cache_dir() / "compiled")
 
 
+# the compile cache's folders of small JSON files beside the packages (costs_path, early_stop_path, self_draft_path)
+COMPILE_SUBDIRS = ("costs", "early_stop", "self")
+# in a package: touched each time a session loads it (inuse.hold), what `clover list` and the pruning call its last use
+LAST_USED = ".last-used"
+
+
 def kernels_dir() -> Path:
     """Where clover's own C++ kernels (clover_kernels.quant) are built for this machine."""
     from .stats import cache_dir
@@ -217,14 +223,38 @@ def content_hash(path: Path) -> str:
     return sha
 
 
-def lock_path(name: str) -> Path:
+def lock_path(name: str, make: bool = True) -> Path:
     """Where the lock of one of clover's caches' entries lives: apart from the entries, in the cache's locks/ (a lock
-    file outlives its use: removing it could let a third process lock a file nobody else sees)."""
+    file outlives its use: removing it could let a third process lock a file nobody else sees), that folder made
+    unless not `make`."""
     from .stats import cache_dir
 
     locks = cache_dir() / "locks"
-    locks.mkdir(parents=True, exist_ok=True)
+    if make:
+        locks.mkdir(parents=True, exist_ok=True)
     return locks / f"{name}.lock"
+
+
+def packages_root() -> Path:
+    """Where the files fetched from a package index are kept (sources.PackageSource.path), one folder per file."""
+    from .stats import cache_dir
+
+    return cache_dir() / "packages"
+
+
+def hf_cache_root() -> Path:
+    """The Hugging Face Hub's cache (HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub), as
+    huggingface_hub reads it now."""
+    import huggingface_hub.constants as hf_constants
+
+    return Path(hf_constants.HF_HUB_CACHE)
+
+
+def sessions_dir() -> Path:
+    """The registry of running sessions (running.py): one <pid>.json per chat, generate or serve."""
+    from .stats import cache_dir
+
+    return cache_dir() / "sessions"
 
 
 def converted_dir(sha: str, dtype: str) -> Path:

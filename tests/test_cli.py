@@ -17,7 +17,7 @@ import torch
 from conftest import build_model, tiny_config
 from helpers import offline
 
-COMMANDS = ["models", "download", "generate", "chat", "serve", "stats", "train", "bench", "compile"]
+COMMANDS = ["models", "download", "list", "rm", "ps", "generate", "chat", "serve", "stats", "train", "bench", "compile"]
 JSON_KEYS = {"text", "new_tokens", "steps", "tau", "tokens_per_s", "elapsed_s", "model", "draft"}
 
 

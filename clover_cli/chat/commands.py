@@ -8,6 +8,7 @@ import math
 from ..drafter_names import DRAFTS
 from ..errors import CloverError, one_line
 from ..reply import Out, ends_in_loop
+from ..running import start_session
 from .conversation import Conversation, fit_context
 
 HELP_KEYS = [
@@ -53,7 +54,7 @@ class Chat:
         self.repetition_penalty, self.top_k, self.min_p = repetition_penalty, top_k, min_p
         self.loop_hinted = False  # said once per chat: a reply ended in a loop, and /penalty exists
         self.writer, self.stats_path, self.interactive = writer, stats_path, interactive
-        self.sid = writer.new_session("chat", session) if writer else None
+        self.sid = start_session("chat", session, writer)
         self.total = Stats(self.sid or "", "chat", session.resolved.name, session.draft_name)
         self.generations = 0
         self.interrupts = 0  # Ctrl-C presses caught while replying

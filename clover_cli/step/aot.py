@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from .. import atomic
+from ..inuse import hold
 from ..store import read_cache_json
 from ..store import PROGRAM_VERSION
 from . import AOT_SPARE, BEYOND, MAX_CAPACITY, SIZES, fits, fits_at, padded_size
@@ -254,7 +255,9 @@ class Package:
         why = _files_problem(self.path, _read_meta(self.path)[0] or {}, self.ranges, full=True)
         if why:
             raise ValueError(why)
-        return CompiledStep(self.path, self.capacity, self.ranges)
+        step = CompiledStep(self.path, self.capacity, self.ranges)
+        hold(self.path)  # in use while this process runs: neither `clover rm` nor the pruning removes it
+        return step
 
 
 
@@ -445,6 +448,7 @@ class HeadsPrograms:
         # program name -> {"n": [least, most], "past": [least, most]}: the sizes each augment program takes
         self.augment_ranges = augment_ranges
         programs = {name: Program(self.path / name) for name in heads_program_names(kind, augment_ranges)}
+        hold(self.path)
         self._past: dict[int, torch.Tensor] = {}
         if kind == "clover":
             # fixed sizes first, smallest first; then the program for any size

@@ -227,9 +227,23 @@ def build_locked(job: Job, log=print, wait: bool = False, on_lock=None, name: st
     try:
         if on_lock is not None:
             on_lock()
-        return build(job, log)
+        built = build(job, log)
+        if built:
+            prune(job, log)
+        return built
     finally:
         lock.release()
+
+
+def prune(job: Job, log=print) -> None:
+    """After a build: the compile cache's packages unused for long, or beyond its size cap, removed (cache_files.py);
+    never the ones just built. Pruning that fails costs only disk space."""
+    from ..cache_files import prune_compiled
+
+    try:
+        prune_compiled(keep=(job.out, job.heads_out), log=log)
+    except Exception as e:  # noqa: BLE001 - a build never fails for what pruning met
+        log(f"clover: pruning the compile cache failed: {one_line(e, 200, kind=True)}")
 
 
 def failure_line(e: Exception) -> str:
