@@ -455,9 +455,9 @@ def train(
     run_training(TrainConfig(
         model=model, out=out, data=data, arch=arch, max_steps=max_steps, epochs=epochs, num_heads=heads,
         num_layers=layers, lr=lr, lr_schedule=lr_schedule, batch_tokens=batch_tokens, max_len=max_len,
-        eval_every=eval_every,
-        max_conversations=max_conversations, regenerate=regenerate, regen_turns=regen_turns,
-        regen_max_tokens=regen_max_tokens, repetition_penalty=repetition_penalty, draft_vocab=draft_vocab, cache_features=cache_features, resume=resume,
+        eval_every=eval_every, max_conversations=max_conversations, regenerate=regenerate, regen_turns=regen_turns,
+        regen_max_tokens=regen_max_tokens, repetition_penalty=repetition_penalty, draft_vocab=draft_vocab,
+        cache_features=cache_features, resume=resume,
         overwrite=overwrite, push_to_hub=push_to_hub, seed=seed, device=device, dtype=dtype, revision=revision,
         trust_remote_code=trust_remote_code, reg_weight=reg_weight, loss_vocab=loss_vocab))
 
@@ -507,7 +507,8 @@ def bench(
 
     compile_mode(compile)
     run_bench(BenchConfig(model=model, prompts=prompts, methods=methods, max_new_tokens=max_new_tokens,
-                          temperature=temperature, top_p=top_p, repetition_penalty=repetition_penalty, repeats=repeats,
+                          temperature=temperature, top_p=top_p, repetition_penalty=repetition_penalty,
+                          repeats=repeats,
                           limit=limit, heads=heads, medusa_heads=medusa_heads, eagle_heads=eagle_heads, assistant=assistant,
                           draft_model=draft_model,
                           tree_budget=tree_budget, device=device, dtype=dtype, load_in_8bit=load_in_8bit,
