@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class ApiError(Exception):
@@ -32,22 +32,37 @@ class Prompt:
     chat: bool  # a chat reply (trimmed, role and message fields) or a raw completion
     stream: bool = False
     usage_chunk: bool = False  # stream_options.include_usage
+    ignored: list[str] = field(default_factory=list)  # fields accepted and ignored (the X-Clover-Ignored header)
 
 
-# Fields accepted with their neutral value only (a client may send them; clover has no such feature).
-NEUTRAL = {"n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "logprobs": (False, 0),
-           "top_logprobs": 0, "echo": False, "logit_bias": {}, "suffix": "", "tools": [], "tool_choice": ("none", "auto"),
-           "response_format": {"type": "text"}, "parallel_tool_calls": (True, False), "user": str,
-           "service_tier": str, "store": False, "metadata": dict}
-# repetition_penalty, top_k, min_p: not OpenAI's, but what transformers, vLLM, TGI and llama-server clients send
-# (clover generate's options; top_k -1 or 0: all tokens, as vLLM takes it)
+# Fields accepted with their neutral value only (a client may send them; clover has no such feature, and ignoring
+# another value would change what the reply means: a schema, a bias, several sequences at once).
+NEUTRAL = {"n": 1, "logprobs": (False, 0), "top_logprobs": 0, "best_of": 1, "echo": False, "logit_bias": {},
+           "suffix": "", "tools": [], "tool_choice": ("none", "auto"), "parallel_tool_calls": (True, False),
+           "user": str, "service_tier": str, "store": False, "metadata": dict}
+NUMBER, WHOLE, FLAG, LIST = "a number", "a whole number", "true or false", "a list"
+# Sampling fields of other servers' APIs (llama-server, vLLM, text-generation-webui, what their clients send) that
+# clover has no such feature for: accepted when their value is of the right kind, then ignored, and named in the
+# response's X-Clover-Ignored header. presence_penalty and frequency_penalty are OpenAI's: 0 is no penalty (not
+# named). Fields clover does apply under another name: repeat_penalty (llama-server's repetition_penalty).
+IGNORED = {"presence_penalty": NUMBER, "frequency_penalty": NUMBER, "typical_p": NUMBER, "tfs_z": NUMBER,
+           "mirostat": WHOLE, "mirostat_tau": NUMBER, "mirostat_eta": NUMBER, "repeat_last_n": WHOLE,
+           "penalize_nl": FLAG, "cache_prompt": FLAG, "n_keep": WHOLE, "id_slot": WHOLE, "slot_id": WHOLE,
+           "samplers": LIST, "dynatemp_range": NUMBER, "dynatemp_exponent": NUMBER, "xtc_probability": NUMBER,
+           "xtc_threshold": NUMBER, "dry_multiplier": NUMBER, "dry_base": NUMBER, "dry_allowed_length": WHOLE,
+           "dry_penalty_last_n": WHOLE, "dry_sequence_breakers": LIST, "top_n_sigma": NUMBER, "min_keep": WHOLE,
+           "t_max_predict_ms": WHOLE, "timings_per_token": FLAG, "return_tokens": FLAG, "length_penalty": NUMBER,
+           "min_tokens": WHOLE, "skip_special_tokens": FLAG, "spaces_between_special_tokens": FLAG,
+           "include_stop_str_in_output": FLAG, "use_beam_search": FLAG, "early_stopping": FLAG, "priority": WHOLE,
+           "truncate_prompt_tokens": WHOLE, "add_generation_prompt": FLAG}
+_KINDS = {NUMBER: (int, float), WHOLE: int, FLAG: bool, LIST: list}
+# repetition_penalty (repeat_penalty), top_k, min_p: not OpenAI's, but what transformers, vLLM, TGI and llama-server
+# clients send (clover generate's options; top_k -1 or 0: all tokens, as vLLM takes it)
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options",
-          "repetition_penalty", "top_k", "min_p"}
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "n", "presence_penalty", "frequency_penalty",
-                        "logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice", "response_format",
-                        "parallel_tool_calls", "user", "service_tier", "store", "metadata"}
-COMPLETION_FIELDS = COMMON | {"prompt", "n", "best_of", "presence_penalty", "frequency_penalty", "logprobs",
-                              "echo", "logit_bias", "suffix", "user"}
+          "repetition_penalty", "repeat_penalty", "top_k", "min_p", "n", "logprobs"} | set(IGNORED)
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "logit_bias", "tools", "tool_choice",
+                        "response_format", "parallel_tool_calls", "user", "service_tier", "store", "metadata"}
+COMPLETION_FIELDS = COMMON | {"prompt", "best_of", "echo", "logit_bias", "suffix", "user"}
 
 
 def number_field(body: dict, name: str, low: float, high: float, default: float, low_open: bool = False) -> float:
@@ -70,12 +85,35 @@ def integer_field(body: dict, name: str, low: int, high: int) -> int | None:
     return value
 
 
-def check_fields(body: dict, known: set[str]):
+def check_fields(body: dict, known: set[str]) -> list[str]:
+    """Refuse an unknown field, or a known one clover cannot honour; returns the fields accepted and ignored
+    (IGNORED, with a value of the right kind)."""
+    ignored = []
     for name, value in body.items():
         if name not in known:
             raise ApiError(400, f"unrecognized request argument supplied: {name}", name, "unknown_parameter")
+        if value is None:
+            continue
+        kind = IGNORED.get(name)
+        if kind is not None:
+            if isinstance(value, bool) != (kind == FLAG) or not isinstance(value, _KINDS[kind]) \
+                    or (kind == NUMBER and not math.isfinite(value)):
+                raise ApiError(400, f"'{name}' must be {kind}, not {json.dumps(value)[:80]}", name)
+            if name in ("presence_penalty", "frequency_penalty"):
+                if not -2 <= value <= 2:
+                    raise ApiError(400, f"'{name}' must be a number in [-2, 2], not {json.dumps(value)}", name)
+                if value == 0:
+                    continue
+            ignored.append(name)
+            continue
+        if name == "response_format" and not (isinstance(value, dict) and isinstance(value.get("type"), str)):
+            raise ApiError(400, "'response_format' must be an object with a 'type'", name)
+        if name == "response_format" and value["type"] != "text":
+            raise ApiError(400, f"'response_format' {json.dumps(value['type'])[:80]} is not supported yet: clover "
+                                f"cannot constrain a reply to JSON (leave it out, or ask for JSON in the prompt)",
+                           name, "unsupported_parameter")
         neutral = NEUTRAL.get(name)
-        if neutral is None or value is None:
+        if neutral is None:
             continue
         if isinstance(neutral, type):
             ok = isinstance(value, neutral)
@@ -86,6 +124,7 @@ def check_fields(body: dict, known: set[str]):
         if not ok:
             raise ApiError(400, f"'{name}': {json.dumps(value)[:80]} is not supported by clover (leave it out)", name,
                            "unsupported_parameter")
+    return ignored
 
 
 def _text_content(content, where: str) -> str:

@@ -341,8 +341,9 @@ def serve(
                                                     show_default=False),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="CLOVER_API_KEY", show_default=False,
                                           help="Require 'Authorization: Bearer KEY' on every request."),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="Reply length when a request sets "
-                                                                         "no max_tokens."),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", "-n", show_default=False,
+                                                 help="Most tokens of a reply whose request sets no max_tokens "
+                                                 "(default: until it ends or the context is full, as OpenAI's API)."),
     header_timeout: float = typer.Option(10.0, "--header-timeout", help="Seconds a connection has to send a "
                                          "request's line and headers (from when it opens, or its previous response "
                                          "ends) before it is closed."),
@@ -364,8 +365,11 @@ def serve(
     """Serve the model over HTTP with the OpenAI API: /v1/chat/completions (streamed or not), /v1/completions,
     /v1/models, and /health.
 
-    The same drafters, sampling (temperature, top_p, top_k, min_p, seed, max_tokens), stop strings and chat template
-    as `clover chat`; each response adds clover's figures (tau, acceptance rate, draft and verify time) under "clover".
+    The same drafters, sampling (temperature, top_p, top_k, min_p, repetition_penalty, seed, max_tokens), stop strings
+    and chat template as `clover chat`; each response adds clover's figures (tau, acceptance rate, draft and verify
+    time) under "clover". As OpenAI's API: no temperature samples at 1, no max_tokens runs to the reply's end (or the
+    context's). Other servers' sampling fields clover has no feature for (mirostat, typical_p, cache_prompt, ...)
+    are ignored and named in the X-Clover-Ignored header.
     Requests are served one at a time in arrival order (the X-Clover-Queue-Position header says how many were
     ahead; /health shows the queue). A client that disconnects stops its reply at once. Ctrl-C stops the server.
     """
@@ -388,7 +392,7 @@ def serve(
         raise CloverError(f"--header-timeout must be above 0 and at most 3600 seconds, not {header_timeout}")
     if not 1 <= max_connections <= 1_000_000:
         raise CloverError(f"--max-connections must be between 1 and 1000000, not {max_connections}")
-    check_sampling(max_new_tokens, 0.0, 1.0)
+    check_sampling(1 if max_new_tokens is None else max_new_tokens, 0.0, 1.0)
     StatsWriter.check(stats_file)  # a --stats-file that cannot be written fails now, not after loading
     opts = options_from(locals())
     sock = listen(host, port)  # a port in use fails now, before loading

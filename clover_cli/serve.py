@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from .errors import CloverError, one_line
 from .api import (CHAT_FIELDS, COMPLETION_FIELDS, ApiError, Prompt, check_fields, check_text, error_body, integer_field,
                   number_field, parse_messages, parse_stops)
-from .listener import log_error
+from .listener import log_error, log_note
 
 MAX_BODY = 4 << 20  # bytes of one request body
 MAX_WAITING = 256  # requests queued behind the running one; more are turned away (503)
@@ -169,7 +169,7 @@ class Worker:
 class Server:
     """The app (`self.app`, ASGI) around one loaded Session."""
 
-    def __init__(self, session, api_key: str | None = None, max_new_tokens: int = 256, writer=None,
+    def __init__(self, session, api_key: str | None = None, max_new_tokens: int | None = None, writer=None,
                  max_body: int = MAX_BODY, model_id: str | None = None):
         from starlette.applications import Starlette
         from starlette.exceptions import HTTPException
@@ -232,6 +232,8 @@ class Server:
         del body  # a queued request holds its token ids, not its text
         job = Job(prompt, asyncio.get_running_loop())
         headers = {"X-Clover-Queue-Position": str(self.worker.submit(job))}
+        if prompt.ignored:
+            headers["X-Clover-Ignored"] = ",".join(prompt.ignored)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         if prompt.stream:
             return EventStream(job, self._events(job, rid), headers={**headers, "Cache-Control": "no-cache"})
@@ -241,7 +243,7 @@ class Server:
     def _prompt(self, body: dict, chat: bool) -> Prompt:
         from .decode.verify import Sampling
 
-        check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
+        ignored = check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
         if body.get("model") is not None and not isinstance(body["model"], str):
             raise ApiError(400, "'model' must be a string", "model")
         # any name is answered by the one model served (clients send names of their own: "gpt-4o", an Ollama tag);
@@ -269,14 +271,22 @@ class Server:
             except CloverError as e:  # a token the model has no embedding for
                 raise ApiError(400, str(e), "prompt")
         limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        max_tokens = integer_field(body, limit, 1, 1_000_000) or self.max_new_tokens
+        # without one: --max-new-tokens, else up to the end of the context (as OpenAI's and llama-server's APIs)
+        max_tokens = integer_field(body, limit, 1, 1_000_000) or self.max_new_tokens or s.max_context
         min_p = number_field(body, "min_p", 0.0, 1.0, 0.0)
         if min_p >= 1.0:
             raise ApiError(400, "'min_p' must be a number in [0, 1), not 1", "min_p")
-        sampling = Sampling(number_field(body, "temperature", 0.0, 2.0, 0.0),
+        penalty = "repetition_penalty"
+        if body.get("repeat_penalty") is not None:  # llama-server's name for it
+            if body.get(penalty) is not None and body[penalty] != body["repeat_penalty"]:
+                raise ApiError(400, "'repeat_penalty' and 'repetition_penalty' are the same setting: give one",
+                               "repeat_penalty")
+            penalty = "repeat_penalty"
+        # no temperature: 1, OpenAI's default (a sampled reply; 0 is greedy)
+        sampling = Sampling(number_field(body, "temperature", 0.0, 2.0, 1.0),
                             number_field(body, "top_p", 0.0, 1.0, 1.0, True),
                             integer_field(body, "seed", 0, 2**63 - 1),
-                            number_field(body, "repetition_penalty", 0.0, 10.0, s.default_penalty, True),
+                            number_field(body, penalty, 0.0, 10.0, s.default_penalty, True),
                             max(0, integer_field(body, "top_k", -1, 10_000_000) or 0), min_p)
         stream = body.get("stream")
         options = body.get("stream_options")
@@ -290,8 +300,10 @@ class Server:
             s.check_fits(ids, max_tokens)
         except CloverError as e:
             raise ApiError(400, str(e), "messages" if chat else "prompt", "context_length_exceeded")
+        if ignored:
+            log_note(f"ignored request fields (clover has no such feature): {', '.join(ignored)}")
         return Prompt(ids, max_tokens, sampling, parse_stops(body), chat, bool(stream),
-                      bool((options or {}).get("include_usage")))
+                      bool((options or {}).get("include_usage")), ignored)
 
     def _check_size(self, chars: int, param: str):
         """A prompt longer than the context could hold is refused before it is tokenized (inputs.check_text_size)."""

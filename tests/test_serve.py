@@ -116,8 +116,9 @@ def request(url: str, method: str, path: str, body=None, headers=None, timeout: 
 
 
 def chat_body(text: str, **extra) -> dict:
+    """A chat request, greedy unless `extra` says otherwise (the API's default temperature is 1)."""
     return {"model": extra.pop("model", None), "messages": [{"role": "user", "content": text}], "max_tokens": N,
-            **extra}
+            "temperature": 0, **extra}
 
 
 def ask(server, text: str, **extra) -> str:
@@ -159,7 +160,8 @@ def test_openai_client_chat_is_clover_generate(server, reference):
 
         pieces, finish, extra, usage = [], None, None, None
         for chunk in client.chat.completions.create(model=model, messages=[{"role": "user", "content": text}],
-                                                    max_tokens=N, stream=True, stream_options={"include_usage": True}):
+                                                    max_tokens=N, stream=True, stream_options={"include_usage": True},
+                                                    temperature=0):
             if chunk.choices:
                 pieces.append(chunk.choices[0].delta.content or "")
                 finish = chunk.choices[0].finish_reason or finish
@@ -175,11 +177,11 @@ def test_openai_client_completions_are_generate_raw(server, reference):
     client = openai_client(server)
     for text in PROMPTS[2:]:
         want = reference[text, True]
-        resp = client.completions.create(model=server.model_id, prompt=text, max_tokens=N)
+        resp = client.completions.create(model=server.model_id, prompt=text, max_tokens=N, temperature=0)
         assert resp.choices[0].text == want["text"]
         assert resp.usage.prompt_tokens == want["prompt_tokens"]
         streamed = "".join(c.choices[0].text for c in client.completions.create(
-            model=server.model_id, prompt=text, max_tokens=N, stream=True) if c.choices)
+            model=server.model_id, prompt=text, max_tokens=N, stream=True, temperature=0) if c.choices)
         assert streamed == want["text"]
 
 
@@ -200,6 +202,52 @@ def test_a_repetition_penalty_is_clover_generates(server, llama_dir, tmp_path):
     assert status == 400 and err["error"]["param"] == "repetition_penalty"
 
 
+def test_other_servers_sampling_fields(server, reference, capsys):
+    """What llama-server and vLLM clients send: fields clover has (top_k, min_p, repeat_penalty) applied, the others
+    accepted, ignored and named in X-Clover-Ignored (streamed too), with a note in the log; a malformed one is a
+    400."""
+    extra = {"mirostat": 2, "typical_p": 0.9, "cache_prompt": True, "presence_penalty": 0, "samplers": ["top_k"],
+             "frequency_penalty": 0.5}
+    status, headers, body = request(server.url, "POST", "/v1/chat/completions", chat_body(PROMPTS[2], **extra))
+    assert status == 200, body
+    assert headers["x-clover-ignored"] == "mirostat,typical_p,cache_prompt,samplers,frequency_penalty"
+    assert body["choices"][0]["message"]["content"] == reference[PROMPTS[2], False]["text"].strip()
+    assert "note: ignored request fields" in capsys.readouterr().err
+    status, headers, text = request(server.url, "POST", "/v1/chat/completions",
+                                    chat_body(PROMPTS[2], stream=True, tfs_z=1.0))
+    assert status == 200 and headers["x-clover-ignored"] == "tfs_z"
+    assert "x-clover-ignored" not in request(server.url, "POST", "/v1/chat/completions",
+                                             chat_body(PROMPTS[2], presence_penalty=0))[1]
+    # applied: llama-server's repeat_penalty is repetition_penalty; top_k 1 is greedy whatever the temperature
+    assert ask(server, PROMPTS[1], repeat_penalty=1.8) == ask(server, PROMPTS[1], repetition_penalty=1.8) \
+        != ask(server, PROMPTS[1])
+    assert ask(server, PROMPTS[2], temperature=1.5, top_k=1) == reference[PROMPTS[2], False]["text"].strip()
+
+
+def test_api_defaults(slow, llama_dir):
+    """No temperature: sampled at 1 (OpenAI's default), not greedy; no max_tokens: not cut at 256 but run to the end
+    of the context (or an end of sequence); --max-new-tokens sets what a request without max_tokens gets."""
+    def reply(**extra):
+        body = {"messages": [{"role": "user", "content": PROMPTS[1]}], "max_tokens": N, **extra}
+        status, _, got = request(slow.url, "POST", "/v1/chat/completions", body)
+        assert status == 200, got
+        return got["choices"][0]["message"]["content"]
+
+    sampled = [reply(seed=seed) for seed in range(3)]
+    assert sampled == [reply(seed=seed, temperature=1.0) for seed in range(3)]
+    assert any(text != reply(temperature=0) for text in sampled)
+    status, _, body = request(slow.url, "POST", "/v1/completions", {"prompt": PROMPTS[3], "temperature": 0})
+    assert status == 200, body
+    usage, finish = body["usage"], body["choices"][0]["finish_reason"]
+    assert finish == "length" and usage["total_tokens"] == slow.session.max_context, body  # this model's greedy
+    assert usage["completion_tokens"] > 256  # reply to it never ends
+    with serving(load(llama_dir, draft="none"), max_new_tokens=5) as capped:
+        status, _, body = request(capped.url, "POST", "/v1/completions", {"prompt": PROMPTS[3], "temperature": 0})
+        assert status == 200 and body["usage"]["completion_tokens"] == 5, body
+        status, _, body = request(capped.url, "POST", "/v1/completions", {"prompt": PROMPTS[3], "max_tokens": 7})
+        assert status == 200 and body["usage"]["completion_tokens"] == 7, body
+
+
 def test_any_model_name_is_answered_by_the_model_served(server, reference):
     """Clients send names of their own ("gpt-4o", an Ollama tag): the one model served answers, and says its name."""
     status, _, body = request(server.url, "POST", "/v1/chat/completions", chat_body(PROMPTS[0], model="gpt-4o"))
@@ -214,12 +262,12 @@ def test_stop_strings(server, reference):
     stop = full[len(full) // 2:len(full) // 2 + 3]
     assert stop.strip(), full
     cut = client.chat.completions.create(model=server.model_id, messages=[{"role": "user", "content": PROMPTS[0]}],
-                                         max_tokens=N, stop=[stop])
+                                         max_tokens=N, stop=[stop], temperature=0)
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].message.content == full[:full.index(stop)].strip()
     streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
         model=server.model_id, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=N, stop=stop,
-        stream=True) if c.choices)
+        stream=True, temperature=0) if c.choices)
     assert streamed == cut.choices[0].message.content, "the stream never shows the stop string"
 
 
@@ -239,7 +287,7 @@ def test_seeded_sampling(server, slow):
 def test_a_conversation_is_clover_chat(server, llama_dir, run_cli):
     """Two turns through the API (the client sends the first reply back) give `clover chat`'s two replies."""
     first = ask(server, PROMPTS[0])
-    second = request(server.url, "POST", "/v1/chat/completions", {"max_tokens": N, "messages": [
+    second = request(server.url, "POST", "/v1/chat/completions", {"max_tokens": N, "temperature": 0, "messages": [
         {"role": "user", "content": PROMPTS[0]}, {"role": "assistant", "content": first},
         {"role": "user", "content": PROMPTS[2]}]})[2]["choices"][0]["message"]["content"]
     code, out, err = run_cli("chat", str(llama_dir), "--draft", "ngram", "-n", str(N), "--stats-file", "off",
@@ -285,7 +333,7 @@ def test_concurrent_clients_get_the_serial_replies(server, reference):
         text, kind = job
         if kind == 2:
             status, headers, body = request(server.url, "POST", "/v1/completions",
-                                            {"prompt": text, "max_tokens": N})
+                                            {"prompt": text, "max_tokens": N, "temperature": 0})
             return status, headers, body["choices"][0]["text"]
         status, headers, body = request(server.url, "POST", "/v1/chat/completions",
                                         chat_body(text, stream=kind == 1))
@@ -331,6 +379,19 @@ BAD = [
     ("POST", "/v1/completions", {"prompt": LONG, "stream": True}, 400, "context_length_exceeded"),
     ("POST", "/v1/completions", {"prompt": ""}, 400, None),
     ("POST", "/v1/chat/completions", {"model": 4, "messages": [{"role": "user", "content": "hi"}]}, 400, None),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "mirostat": "on"}, 400, None),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "typical_p": True}, 400, None),
+    ("POST", "/v1/completions", {"prompt": "hi", "cache_prompt": 1}, 400, None),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 3}, 400,
+     None),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "repeat_penalty": 1.1,
+                                      "repetition_penalty": 1.2}, 400, None),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "repeat_penalty": -1}, 400,
+     None),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                      "response_format": {"type": "json_object"}}, 400, "unsupported_parameter"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": "json"},
+     400, None),
     ("GET", "/v1/models/gpt-4o", None, 404, "model_not_found"),
     ("GET", "/v1/chat/completions", None, 405, "method_not_allowed"),
     ("GET", "/v2/anything", None, 404, "not_found"),
@@ -374,7 +435,7 @@ def test_api_key(llama_dir, reference):
         with pytest.raises(openai.AuthenticationError):
             openai_client(keyed, "wrong").models.list()
         resp = openai_client(keyed, "s3cret").chat.completions.create(
-            model=keyed.model_id, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=N)
+            model=keyed.model_id, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=N, temperature=0)
         assert resp.choices[0].message.content == reference[PROMPTS[0], False]["text"].strip()
 
 
