@@ -8,7 +8,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -16,7 +16,7 @@ from . import __version__
 from .drafter_names import DRAFTS
 from .errors import CloverError
 from .inputs import read_prompt
-from .options import EARLY_STOPS, MODES, QUANTIZE, TREES, check_sampling, options_from
+from .options import EARLY_STOPS, MODES, QUANTIZE, TREES, check_sampling, env, options_from
 from .templates import BUILTIN
 
 app = typer.Typer(
@@ -344,6 +344,11 @@ def serve(
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", "-n", show_default=False,
                                                  help="Most tokens of a reply whose request sets no max_tokens "
                                                  "(default: until it ends or the context is full, as OpenAI's API)."),
+    cors_origin: Optional[List[str]] = typer.Option(None, "--cors-origin", show_default=False, metavar="ORIGIN",
+                                                    help="A web page's "
+                                                    "origin (https://app.example.com) that may call the API from a "
+                                                    "browser; repeatable, * for any. Pages on localhost, 127.0.0.1 "
+                                                    "and [::1] always may. Also CLOVER_CORS_ORIGINS (comma-separated)."),
     header_timeout: float = typer.Option(10.0, "--header-timeout", help="Seconds a connection has to send a "
                                          "request's line and headers (from when it opens, or its previous response "
                                          "ends) before it is closed."),
@@ -378,6 +383,7 @@ def serve(
         import uvicorn  # noqa: F401
     except ImportError as e:
         raise CloverError(f"clover serve needs {e.name or 'starlette and uvicorn'}: pip install 'clover-cli[serve]'")
+    from .cors import parse_origins
     from .reply import loaded_line
     from .listener import LOCAL_HOSTS, listen, run
     from .serve import Server
@@ -393,6 +399,7 @@ def serve(
     if not 1 <= max_connections <= 1_000_000:
         raise CloverError(f"--max-connections must be between 1 and 1000000, not {max_connections}")
     check_sampling(1 if max_new_tokens is None else max_new_tokens, 0.0, 1.0)
+    cors_origins = parse_origins(cors_origin, env("CLOVER_CORS_ORIGINS"))
     StatsWriter.check(stats_file)  # a --stats-file that cannot be written fails now, not after loading
     opts = options_from(locals())
     sock = listen(host, port)  # a port in use fails now, before loading
@@ -401,7 +408,7 @@ def serve(
     session.compiler.start(background=True)  # auto: eager until the compiled step is built, as in the chat
     writer = StatsWriter.open(stats_file)  # after loading: a server that fails to start leaves no record
     server = Server(session, api_key=api_key, max_new_tokens=max_new_tokens, writer=writer,
-                    model_id=served_model_name)
+                    model_id=served_model_name, cors_origins=cors_origins)
     bound = sock.getsockname()
     where = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
     say = lambda text: typer.echo(text, err=True)  # noqa: E731

@@ -18,8 +18,8 @@ fields and clover's own figures under "clover" (tau, acceptance rate, draft/veri
 
 Errors are OpenAI-style JSON objects, {"error": {"message", "type", "param", "code"}}, with their HTTP status:
 400 a bad request (malformed JSON, an unknown or unsupported field, a prompt over the context), 401 a wrong or
-missing API key, 404 an unknown model or path, 405, 408 a body that did not arrive in time, 413 a body over the limit,
-503 a full queue (or too many connections).
+missing API key, 403 a browser's preflight from an origin not allowed (cors.py), 404 an unknown model or path, 405,
+408 a body that did not arrive in time, 413 a body over the limit, 503 a full queue (or too many connections).
 
 A request body must arrive within BODY_TIMEOUT. A prompt longer than the context could hold (inputs.CHARS_PER_TOKEN
 characters a token) is refused before it is tokenized, and at most TOKENIZING requests are tokenized at once. The
@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from .errors import CloverError, one_line
 from .api import (CHAT_FIELDS, COMPLETION_FIELDS, ApiError, Prompt, check_fields, check_text, error_body, integer_field,
                   number_field, parse_messages, parse_stops)
+from .cors import Cors
 from .listener import log_error, log_note
 
 MAX_BODY = 4 << 20  # bytes of one request body
@@ -170,7 +171,7 @@ class Server:
     """The app (`self.app`, ASGI) around one loaded Session."""
 
     def __init__(self, session, api_key: str | None = None, max_new_tokens: int | None = None, writer=None,
-                 max_body: int = MAX_BODY, model_id: str | None = None):
+                 max_body: int = MAX_BODY, model_id: str | None = None, cors_origins=()):
         from starlette.applications import Starlette
         from starlette.exceptions import HTTPException
         from starlette.routing import Route
@@ -186,7 +187,8 @@ class Server:
                   Route("/v1/models/{model:path}", self.model, methods=["GET"]),
                   Route("/health", self.health, methods=["GET"])]
         handlers = {ApiError: self._api_error, HTTPException: self._http_error, Exception: self._crash}
-        self.app = Guard(Starlette(routes=routes, exception_handlers=handlers), self)
+        # CORS outside the key's check: a browser's preflight carries no key, and a 401 must reach the page
+        self.app = Cors(Guard(Starlette(routes=routes, exception_handlers=handlers), self), cors_origins)
 
     def close(self):
         self.worker.stop()

@@ -439,6 +439,65 @@ def test_api_key(llama_dir, reference):
         assert resp.choices[0].message.content == reference[PROMPTS[0], False]["text"].strip()
 
 
+# --- browsers -------------------------------------------------------------------------------------------------
+
+
+def preflight(url: str, origin: str) -> tuple:
+    return request(url, "OPTIONS", "/v1/chat/completions", headers={
+        "Origin": origin, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"})
+
+
+def test_cors_pages_on_this_machine(server, reference):
+    """A page on localhost, 127.0.0.1 or [::1] (any port, http or https) may call the API, as Ollama allows; any
+    other origin's preflight is a 403 and its responses carry no CORS headers."""
+    for origin in ("http://localhost:3000", "https://127.0.0.1", "http://[::1]:8080", "HTTP://LOCALHOST:5173"):
+        status, headers, _ = preflight(server.url, origin)
+        assert status == 204, origin
+        assert headers["access-control-allow-origin"] == origin
+        assert "POST" in headers["access-control-allow-methods"]
+        assert headers["access-control-allow-headers"] == "authorization, content-type"
+        status, headers, body = request(server.url, "POST", "/v1/chat/completions", chat_body(PROMPTS[2]),
+                                        {"Origin": origin})
+        assert status == 200 and headers["access-control-allow-origin"] == origin
+        assert "X-Clover-Queue-Position" in headers["access-control-expose-headers"]
+        assert body["choices"][0]["message"]["content"] == reference[PROMPTS[2], False]["text"].strip()
+    for origin in ("https://evil.example", "http://localhost.evil.example", "http://127.0.0.1.nip.io:80", "null"):
+        status, headers, err = preflight(server.url, origin)
+        assert status == 403 and err["error"]["code"] == "origin_not_allowed", origin
+        assert "access-control-allow-origin" not in headers
+        status, headers, _ = request(server.url, "GET", "/v1/models", headers={"Origin": origin})
+        assert status == 200 and "access-control-allow-origin" not in headers
+    assert "access-control-allow-origin" not in request(server.url, "GET", "/health")[1]  # no Origin: not a browser
+
+
+def test_cors_origins_named(llama_dir):
+    """--cors-origin names more origins (a 401 reaches the page too: the preflight needs no key); `*` allows any."""
+    with serving(load(llama_dir), cors_origins=("https://app.example",), api_key="k") as s:
+        assert preflight(s.url, "https://app.example")[0] == 204
+        assert preflight(s.url, "http://localhost:1")[0] == 204
+        assert preflight(s.url, "https://other.example")[0] == 403
+        status, headers, _ = request(s.url, "GET", "/v1/models", headers={"Origin": "https://app.example"})
+        assert status == 401 and headers["access-control-allow-origin"] == "https://app.example"
+    with serving(load(llama_dir), cors_origins=("*",)) as s:
+        status, headers, _ = preflight(s.url, "https://anywhere.example")
+        assert status == 204 and headers["access-control-allow-origin"] == "https://anywhere.example"
+
+
+def test_cors_origins_parsed():
+    from clover_cli.cors import parse_origins
+    from clover_cli.errors import CloverError
+
+    assert parse_origins(["https://A.example/", "*"], " http://b.example:81 ,, ") == \
+        ("https://a.example", "*", "http://b.example:81")
+    assert parse_origins(None, None) == ()
+    for bad in ("example.com", "https://a.example/path", "http://a.example?x", ""):
+        with pytest.raises(CloverError, match="--cors-origin"):
+            parse_origins([bad], None)
+    with pytest.raises(CloverError, match="CLOVER_CORS_ORIGINS"):
+        parse_origins([], "https://ok.example,javascript:alert(1)")
+
+
 # --- clients that hang up -------------------------------------------------------------------------------------
 
 
@@ -581,6 +640,7 @@ def test_serve_bad_options(run_cli, llama_dir):
                               f"127.0.0.1:{port}")
     assert_one_line_error(run_cli("serve", str(llama_dir), "--port", "70000"), "--port")
     assert_one_line_error(run_cli("serve", str(llama_dir), "--api-key", " "), "--api-key")
+    assert_one_line_error(run_cli("serve", str(llama_dir), "--cors-origin", "https://a.example/x"), "--cors-origin")
     assert_one_line_error(run_cli("serve", str(llama_dir), "--host", "no.such.host.invalid", "--port", "0"),
                           "cannot listen")
     assert_one_line_error(run_cli("serve", str(llama_dir), "--device-map", "auto", "--compile", "on"),
