@@ -379,6 +379,7 @@ def serve(
     ahead; /health shows the queue). A client that disconnects stops its reply at once. Ctrl-C stops the server.
     """
     try:  # the [serve] extra: said before anything loads
+        import prometheus_client  # noqa: F401
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as e:

@@ -4,6 +4,7 @@
     POST /v1/completions        a raw prompt, continued
     GET  /v1/models             the one model served
     GET  /health                status, the queue, the target step
+    GET  /metrics               Prometheus' text format (metrics.py)
 
 One engine serves one request at a time, in the order they arrive: requests wait in a FIFO queue for the single
 worker thread that runs the engine (the event loop never waits on the model). Each response says how many requests
@@ -42,6 +43,7 @@ from .errors import CloverError, one_line
 from .api import (CHAT_FIELDS, COMPLETION_FIELDS, ApiError, Prompt, check_fields, check_text, error_body, integer_field,
                   number_field, parse_messages, parse_stops)
 from .cors import Cors
+from .metrics import CountRequests, Metrics
 from .listener import log_error, log_note
 
 MAX_BODY = 4 << 20  # bytes of one request body
@@ -91,6 +93,7 @@ class Worker:
 
     def __init__(self, session, writer=None):
         self.session, self.writer = session, writer
+        self.metrics = None  # the server's Metrics: each step counted
         self.sid = writer.new_session("serve", session) if writer else None
         self.jobs: queue.Queue = queue.Queue()
         self.lock = threading.Lock()
@@ -156,9 +159,11 @@ class Worker:
                 job.put("delta", piece)
 
         reply = stream(s, s.generate(p.ids, p.max_tokens, p.sampling, stops), printer, stops, self.writer, self.sid,
-                       cancelled=job.cancelled, on_step=send)
+                       totals=(self.metrics,) if self.metrics else (), cancelled=job.cancelled, on_step=send)
         if reply.cancelled:
             return
+        if self.metrics:
+            self.metrics.reply_done(len(p.ids), reply.stats.finish)
         text = reply.text()
         job.put("done", {"text": text.strip() if p.chat else text, "tail": sink.take(), "finish": reply.stats.finish,
                          "stats": reply.stats, "queue_s": started - job.arrived,
@@ -180,15 +185,18 @@ class Server:
         self.model_id = model_id or session.resolved.name  # --served-model-name, else the name it was loaded by
         self.created = int(time.time())
         self.worker = Worker(session, writer)
+        self.metrics = self.worker.metrics = Metrics(self.worker.status)
         self._tokenizing: asyncio.Semaphore | None = None  # made in the server's event loop
         routes = [Route("/v1/chat/completions", self.chat, methods=["POST"]),
                   Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/models", self.models, methods=["GET"]),
                   Route("/v1/models/{model:path}", self.model, methods=["GET"]),
-                  Route("/health", self.health, methods=["GET"])]
+                  Route("/health", self.health, methods=["GET"]),
+                  Route("/metrics", self.metrics_page, methods=["GET"])]
         handlers = {ApiError: self._api_error, HTTPException: self._http_error, Exception: self._crash}
         # CORS outside the key's check: a browser's preflight carries no key, and a 401 must reach the page
-        self.app = Cors(Guard(Starlette(routes=routes, exception_handlers=handlers), self), cors_origins)
+        self.app = CountRequests(Cors(Guard(Starlette(routes=routes, exception_handlers=handlers), self),
+                                      cors_origins), self.metrics)
 
     def close(self):
         self.worker.stop()
@@ -219,6 +227,12 @@ class Server:
         return JSONResponse({"status": "ok", "model": self.model_id, "draft": s.draft_name,
                              "step": s.compiler.describe(), "device": str(s.device), "context": s.max_context,
                              "queue": {"order": "fifo, one request at a time", **self.worker.status()}})
+
+    async def metrics_page(self, request):
+        from starlette.responses import Response
+
+        text, kind = self.metrics.page()
+        return Response(text, headers={"Content-Type": kind})
 
     # --- completions
 

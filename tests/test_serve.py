@@ -439,6 +439,50 @@ def test_api_key(llama_dir, reference):
         assert resp.choices[0].message.content == reference[PROMPTS[0], False]["text"].strip()
 
 
+# --- metrics --------------------------------------------------------------------------------------------------
+
+
+def scrape(url: str) -> dict:
+    """GET /metrics parsed by prometheus_client's own parser: {(sample name, labels as a sorted tuple): value}."""
+    parser = pytest.importorskip("prometheus_client.parser")
+    status, headers, text = request(url, "GET", "/metrics")
+    assert status == 200 and headers["content-type"].startswith("text/plain"), text
+    return {(smp.name, tuple(sorted(smp.labels.items()))): smp.value
+            for family in parser.text_string_to_metric_families(text) for smp in family.samples}
+
+
+def test_metrics(llama_dir):
+    """/metrics counts what the responses said: requests by endpoint and status, prompt and generated tokens, target
+    steps, drafted tokens, τ and acceptance, the queue, the steps' times."""
+    with serving(load(llama_dir)) as s:
+        before = scrape(s.url)
+        assert before[("clover_generated_tokens_total", ())] == 0 and before[("clover_queue_length", ())] == 0
+        bodies = [request(s.url, "POST", "/v1/chat/completions", chat_body(text))[2] for text in PROMPTS[:2]]
+        bodies.append(request(s.url, "POST", "/v1/completions", {"prompt": PROMPTS[3], "max_tokens": N,
+                                                                  "temperature": 0})[2])
+        assert request(s.url, "POST", "/v1/chat/completions", {"messages": []})[0] == 400
+        assert request(s.url, "GET", "/nowhere/at/all")[0] == 404
+        got = scrape(s.url)
+    def req(endpoint, status):
+        return got.get(("clover_requests_total", (("endpoint", endpoint), ("status", status))))
+
+    assert req("/v1/chat/completions", "200") == 2 and req("/v1/completions", "200") == 1
+    assert req("/v1/chat/completions", "400") == 1 and req("other", "404") == 1 and req("/metrics", "200") == 1
+    figures = [b["clover"] for b in bodies]
+    generated = sum(b["usage"]["completion_tokens"] for b in bodies)
+    steps = sum(f["steps"] for f in figures)
+    assert got[("clover_generated_tokens_total", ())] == generated
+    assert got[("clover_prompt_tokens_total", ())] == sum(b["usage"]["prompt_tokens"] for b in bodies)
+    assert got[("clover_target_steps_total", ())] == steps == got[("clover_step_seconds_count", ())]
+    assert got[("clover_tau", ())] == pytest.approx((generated - len(bodies)) / steps)
+    proposed, accepted = got[("clover_draft_tokens_proposed_total", ())], got[("clover_draft_tokens_accepted_total", ())]
+    assert proposed >= accepted > 0
+    assert got[("clover_acceptance_rate", ())] == pytest.approx(accepted / (generated - len(bodies)))
+    assert sum(v for (name, _), v in got.items() if name == "clover_replies_total") == len(bodies)
+    assert got[("clover_step_seconds_sum", ())] > 0
+    assert got[("clover_queue_length", ())] == 0 and got[("clover_requests_running", ())] == 0
+
+
 # --- browsers -------------------------------------------------------------------------------------------------
 
 
