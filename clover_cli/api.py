@@ -33,11 +33,12 @@ class Prompt:
     stream: bool = False
     usage_chunk: bool = False  # stream_options.include_usage
     ignored: list[str] = field(default_factory=list)  # fields accepted and ignored (the X-Clover-Ignored header)
+    n: int = 1  # replies to generate, one after another
 
 
 # Fields accepted with their neutral value only (a client may send them; clover has no such feature, and ignoring
 # another value would change what the reply means: a schema, a bias, several sequences at once).
-NEUTRAL = {"n": 1, "logprobs": (False, 0), "top_logprobs": 0, "best_of": 1, "echo": False, "logit_bias": {},
+NEUTRAL = {"best_of": 1, "echo": False, "logit_bias": {},
            "suffix": "", "tools": [], "tool_choice": ("none", "auto"), "parallel_tool_calls": (True, False),
            "user": str, "service_tier": str, "store": False, "metadata": dict}
 NUMBER, WHOLE, FLAG, LIST = "a number", "a whole number", "true or false", "a list"
@@ -172,3 +173,53 @@ def parse_stops(body: dict) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------- the worker
+
+# ----------------------------------------------------------------------------------------------- responses
+
+def finish_reason(engine_finish: str | None) -> str:
+    return "length" if engine_finish == "length" else "stop"
+
+
+def _bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8", "surrogatepass"))
+
+
+def logprobs_body(chat: bool, entries: list[dict] | None) -> dict | None:
+    """A choice's "logprobs" from worker.reply_logprobs' entries: chat's {"content": [...]}, or the completions
+    API's {"tokens", "token_logprobs", "top_logprobs", "text_offset"}."""
+    if entries is None:
+        return None
+    if chat:
+        return {"content": [{"token": e["token"], "logprob": e["logprob"], "bytes": _bytes(e["token"]),
+                             "top_logprobs": [{"token": t, "logprob": lp, "bytes": _bytes(t)} for t, lp in e["top"]]}
+                            for e in entries], "refusal": None}
+    offsets, at = [], 0
+    for e in entries:
+        offsets.append(at)
+        at += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [dict(e["top"]) for e in entries], "text_offset": offsets}
+
+
+def choice_body(chat: bool, choice: dict) -> dict:
+    """One choice of a (not streamed) response."""
+    body = {"index": choice["index"]}
+    if chat:
+        body["message"] = {"role": "assistant", "content": choice["text"]}
+    else:
+        body["text"] = choice["text"]
+    return {**body, "logprobs": logprobs_body(chat, choice["logprobs"]), "finish_reason": finish_reason(
+        choice["finish"])}
+
+
+def chunk_choice(chat: bool, index: int, delta, finish: str | None = None, logprobs: dict | None = None) -> dict:
+    """One choice of a streamed chunk: `delta` a piece of text, a chat's delta object, or None."""
+    if chat:
+        delta = delta if isinstance(delta, dict) else {} if delta is None else {"content": delta}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    return {"index": index, "text": delta or "", "logprobs": logprobs, "finish_reason": finish}
+
+
+def usage_body(prompt_tokens: int, stats) -> dict:
+    new = stats.new_tokens
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": new, "total_tokens": prompt_tokens + new}

@@ -15,7 +15,8 @@ cache consistent), and the next request is served normally.
 Replies are what `clover chat` and `clover generate` give: the same chat template, drafters, stop strings and
 sampling; a chat reply is trimmed of surrounding whitespace as the chat keeps it (`generate --json`'s text,
 stripped), a completion is the raw continuation (`generate --raw --json`'s text). Each response carries the usage
-fields and clover's own figures under "clover" (tau, acceptance rate, draft/verify time).
+fields and clover's own figures under "clover" (tau, acceptance rate, draft/verify time). A request's `n` replies
+are generated one after another (worker.py); its logprobs are the target's (the engine hands them out when asked).
 
 Errors are OpenAI-style JSON objects, {"error": {"message", "type", "param", "code"}}, with their HTTP status:
 400 a bad request (malformed JSON, an unknown or unsupported field, a prompt over the context), 401 a wrong or
@@ -33,141 +34,24 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import queue
-import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 
 from .errors import CloverError, one_line
-from .api import (CHAT_FIELDS, COMPLETION_FIELDS, ApiError, Prompt, check_fields, check_text, error_body, integer_field,
-                  number_field, parse_messages, parse_stops)
+from .api import (CHAT_FIELDS, COMPLETION_FIELDS, ApiError, Prompt, check_fields, check_text, choice_body,
+                  chunk_choice, error_body, finish_reason, integer_field, logprobs_body, number_field, parse_messages,
+                  parse_stops, usage_body)
 from .cors import Cors
 from .metrics import CountRequests, Metrics
 from .listener import log_error, log_note
+from .worker import Job, Worker
 
 MAX_BODY = 4 << 20  # bytes of one request body
-MAX_WAITING = 256  # requests queued behind the running one; more are turned away (503)
 BODY_TIMEOUT = 60.0  # seconds a request body has to arrive in full
 TOKENIZING = 2  # requests whose prompt is tokenized at once (the others wait their turn, holding no tokens)
 BIG_BODY = 1 << 20  # after a request body this large, freed memory is handed back to the system
-
-
-@dataclass
-class Job:
-    """A request waiting for, or running on, the worker; events go back to its handler on the event loop."""
-
-    prompt: Prompt
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    arrived: float = field(default_factory=time.perf_counter)
-
-    def put(self, kind: str, value=None):
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            self.cancelled.set()
-
-
-class Deltas:
-    """The `Out` a ReplyPrinter writes a streamed reply to (stop strings held back): handed out in pieces, with the
-    trailing whitespace of a chat reply held back until more text follows it (a chat reply is trimmed)."""
-
-    colour = sanitize = False
-
-    def __init__(self, trim: bool):
-        self.text, self.sent, self.trim = "", 0, trim
-
-    def write(self, text: str):
-        self.text += text
-
-    def take(self) -> str:
-        end = len(self.text.rstrip()) if self.trim else len(self.text)
-        piece, self.sent = self.text[self.sent:end], max(self.sent, end)
-        return piece
-
-
-class Worker:
-    """The one thread that runs the engine: jobs in arrival order, one at a time."""
-
-    def __init__(self, session, writer=None):
-        self.session, self.writer = session, writer
-        self.metrics = None  # the server's Metrics: each step counted
-        self.sid = writer.new_session("serve", session) if writer else None
-        self.jobs: queue.Queue = queue.Queue()
-        self.lock = threading.Lock()
-        self.waiting = 0
-        self.running: Job | None = None
-        self.served = 0
-        self.thread = threading.Thread(target=self._run, name="clover-engine", daemon=True)
-        self.thread.start()
-
-    def submit(self, job: Job) -> int:
-        """Queue a job; returns how many requests are ahead of it."""
-        with self.lock:
-            if self.waiting >= MAX_WAITING:
-                raise ApiError(503, f"the server is busy: {self.waiting} requests are waiting; try again later",
-                               code="server_busy", kind="server_error")
-            ahead = self.waiting + (self.running is not None)
-            self.waiting += 1
-            self.jobs.put(job)
-        return ahead
-
-    def status(self) -> dict:
-        with self.lock:
-            return {"running": int(self.running is not None), "waiting": self.waiting, "served": self.served}
-
-    def stop(self):
-        self.jobs.put(None)
-
-    def _run(self):
-        while True:
-            job = self.jobs.get()
-            if job is None:
-                return
-            with self.lock:
-                self.waiting -= 1
-                if job.cancelled.is_set():  # its client left while it waited
-                    continue
-                self.running = job
-            try:
-                self._generate(job)
-            except CloverError as e:  # out of memory while generating, for one
-                job.put("error", ApiError(500, str(e), code="generation_failed", kind="server_error"))
-            except Exception as e:
-                log_error(one_line(e, kind=True))
-                job.put("error", ApiError(500, f"generation failed ({type(e).__name__})", code="generation_failed",
-                                          kind="server_error"))
-            finally:
-                with self.lock:
-                    self.running = None
-                    self.served += 1
-
-    def _generate(self, job: Job):
-        from .reply import ReplyPrinter, stream
-
-        s, p = self.session, job.prompt
-        stops = s.stop_strings + [x for x in p.stops if x not in s.stop_strings]
-        sink = Deltas(trim=p.chat)
-        printer = ReplyPrinter(sink, stops, skip_space=p.chat)
-        started = time.perf_counter()
-
-        def send():
-            piece = sink.take()
-            if piece and p.stream:
-                job.put("delta", piece)
-
-        reply = stream(s, s.generate(p.ids, p.max_tokens, p.sampling, stops), printer, stops, self.writer, self.sid,
-                       totals=(self.metrics,) if self.metrics else (), cancelled=job.cancelled, on_step=send)
-        if reply.cancelled:
-            return
-        if self.metrics:
-            self.metrics.reply_done(len(p.ids), reply.stats.finish)
-        text = reply.text()
-        job.put("done", {"text": text.strip() if p.chat else text, "tail": sink.take(), "finish": reply.stats.finish,
-                         "stats": reply.stats, "queue_s": started - job.arrived,
-                         "elapsed_s": time.perf_counter() - started})
+MAX_N = 16  # replies to one request ("n"), generated one after another
+MAX_TOP_LOGPROBS = 20  # alternatives per token ("top_logprobs", a completion's "logprobs")
 
 
 # ----------------------------------------------------------------------------------------------- the app
@@ -303,7 +187,7 @@ class Server:
                             number_field(body, "top_p", 0.0, 1.0, 1.0, True),
                             integer_field(body, "seed", 0, 2**63 - 1),
                             number_field(body, penalty, 0.0, 10.0, s.default_penalty, True),
-                            max(0, integer_field(body, "top_k", -1, 10_000_000) or 0), min_p)
+                            max(0, integer_field(body, "top_k", -1, 10_000_000) or 0), min_p, _logprobs(body, chat))
         stream = body.get("stream")
         options = body.get("stream_options")
         if stream is not None and not isinstance(stream, bool):
@@ -319,7 +203,7 @@ class Server:
         if ignored:
             log_note(f"ignored request fields (clover has no such feature): {', '.join(ignored)}")
         return Prompt(ids, max_tokens, sampling, parse_stops(body), chat, bool(stream),
-                      bool((options or {}).get("include_usage")), ignored)
+                      bool((options or {}).get("include_usage")), ignored, integer_field(body, "n", 1, MAX_N) or 1)
 
     def _check_size(self, chars: int, param: str):
         """A prompt longer than the context could hold is refused before it is tokenized (inputs.check_text_size)."""
@@ -350,55 +234,46 @@ class Server:
             job.cancelled.set()  # a no-op once it is done
 
     async def _events(self, job: Job, rid: str):
-        """Server-sent events of a streamed reply (EventStream cancels the job if they end early)."""
+        """Server-sent events of a streamed reply (EventStream cancels the job if they end early): the `n` replies
+        one after another, each chunk naming its reply's index; every reply's last chunk (its finish_reason and
+        logprobs) once all are done, the last one with clover's figures."""
         p = job.prompt
         if p.chat:
-            yield _sse(self._chunk(rid, p, {"role": "assistant", "content": ""}))
+            for index in range(p.n):
+                yield _sse(self._chunk(rid, p, [chunk_choice(True, index, {"role": "assistant", "content": ""})]))
         while True:
             kind, value = await job.events.get()
             if kind == "delta":
-                yield _sse(self._chunk(rid, p, value))
+                yield _sse(self._chunk(rid, p, [chunk_choice(p.chat, *value)]))
+            elif kind == "choice":
+                if value["tail"]:
+                    yield _sse(self._chunk(rid, p, [chunk_choice(p.chat, value["index"], value["tail"])]))
             elif kind == "error":
                 yield _sse(error_body(value))
                 break
             else:
-                if value["tail"]:
-                    yield _sse(self._chunk(rid, p, value["tail"]))
-                last = self._chunk(rid, p, None, _finish(value["finish"]))
-                last["clover"] = self._clover(job, value)
-                yield _sse(last)
+                for c in value["choices"]:
+                    last = self._chunk(rid, p, [chunk_choice(p.chat, c["index"], None, finish_reason(c["finish"]),
+                                                             logprobs_body(p.chat, c["logprobs"]))])
+                    if c is value["choices"][-1]:
+                        last["clover"] = self._clover(job, value)
+                    yield _sse(last)
                 if p.usage_chunk:
-                    yield _sse({**self._chunk(rid, p, None), "choices": [], "usage": self._usage(p, value)})
+                    yield _sse({**self._chunk(rid, p, []), "usage": usage_body(len(p.ids), value["stats"])})
                 break
         yield "data: [DONE]\n\n"
 
     # --- response bodies
 
-    def _chunk(self, rid: str, p: Prompt, delta, finish: str | None = None) -> dict:
-        if p.chat:
-            delta = delta if isinstance(delta, dict) else {} if delta is None else {"content": delta}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+    def _chunk(self, rid: str, p: Prompt, choices: list) -> dict:
         return {"id": rid, "object": "chat.completion.chunk" if p.chat else "text_completion",
-                "created": int(time.time()), "model": self.model_id, "choices": [choice]}
+                "created": int(time.time()), "model": self.model_id, "choices": choices}
 
     def _response(self, rid: str, job: Job, result: dict) -> dict:
         p = job.prompt
-        finish = _finish(result["finish"])
-        if p.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": result["text"]}, "logprobs": None,
-                      "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": result["text"], "logprobs": None, "finish_reason": finish}
         return {"id": rid, "object": "chat.completion" if p.chat else "text_completion", "created": int(time.time()),
-                "model": self.model_id, "choices": [choice], "usage": self._usage(p, result),
-                "clover": self._clover(job, result)}
-
-    @staticmethod
-    def _usage(p: Prompt, result: dict) -> dict:
-        new = result["stats"].new_tokens
-        return {"prompt_tokens": len(p.ids), "completion_tokens": new, "total_tokens": len(p.ids) + new}
+                "model": self.model_id, "choices": [choice_body(p.chat, c) for c in result["choices"]],
+                "usage": usage_body(len(p.ids), result["stats"]), "clover": self._clover(job, result)}
 
     def _clover(self, job: Job, result: dict) -> dict:
         per = result["stats"]
@@ -535,8 +410,17 @@ def _too_large(limit: int) -> ApiError:
     return ApiError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
 
 
-def _finish(engine_finish: str | None) -> str:
-    return "length" if engine_finish == "length" else "stop"
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many alternatives each token's logprobs list (0: the token's own only), or None: no logprobs. Chat:
+    "logprobs": true and "top_logprobs": k; completions: "logprobs": k."""
+    if not chat:
+        return integer_field(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+    wanted, top = body.get("logprobs"), integer_field(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if wanted is not None and not isinstance(wanted, bool):
+        raise ApiError(400, "'logprobs' must be true or false", "logprobs")
+    if top is not None and not wanted:
+        raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if wanted else None
 
 
 def _sse(obj: dict) -> str:

@@ -364,8 +364,16 @@ BAD = [
     ("POST", "/v1/chat/completions", b"[1, 2]", 400, "invalid_json"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "frobnicate": 1}, 400,
      "unknown_parameter"),
-    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400,
-     "unsupported_parameter"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 0}, 400, None),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 17}, 400, None),
+    ("POST", "/v1/completions", {"prompt": "hi", "n": "2"}, 400, None),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, 400, None),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400,
+     None),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                                      "top_logprobs": 21}, 400, None),
+    ("POST", "/v1/completions", {"prompt": "hi", "logprobs": True}, 400, None),
+    ("POST", "/v1/completions", {"prompt": "hi", "best_of": 2}, 400, "unsupported_parameter"),
     ("POST", "/v1/chat/completions", {"messages": []}, 400, None),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, None),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, None),
@@ -437,6 +445,103 @@ def test_api_key(llama_dir, reference):
         resp = openai_client(keyed, "s3cret").chat.completions.create(
             model=keyed.model_id, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=N, temperature=0)
         assert resp.choices[0].message.content == reference[PROMPTS[0], False]["text"].strip()
+
+
+# --- several replies, logprobs ---------------------------------------------------------------------------------
+
+
+def test_n_replies(slow):
+    """n replies, indexed 0..n-1, generated one after another: reply i of a seeded request is the single reply of
+    seed + i; streamed, each chunk names its reply; usage counts them all."""
+    client = openai_client(slow)
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    resp = client.chat.completions.create(model="any", messages=messages, max_tokens=N, n=3, seed=5, temperature=1.0)
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    singles = [client.chat.completions.create(model="any", messages=messages, max_tokens=N, seed=5 + i,
+                                              temperature=1.0) for i in range(3)]
+    assert [c.message.content for c in resp.choices] == [r.choices[0].message.content for r in singles]
+    assert len({c.message.content for c in resp.choices}) > 1
+    assert resp.usage.completion_tokens == sum(r.usage.completion_tokens for r in singles)
+    texts, finishes = {}, {}
+    for chunk in client.chat.completions.create(model="any", messages=messages, max_tokens=N, n=3, seed=5,
+                                                temperature=1.0, stream=True):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+            finishes[c.index] = c.finish_reason or finishes.get(c.index)
+    assert [texts[i] for i in range(3)] == [c.message.content for c in resp.choices]
+    assert [finishes[i] for i in range(3)] == [c.finish_reason for c in resp.choices]
+    done = client.completions.create(model="any", prompt=PROMPTS[3], max_tokens=8, n=2, temperature=0)
+    assert [c.index for c in done.choices] == [0, 1] and done.choices[0].text == done.choices[1].text
+
+
+@pytest.fixture(scope="module")
+def recorded(llama_dir):
+    """A server (the n-gram drafter: steps of several tokens) whose engine's replies are logged: (prompt ids,
+    tokens)."""
+    session = load(llama_dir)
+    generate, runs = session.generate, []
+
+    def logged(prompt, *args, **kwargs):
+        runs.append((list(prompt), []))
+        for ev in generate(prompt, *args, **kwargs):
+            runs[-1][1].extend(ev.tokens)
+            yield ev
+
+    session.generate = logged
+    with serving(session) as s:
+        s.runs = runs
+        yield s
+
+
+def plain_logprobs(model_dir, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """log_softmax of a plain transformers forward over prompt + tokens: row j is the distribution of tokens[j]."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0].float()
+    return torch.log_softmax(logits[len(prompt) - 1:len(prompt) - 1 + len(tokens)], dim=-1)
+
+
+def test_logprobs_are_the_targets(recorded, llama_dir):
+    """logprobs / top_logprobs: the target's own log-probabilities of the tokens emitted (a plain forward's
+    log_softmax, within 1e-4), greedy and sampled, speculative steps of several tokens included; the same when
+    streamed; completions' logprobs in their own shape."""
+    client = openai_client(recorded)
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    for temperature in (0.0, 1.0):
+        resp = client.chat.completions.create(model="any", messages=messages, max_tokens=40, logprobs=True,
+                                              top_logprobs=3, temperature=temperature, seed=3)
+        prompt, tokens = recorded.runs[-1]
+        content = resp.choices[0].logprobs.content
+        assert 0 < len(content) <= len(tokens)
+        want = plain_logprobs(llama_dir, prompt, tokens)
+        for j, entry in enumerate(content):
+            assert entry.logprob == pytest.approx(want[j, tokens[j]].item(), abs=1e-4), j
+            top = want[j].topk(3)
+            assert [t.logprob for t in entry.top_logprobs] == pytest.approx(top.values.tolist(), abs=1e-4)
+            assert entry.bytes == list(entry.token.encode())
+        if resp.choices[0].finish_reason == "length":  # every token emitted is reported
+            assert len(content) == len(tokens)
+        if temperature == 0.0:
+            assert resp.model_extra["clover"]["acceptance_rate"] > 0, "no drafted token was accepted"
+            assert all(e.logprob == pytest.approx(e.top_logprobs[0].logprob) for e in content)  # greedy: the argmax
+            streamed = [c for c in client.chat.completions.create(
+                model="any", messages=messages, max_tokens=40, logprobs=True, top_logprobs=3, temperature=0,
+                stream=True) if c.choices and c.choices[0].logprobs]
+            assert len(streamed) == 1
+            assert [e.logprob for e in streamed[0].choices[0].logprobs.content] == pytest.approx(
+                [e.logprob for e in content], abs=1e-5)
+    plain = client.chat.completions.create(model="any", messages=messages, max_tokens=8, temperature=0)
+    assert plain.choices[0].logprobs is None
+    done = client.completions.create(model="any", prompt=PROMPTS[3], max_tokens=12, logprobs=2, temperature=0)
+    prompt, tokens = recorded.runs[-1]
+    lp = done.choices[0].logprobs
+    want = plain_logprobs(llama_dir, prompt, tokens)
+    assert lp.token_logprobs == pytest.approx([want[j, t].item() for j, t in enumerate(tokens[:len(lp.tokens)])],
+                                              abs=1e-4)
+    assert all(len(top) <= 2 for top in lp.top_logprobs) and len(lp.tokens) == 12 == len(tokens)
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
 
 
 # --- metrics --------------------------------------------------------------------------------------------------
