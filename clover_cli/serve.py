@@ -5,6 +5,7 @@
     GET  /v1/models             the one model served
     GET  /health                status, the queue, the target step
     GET  /metrics               Prometheus' text format (metrics.py)
+    /api/chat, /api/generate, /api/tags, /api/show, /api/version: Ollama's API (ollama_api.py)
 
 One engine serves one request at a time, in the order they arrive: requests wait in a FIFO queue for the single
 worker thread that runs the engine (the event loop never waits on the model). Each response says how many requests
@@ -43,6 +44,7 @@ from .api import (CHAT_FIELDS, COMPLETION_FIELDS, ApiError, Prompt, check_fields
                   parse_stops, usage_body)
 from .cors import Cors
 from .metrics import CountRequests, Metrics
+from .ollama_api import Ollama
 from .listener import log_error, log_note
 from .worker import Job, Worker
 
@@ -76,7 +78,7 @@ class Server:
                   Route("/v1/models", self.models, methods=["GET"]),
                   Route("/v1/models/{model:path}", self.model, methods=["GET"]),
                   Route("/health", self.health, methods=["GET"]),
-                  Route("/metrics", self.metrics_page, methods=["GET"])]
+                  Route("/metrics", self.metrics_page, methods=["GET"])] + Ollama(self).routes()
         handlers = {ApiError: self._api_error, HTTPException: self._http_error, Exception: self._crash}
         # CORS outside the key's check: a browser's preflight carries no key, and a 401 must reach the page
         self.app = CountRequests(Cors(Guard(Starlette(routes=routes, exception_handlers=handlers), self),
@@ -120,24 +122,38 @@ class Server:
 
     # --- completions
 
-    async def _complete(self, request, chat: bool):
+    async def submit(self, body: dict, chat: bool, ignored=()) -> tuple[Job, dict]:
+        """Check and tokenize an OpenAI-style request body (off the event loop) and queue it: (its job, the response
+        headers). `ignored`: fields the caller (ollama_api.py) accepted and ignored besides the body's own."""
         from starlette.concurrency import run_in_threadpool
-        from starlette.responses import JSONResponse
 
-        body = await self._json(request)
         if self._tokenizing is None:
             self._tokenizing = asyncio.Semaphore(TOKENIZING)
         async with self._tokenizing:  # a few at once: each holds its text's tokens meanwhile
             prompt = await run_in_threadpool(self._prompt, body, chat)  # the template and tokenizer, off the loop
-        del body  # a queued request holds its token ids, not its text
+        if ignored:
+            prompt.ignored = list(ignored) + prompt.ignored
+            log_note(f"ignored request fields (clover has no such feature): {', '.join(ignored)}")
         job = Job(prompt, asyncio.get_running_loop())
         headers = {"X-Clover-Queue-Position": str(self.worker.submit(job))}
         if prompt.ignored:
             headers["X-Clover-Ignored"] = ",".join(prompt.ignored)
+        return job, headers
+
+    @staticmethod
+    def streamed(job: Job, events, headers: dict, media_type: str = "text/event-stream"):
+        """The streamed response of a job's `events` (server-sent events, or Ollama's NDJSON)."""
+        return EventStream(job, events, {**headers, "Cache-Control": "no-cache"}, media_type)
+
+    async def _complete(self, request, chat: bool):
+        from starlette.responses import JSONResponse
+
+        job, headers = await self.submit(await self._json(request), chat)  # a queued request holds its token ids,
+        prompt = job.prompt  # not its text
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         if prompt.stream:
-            return EventStream(job, self._events(job, rid), headers={**headers, "Cache-Control": "no-cache"})
-        result = await self._wait(job, request)
+            return self.streamed(job, self._events(job, rid), headers)
+        result = await self.wait(job, request)
         return JSONResponse(self._response(rid, job, result), headers=headers)
 
     def _prompt(self, body: dict, chat: bool) -> Prompt:
@@ -214,7 +230,7 @@ class Server:
         except CloverError as e:
             raise ApiError(400, str(e), param, "context_length_exceeded")
 
-    async def _wait(self, job: Job, request) -> dict:
+    async def wait(self, job: Job, request) -> dict:
         """The job's result; a client that hangs up first has its job cancelled."""
         gone = asyncio.ensure_future(_disconnected(request))
         try:
@@ -331,28 +347,29 @@ class Server:
         return body
 
     async def _api_error(self, request, exc: ApiError):
-        return _error_response(exc)
+        return _error_response(exc, request.url.path)
 
     async def _http_error(self, request, exc):
         status = exc.status_code
         message = {404: f"no such path: {request.url.path}",
                    405: f"{request.method} is not allowed on {request.url.path}"}.get(status, exc.detail)
         return _error_response(ApiError(status, message, code={404: "not_found", 405: "method_not_allowed"}.get(
-            status)))
+            status)), request.url.path)
 
     async def _crash(self, request, exc):
-        return _error_response(ApiError(500, f"internal error ({type(exc).__name__})", kind="server_error"))
+        return _error_response(ApiError(500, f"internal error ({type(exc).__name__})", kind="server_error"),
+                               request.url.path)
 
 
 class EventStream:
-    """A text/event-stream response of `events`; however it ends (finished, the client gone, an error), the job is
-    cancelled, so a request nobody reads any more never runs on."""
+    """A text/event-stream response of `events` (or another streamed type: Ollama's NDJSON); however it ends
+    (finished, the client gone, an error), the job is cancelled, so a request nobody reads any more never runs on."""
 
-    def __init__(self, job: Job, events, headers: dict):
+    def __init__(self, job: Job, events, headers: dict, media_type: str = "text/event-stream"):
         from starlette.responses import StreamingResponse
 
         self.job = job
-        self.response = StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        self.response = StreamingResponse(events, media_type=media_type, headers=headers)
 
     async def __call__(self, scope, receive, send):
         try:
@@ -374,7 +391,7 @@ class Guard:
         try:
             self._authorize(scope)
         except ApiError as e:
-            return await _error_response(e)(scope, receive, send)
+            return await _error_response(e, scope["path"])(scope, receive, send)
         try:
             await self.app(scope, receive, send)
         except Exception as e:  # Starlette has answered with a 500 JSON error (Server._crash), or the stream broke
@@ -398,12 +415,14 @@ class Guard:
                                 "server was started with", code="invalid_api_key")
 
 
-def _error_response(e: ApiError):
+def _error_response(e: ApiError, path: str = ""):
+    """The error as JSON: OpenAI's shape, or Ollama's ({"error": message}) under /api/."""
     from starlette.responses import JSONResponse
 
     headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {"Connection": "close"} if e.status == 408 \
         else None
-    return JSONResponse(error_body(e), status_code=e.status, headers=headers)
+    body = {"error": e.message} if path.startswith("/api/") else error_body(e)
+    return JSONResponse(body, status_code=e.status, headers=headers)
 
 
 def _too_large(limit: int) -> ApiError:

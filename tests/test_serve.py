@@ -588,6 +588,109 @@ def test_metrics(llama_dir):
     assert got[("clover_queue_length", ())] == 0 and got[("clover_requests_running", ())] == 0
 
 
+# --- Ollama's API ---------------------------------------------------------------------------------------------
+
+
+def ollama_client(server):
+    ollama = pytest.importorskip("ollama")
+    return ollama.Client(host=server.url, timeout=60)
+
+
+GREEDY = {"temperature": 0, "num_predict": N}
+
+
+def test_ollama_client(server, reference):
+    """Ollama's own client: list, show, chat and generate (streamed and not, raw too) give `clover generate`'s
+    replies; the counts are the reply's."""
+    client = ollama_client(server)
+    assert [m.model for m in client.list().models] == [server.model_id]
+    assert client.show("llama3:8b").modelinfo["clover.context_length"] == server.session.max_context
+    for text in PROMPTS[:2]:
+        want = reference[text, False]
+        resp = client.chat(model="llama3:8b", messages=[{"role": "user", "content": text}], options=GREEDY)
+        assert resp.message.role == "assistant" and resp.message.content == want["text"].strip()
+        assert resp.done and resp.done_reason == ("length" if want["finish"] == "length" else "stop")
+        assert resp.eval_count == want["new_tokens"] and resp.prompt_eval_count == want["prompt_tokens"]
+        parts = list(client.chat(model="x", messages=[{"role": "user", "content": text}], options=GREEDY,
+                                 stream=True))
+        assert "".join(p.message.content for p in parts) == want["text"].strip()
+        assert parts[-1].done and not any(p.done for p in parts[:-1]) and len(parts) > 2
+        got = client.generate(model="x", prompt=text, options=GREEDY)
+        assert got.response == want["text"].strip() and got.done
+        assert "".join(p.response for p in client.generate(model="x", prompt=text, options=GREEDY, stream=True)) \
+            == want["text"].strip()
+    raw = reference[PROMPTS[3], True]
+    assert client.generate(model="x", prompt=PROMPTS[3], raw=True, options=GREEDY).response == raw["text"]
+    assert client.generate(model="x", prompt="").done_reason == "load"  # how Ollama clients preload a model
+
+
+def test_ollama_raw_http(server, reference, slow):
+    """Ollama's API by hand: NDJSON by default, its version, the options clover has no feature for named in
+    X-Clover-Ignored, Ollama's sampling defaults (temperature 0.8, top_k 40, top_p 0.9)."""
+    body = {"model": "m", "messages": [{"role": "user", "content": PROMPTS[2]}],
+            "options": {**GREEDY, "num_ctx": 4096, "mirostat": 0}, "keep_alive": "5m"}
+    status, headers, text = request(server.url, "POST", "/api/chat", body)
+    assert status == 200 and headers["content-type"].startswith("application/x-ndjson")
+    assert headers["x-clover-ignored"] == "keep_alive,options.num_ctx,options.mirostat"
+    lines = [json.loads(line) for line in text.splitlines()]
+    assert "".join(x["message"]["content"] for x in lines) == reference[PROMPTS[2], False]["text"].strip()
+    assert lines[-1]["done"] and lines[-1]["eval_count"] > 0 and lines[-1]["total_duration"] > 0
+    assert request(server.url, "GET", "/api/version")[2]["version"]
+    status, headers, got = request(server.url, "POST", "/api/generate", {"prompt": PROMPTS[2], "stream": False,
+                                                                         "options": GREEDY})
+    assert status == 200 and got["response"] == reference[PROMPTS[2], False]["text"].strip()
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+
+    def sampled(**options):
+        status, _, got = request(slow.url, "POST", "/api/chat", {"messages": messages, "stream": False,
+                                                                 "options": {"num_predict": N, **options}})
+        assert status == 200, got
+        return got["message"]["content"]
+
+    assert [sampled(seed=s) for s in range(2)] == [sampled(seed=s, temperature=0.8, top_k=40, top_p=0.9)
+                                                   for s in range(2)]
+    assert sampled(seed=0) != sampled(seed=0, temperature=0.8, top_k=40, top_p=0.5) or \
+        sampled(seed=1) != sampled(seed=1, temperature=0.8, top_k=40, top_p=0.5)
+
+
+OLLAMA_BAD = [
+    ("POST", "/api/chat", b'{"messages": [', 400),
+    ("POST", "/api/chat", {"messages": []}, 400),
+    ("POST", "/api/chat", {"messages": [{"role": "robot", "content": "hi"}]}, 400),
+    ("POST", "/api/chat", {"messages": [{"role": "user", "content": "hi", "images": ["aGk="]}]}, 400),
+    ("POST", "/api/chat", {"messages": [{"role": "user", "content": "hi"}], "options": [1]}, 400),
+    ("POST", "/api/chat", {"messages": [{"role": "user", "content": "hi"}], "options": {"num_predict": 0}}, 400),
+    ("POST", "/api/chat", {"messages": [{"role": "user", "content": "hi"}], "options": {"temperature": "hot"}},
+     400),
+    ("POST", "/api/chat", {"messages": [{"role": "user", "content": "hi"}], "format": "json"}, 400),
+    ("POST", "/api/chat", {"messages": [{"role": "user", "content": "hi"}], "stream": "no"}, 400),
+    ("POST", "/api/chat", {"messages": [{"role": "user", "content": "hi"}], "frobnicate": 1}, 400),
+    ("POST", "/api/chat", {"messages": [{"role": "user", "content": LONG}]}, 400),
+    ("POST", "/api/generate", {"prompt": 5}, 400),
+    ("POST", "/api/generate", {"prompt": "hi", "raw": "yes"}, 400),
+    ("POST", "/api/generate", {"prompt": "hi", "suffix": "end"}, 400),
+    ("POST", "/api/show", {"model": 3}, 400),
+    ("GET", "/api/chat", None, 405),
+    ("GET", "/api/nowhere", None, 404),
+]
+
+
+@pytest.mark.parametrize("method,path,body,status", OLLAMA_BAD, ids=[f"{i}" for i in range(len(OLLAMA_BAD))])
+def test_ollama_bad_request_gets_a_json_error(server, reference, method, path, body, status):
+    got, headers, err = request(server.url, method, path, body)
+    assert got == status, err
+    assert headers["content-type"] == "application/json"
+    assert set(err) == {"error"} and isinstance(err["error"], str) and err["error"] and "Traceback" not in err["error"]
+    assert ask(server, PROMPTS[2]) == reference[PROMPTS[2], False]["text"].strip()
+
+
+def test_ollama_client_sees_errors(server):
+    ollama = pytest.importorskip("ollama")
+    with pytest.raises(ollama.ResponseError) as e:
+        ollama_client(server).chat(model="x", messages=[{"role": "user", "content": "hi"}], format="json")
+    assert e.value.status_code == 400 and "format" in e.value.error
+
+
 # --- browsers -------------------------------------------------------------------------------------------------
 
 
