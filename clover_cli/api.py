@@ -34,12 +34,13 @@ class Prompt:
     usage_chunk: bool = False  # stream_options.include_usage
     ignored: list[str] = field(default_factory=list)  # fields accepted and ignored (the X-Clover-Ignored header)
     n: int = 1  # replies to generate, one after another
+    tool_format: str | None = None  # the replies' tool calls are parsed in this format (tools.py)
 
 
 # Fields accepted with their neutral value only (a client may send them; clover has no such feature, and ignoring
 # another value would change what the reply means: a schema, a bias, several sequences at once).
 NEUTRAL = {"best_of": 1, "echo": False, "logit_bias": {},
-           "suffix": "", "tools": [], "tool_choice": ("none", "auto"), "parallel_tool_calls": (True, False),
+           "suffix": "", "parallel_tool_calls": (True, False),
            "user": str, "service_tier": str, "store": False, "metadata": dict}
 NUMBER, WHOLE, FLAG, LIST = "a number", "a whole number", "true or false", "a list"
 # Sampling fields of other servers' APIs (llama-server, vLLM, text-generation-webui, what their clients send) that
@@ -147,7 +148,9 @@ def check_text(text: str, where: str) -> str:
     return text
 
 
-def parse_messages(body: dict) -> list[dict]:
+def parse_messages(body: dict, special=None) -> list[dict]:
+    """The messages as the template gets them; `special(message, where)` may take one first (tools.py's
+    template_message: a tool call or result), returning None to leave it to the checks here."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", "messages")
@@ -156,6 +159,10 @@ def parse_messages(body: dict) -> list[dict]:
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise ApiError(400, f"{where} must be an object with 'role' and 'content'", where)
+        taken = special(m, where) if special is not None else None
+        if taken is not None:
+            out.append(taken)
+            continue
         role = "system" if m.get("role") == "developer" else m.get("role")
         if role not in ("system", "user", "assistant"):
             raise ApiError(400, f"{where}.role must be system, user or assistant, not {json.dumps(m.get('role'))}",
@@ -206,10 +213,12 @@ def choice_body(chat: bool, choice: dict) -> dict:
     body = {"index": choice["index"]}
     if chat:
         body["message"] = {"role": "assistant", "content": choice["text"]}
+        if choice.get("tool_calls"):
+            body["message"]["tool_calls"] = choice["tool_calls"]
     else:
         body["text"] = choice["text"]
-    return {**body, "logprobs": logprobs_body(chat, choice["logprobs"]), "finish_reason": finish_reason(
-        choice["finish"])}
+    finish = "tool_calls" if choice.get("tool_calls") else finish_reason(choice["finish"])
+    return {**body, "logprobs": logprobs_body(chat, choice["logprobs"]), "finish_reason": finish}
 
 
 def chunk_choice(chat: bool, index: int, delta, finish: str | None = None, logprobs: dict | None = None) -> dict:

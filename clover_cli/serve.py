@@ -46,6 +46,7 @@ from .cors import Cors
 from .metrics import CountRequests, Metrics
 from .ollama_api import Ollama
 from .listener import log_error, log_note
+from .tools import parse_calls, request_tools, template_message, tool_format
 from .worker import Job, Worker
 
 MAX_BODY = 4 << 20  # bytes of one request body
@@ -165,16 +166,22 @@ class Server:
         # any name is answered by the one model served (clients send names of their own: "gpt-4o", an Ollama tag);
         # the response says which model it was
         s = self.session
+        tools = request_tools(body) if chat else None
         if chat:
-            messages = parse_messages(body)
+            messages = parse_messages(body, template_message)
             self._check_size(sum(len(m["content"]) for m in messages), "messages")
             try:
-                ids = s.encode_chat(messages)
+                ids = s.encode_chat(messages, tools)
+                bare = s.encode_chat(messages) if tools else None
             except CloverError as e:  # a token the model has no embedding for
                 raise ApiError(400, str(e), "messages")
             except Exception as e:  # a template that refuses the conversation (roles out of order, ...)
                 raise ApiError(400, f"the chat template refuses these messages: "
                                     f"{one_line(e)}", "messages")
+            if tools and ids == bare:
+                raise ApiError(400, "this model's chat template does not use tools: it writes the same prompt with "
+                                    "them as without (give the model one that does: clover serve --chat-template "
+                                    "FILE)", "tools", "unsupported_parameter")
         else:
             text = body.get("prompt")
             if isinstance(text, list) and len(text) == 1:
@@ -219,7 +226,8 @@ class Server:
         if ignored:
             log_note(f"ignored request fields (clover has no such feature): {', '.join(ignored)}")
         return Prompt(ids, max_tokens, sampling, parse_stops(body), chat, bool(stream),
-                      bool((options or {}).get("include_usage")), ignored, integer_field(body, "n", 1, MAX_N) or 1)
+                      bool((options or {}).get("include_usage")), ignored, integer_field(body, "n", 1, MAX_N) or 1,
+                      tool_format(s.template) if tools else None)
 
     def _check_size(self, chars: int, param: str):
         """A prompt longer than the context could hold is refused before it is tokenized (inputs.check_text_size)."""
@@ -253,14 +261,22 @@ class Server:
         """Server-sent events of a streamed reply (EventStream cancels the job if they end early): the `n` replies
         one after another, each chunk naming its reply's index; every reply's last chunk (its finish_reason and
         logprobs) once all are done, the last one with clover's figures."""
-        p = job.prompt
+        p, called = job.prompt, set()
         if p.chat:
             for index in range(p.n):
                 yield _sse(self._chunk(rid, p, [chunk_choice(True, index, {"role": "assistant", "content": ""})]))
         while True:
             kind, value = await job.events.get()
             if kind == "delta":
-                yield _sse(self._chunk(rid, p, [chunk_choice(p.chat, *value)]))
+                if not p.tool_format:
+                    yield _sse(self._chunk(rid, p, [chunk_choice(p.chat, *value)]))
+            elif kind == "choice" and p.tool_format:  # held back until the reply is whole: text, or tool calls
+                c = _calls(p, value)
+                delta = {"content": c["text"]} if c["text"] else {}
+                if c["tool_calls"]:
+                    called.add(c["index"])
+                    delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(c["tool_calls"])]
+                yield _sse(self._chunk(rid, p, [chunk_choice(True, c["index"], delta)]))
             elif kind == "choice":
                 if value["tail"]:
                     yield _sse(self._chunk(rid, p, [chunk_choice(p.chat, value["index"], value["tail"])]))
@@ -269,7 +285,8 @@ class Server:
                 break
             else:
                 for c in value["choices"]:
-                    last = self._chunk(rid, p, [chunk_choice(p.chat, c["index"], None, finish_reason(c["finish"]),
+                    finish = "tool_calls" if c["index"] in called else finish_reason(c["finish"])
+                    last = self._chunk(rid, p, [chunk_choice(p.chat, c["index"], None, finish,
                                                              logprobs_body(p.chat, c["logprobs"]))])
                     if c is value["choices"][-1]:
                         last["clover"] = self._clover(job, value)
@@ -288,7 +305,7 @@ class Server:
     def _response(self, rid: str, job: Job, result: dict) -> dict:
         p = job.prompt
         return {"id": rid, "object": "chat.completion" if p.chat else "text_completion", "created": int(time.time()),
-                "model": self.model_id, "choices": [choice_body(p.chat, c) for c in result["choices"]],
+                "model": self.model_id, "choices": [choice_body(p.chat, _calls(p, c)) for c in result["choices"]],
                 "usage": usage_body(len(p.ids), result["stats"]), "clover": self._clover(job, result)}
 
     def _clover(self, job: Job, result: dict) -> dict:
@@ -427,6 +444,14 @@ def _error_response(e: ApiError, path: str = ""):
 
 def _too_large(limit: int) -> ApiError:
     return ApiError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+
+
+def _calls(p: Prompt, choice: dict) -> dict:
+    """A chat choice with its tool calls parsed out of its text (tools.py), when the request had tools."""
+    if not p.tool_format:
+        return choice
+    text, calls = parse_calls(choice["text"], p.tool_format)
+    return {**choice, "text": text, "tool_calls": calls}
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:

@@ -544,6 +544,114 @@ def test_logprobs_are_the_targets(recorded, llama_dir):
     assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
 
 
+# --- tools ----------------------------------------------------------------------------------------------------
+
+TOOL_TEMPLATE = """{%- if tools %}<|tools|>
+{%- for tool in tools %}
+{{ tool.function.name }}: {{ tool.function.description }} {{ tool.function.parameters | tojson }}
+{%- endfor %}
+Call one as <tool_call>{"name": NAME, "arguments": {...}}</tool_call>
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'assistant' and m.tool_calls %}<|assistant|>{% for c in m.tool_calls %}<tool_call>{{ {"name": \
+c.function.name, "arguments": c.function.arguments} | tojson }}</tool_call>{% endfor %}
+{% else %}<|{{ m.role }}|>{{ m.content }}
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|assistant|>{% endif %}"""
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city now",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+
+
+@pytest.fixture(scope="module")
+def tooled(llama_dir, tmp_path_factory):
+    """A server whose chat template (--chat-template FILE) shows tools Hermes' way; the random model cannot call
+    one, so a reply may be scripted (`.script`: the next reply's text, as the engine's tokens); `.prompts` logs
+    the prompts the engine got."""
+    from clover_cli.decode.engine import StepEvent
+
+    path = tmp_path_factory.mktemp("template") / "tools.jinja"
+    path.write_text(TOOL_TEMPLATE)
+    session = load(llama_dir, chat_template=str(path))
+    generate, prompts, script = session.generate, [], []
+
+    def scripted(prompt, max_new_tokens, sampling, stop_strings=None):
+        prompts.append(session.tokenizer.decode(prompt))
+        if not script:
+            yield from generate(prompt, max_new_tokens, sampling, stop_strings)
+            return
+        ids = session.tokenizer(script.pop(0), add_special_tokens=False)["input_ids"]
+        yield StepEvent(ids[:1], [0], prefill=True)
+        yield StepEvent(ids[1:], [0] * (len(ids) - 1), finish="eos")
+
+    session.generate = scripted
+    with serving(session) as s:
+        s.prompts, s.script = prompts, script
+        yield s
+
+
+def test_tool_calls(tooled):
+    """`tools` reach the chat template; a reply in Hermes' format comes back as OpenAI tool_calls (finish_reason
+    tool_calls), streamed too; the tool's result goes back in the conversation; a reply without a call is text."""
+    client = openai_client(tooled)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    tooled.script.append("Let me look. " + call)
+    resp = client.chat.completions.create(model="m", messages=messages, tools=[WEATHER], max_tokens=N)
+    assert "get_weather: The weather in a city now" in tooled.prompts[-1] and '"city"' in tooled.prompts[-1]
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me look."
+    [got] = choice.message.tool_calls
+    assert got.type == "function" and got.function.name == "get_weather" and got.id
+    assert json.loads(got.function.arguments) == {"city": "Paris"}
+
+    tooled.script.append(call + call.replace("Paris", "Oslo"))
+    chunks = list(client.chat.completions.create(model="m", messages=messages, tools=[WEATHER], max_tokens=N,
+                                                 stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert [json.loads(t.function.arguments)["city"] for d in deltas for t in d.tool_calls] == ["Paris", "Oslo"]
+    assert [t.index for d in deltas for t in d.tool_calls] == [0, 1]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+
+    history = messages + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": got.id, "type": "function", "function": {"name": "get_weather", "arguments": got.function.arguments}}]},
+        {"role": "tool", "tool_call_id": got.id, "content": "18 degrees and sunny"}]
+    tooled.script.append("It is 18 degrees and sunny in Paris.")
+    resp = client.chat.completions.create(model="m", messages=history, tools=[WEATHER], max_tokens=N)
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in tooled.prompts[-1]
+    assert "<|tool|>18 degrees and sunny" in tooled.prompts[-1]
+    assert resp.choices[0].finish_reason == "stop" and not resp.choices[0].message.tool_calls
+    assert resp.choices[0].message.content == "It is 18 degrees and sunny in Paris."
+
+    tooled.script.append(call)  # tool_choice none: no tools shown, the reply is text
+    resp = client.chat.completions.create(model="m", messages=messages, tools=[WEATHER], tool_choice="none",
+                                          max_tokens=N)
+    assert "<|tools|>" not in tooled.prompts[-1] and resp.choices[0].message.content == call
+    tooled.script.append('<tool_call>{"name": broken</tool_call>')  # not JSON: left as text
+    resp = client.chat.completions.create(model="m", messages=messages, tools=[WEATHER], max_tokens=N)
+    assert resp.choices[0].finish_reason == "stop" and "broken" in resp.choices[0].message.content
+
+
+def test_tools_refused(server, tooled):
+    """A template that does not show tools, a tool_choice clover cannot force, malformed tools and tool messages:
+    400s that say so."""
+    user = [{"role": "user", "content": "hi"}]
+    status, _, err = request(server.url, "POST", "/v1/chat/completions", chat_body("hi", tools=[WEATHER]))
+    assert status == 400 and "does not use tools" in err["error"]["message"] and err["error"]["param"] == "tools"
+    for extra in ({"tools": [WEATHER], "tool_choice": "required"},
+                  {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+                  {"tools": "get_weather"}, {"tools": [{"type": "function"}]},
+                  {"tools": [{"type": "code_interpreter"}]}):
+        status, _, err = request(tooled.url, "POST", "/v1/chat/completions", {"messages": user, **extra})
+        assert status == 400 and err["error"]["message"], extra
+    for bad in ({"role": "tool", "content": 5}, {"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]},
+                {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{nope"}}]}):
+        status, _, err = request(tooled.url, "POST", "/v1/chat/completions", {"messages": user + [bad]})
+        assert status == 400 and err["error"]["message"].startswith("messages[1]"), bad
+    assert ask(server, PROMPTS[2])
+
+
 # --- metrics --------------------------------------------------------------------------------------------------
 
 
