@@ -17,12 +17,14 @@ Replies are what `clover chat` and `clover generate` give: the same chat templat
 sampling; a chat reply is trimmed of surrounding whitespace as the chat keeps it (`generate --json`'s text,
 stripped), a completion is the raw continuation (`generate --raw --json`'s text). Each response carries the usage
 fields and clover's own figures under "clover" (tau, acceptance rate, draft/verify time). A request's `n` replies
-are generated one after another (worker.py); its logprobs are the target's (the engine hands them out when asked).
+are generated one after another (worker.py); its logprobs are the target's (the engine hands them out when asked);
+its tools go to the chat template, and tool calls in a known format come back as `tool_calls` (tools.py).
 
 Errors are OpenAI-style JSON objects, {"error": {"message", "type", "param", "code"}}, with their HTTP status:
 400 a bad request (malformed JSON, an unknown or unsupported field, a prompt over the context), 401 a wrong or
 missing API key, 403 a browser's preflight from an origin not allowed (cors.py), 404 an unknown model or path, 405,
 408 a body that did not arrive in time, 413 a body over the limit, 503 a full queue (or too many connections).
+Under /api/ (Ollama's API) they are Ollama's {"error": message}.
 
 A request body must arrive within BODY_TIMEOUT. A prompt longer than the context could hold (inputs.CHARS_PER_TOKEN
 characters a token) is refused before it is tokenized, and at most TOKENIZING requests are tokenized at once. The
