@@ -10,7 +10,8 @@ the same checks, queue and worker (serve.Server.submit): `options` temperature, 
 repeat_penalty, stop and num_predict (-1, -2 or none: until the reply ends or fills the context) are applied, with
 Ollama's defaults (temperature 0.8, top_k 40, top_p 0.9; the repetition penalty is the model's own unless asked);
 the other options (num_ctx, mirostat, num_thread, ...) and keep_alive are ignored and named in X-Clover-Ignored.
-What clover cannot do (images, `format`, `suffix`, `template`, thinking) is a 400. Errors are Ollama's
+`tools` work as on the OpenAI API (tools.py), tool calls coming back in Ollama's shape (arguments as objects). What
+clover cannot do (images, `format`, `suffix`, `template`, thinking) is a 400. Errors are Ollama's
 {"error": message} (serve._error_response).
 """
 
@@ -20,13 +21,14 @@ import json
 import time
 
 from .api import ApiError, finish_reason
+from .tools import parse_calls
 
 OLLAMA_VERSION = "0.6.0"  # what /api/version says: the Ollama API these endpoints follow (clients compare it)
 OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
            "repeat_penalty": "repetition_penalty", "stop": "stop", "num_predict": "max_tokens"}
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}  # Ollama's, where a request sets none
-COMMON = {"model", "stream", "options", "format", "keep_alive", "think", "logprobs", "top_logprobs", "tools"}
-CHAT_FIELDS = COMMON | {"messages"}
+COMMON = {"model", "stream", "options", "format", "keep_alive", "think", "logprobs", "top_logprobs"}
+CHAT_FIELDS = COMMON | {"messages", "tools"}
 GENERATE_FIELDS = COMMON | {"prompt", "suffix", "system", "template", "context", "raw", "images"}
 
 
@@ -44,8 +46,7 @@ def translate(body: dict, chat: bool) -> tuple[dict | None, bool, list[str]]:
     if not isinstance(stream, bool):
         raise ApiError(400, "'stream' must be true or false", "stream")
     for name, what in (("format", "a JSON reply format"), ("think", "thinking"), ("logprobs", "logprobs here (the "
-                       "OpenAI API at /v1 has them)"), ("top_logprobs", "logprobs here"), ("tools", "tools here"),
-                       ("images", "images"), ("suffix", "a suffix"), ("template", "a template per request")):
+                       "OpenAI API at /v1 has them)"), ("top_logprobs", "logprobs here"), ("images", "images"), ("suffix", "a suffix"), ("template", "a template per request")):
         if body.get(name) not in (None, False, "", [], 0):
             raise ApiError(400, f"'{name}': clover does not support {what} yet", name, "unsupported_parameter")
     options = body.get("options") or {}
@@ -70,11 +71,9 @@ def translate(body: dict, chat: bool) -> tuple[dict | None, bool, list[str]]:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", "messages")
-        for i, m in enumerate(messages):
-            if isinstance(m, dict) and (m.get("images") or m.get("tool_calls")):
-                raise ApiError(400, f"messages[{i}]: clover does not support images or tool calls yet", "messages")
-        out["messages"] = [{"role": m.get("role"), "content": m.get("content", "")} if isinstance(m, dict) else m
-                           for m in messages]
+        if body.get("tools"):
+            out["tools"] = body["tools"]  # OpenAI's shape; checked and handed to the template as theirs (tools.py)
+        out["messages"] = [_message(m, i) for i, m in enumerate(messages)]
         return out, True, ignored
     prompt, system, raw = body.get("prompt"), body.get("system"), body.get("raw", False)
     if prompt is not None and not isinstance(prompt, str):
@@ -91,6 +90,48 @@ def translate(body: dict, chat: bool) -> tuple[dict | None, bool, list[str]]:
     out["messages"] = ([{"role": "system", "content": system}] if system else []) + [{"role": "user",
                                                                                        "content": prompt}]
     return out, True, ignored
+
+
+def _message(m, i: int):
+    """An Ollama message in OpenAI's shape: role and content, a tool call's arguments (an object) as a JSON string."""
+    if not isinstance(m, dict):
+        return m  # api.parse_messages says what is wrong with it
+    if m.get("images"):
+        raise ApiError(400, f"messages[{i}]: clover does not support images yet", "messages")
+    out = {"role": m.get("role"), "content": m.get("content", "")}
+    calls = m.get("tool_calls")
+    if calls:
+        if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                                  for c in calls):
+            raise ApiError(400, f"messages[{i}].tool_calls must be a list of {{\"function\": {{name, arguments}}}}",
+                           "messages")
+        out["tool_calls"] = [{"type": "function", "function": {
+            "name": c["function"].get("name"), "arguments": json.dumps(c["function"].get("arguments", {}))}}
+            for c in calls]
+    return out
+
+
+def _reply_body(chat: bool, job, text: str):
+    """A whole reply as a line gives it: a generate request's text, or a chat's message, its tool calls parsed
+    (tools.py) when the request had tools, in Ollama's shape."""
+    if not chat:
+        return text
+    if not job.prompt.tool_format:
+        return {"role": "assistant", "content": text}
+    rest, calls = parse_calls(text, job.prompt.tool_format)
+    message = {"role": "assistant", "content": rest or ""}
+    if calls:
+        message["tool_calls"] = [{"function": {"name": c["function"]["name"],
+                                               "arguments": _object(c["function"]["arguments"])}} for c in calls]
+    return message
+
+
+def _object(arguments: str):
+    """A call's arguments as Ollama gives them: the object its JSON holds (a model may write a string instead)."""
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
 
 
 class Ollama:
@@ -158,13 +199,18 @@ class Ollama:
             return server.streamed(job, self._lines(job, chat), headers, "application/x-ndjson")
         result = await server.wait(job, request)
         choice = result["choices"][0]
-        return JSONResponse(self._final(job, chat, result, choice["text"]), headers=headers)
+        return JSONResponse(self._final(job, chat, result, _reply_body(chat, job, choice["text"])),
+                            headers=headers)
 
-    def _piece(self, chat: bool, text: str, done: bool = False) -> dict:
-        key = {"message": {"role": "assistant", "content": text}} if chat else {"response": text}
+    def _piece(self, chat: bool, text, done: bool = False) -> dict:
+        """A line of the reply: `text` a piece of it, or (chat) a whole message."""
+        if chat:
+            key = {"message": text if isinstance(text, dict) else {"role": "assistant", "content": text}}
+        else:
+            key = {"response": text}
         return {"model": self.server.model_id, "created_at": _created(), **key, "done": done}
 
-    def _final(self, job, chat: bool, result: dict, text: str) -> dict:
+    def _final(self, job, chat: bool, result: dict, text) -> dict:
         stats, ns = result["stats"], lambda s: int((s or 0) * 1e9)  # noqa: E731
         return {**self._piece(chat, text, True), "done_reason": finish_reason(result["choices"][0]["finish"]),
                 "total_duration": ns(result["elapsed_s"] + result["queue_s"]), "load_duration": 0,
@@ -172,10 +218,15 @@ class Ollama:
                 "eval_count": stats.new_tokens, "eval_duration": ns(stats.decode_s)}
 
     async def _lines(self, job, chat: bool):
-        """The NDJSON lines of a streamed reply."""
+        """The NDJSON lines of a streamed reply (with tools, the reply whole at its end: text or tool calls)."""
+        tools = chat and job.prompt.tool_format
         while True:
             kind, value = await job.events.get()
-            if kind == "delta" or (kind == "choice" and value["tail"]):
+            if tools and kind in ("delta", "choice"):
+                if kind == "choice":
+                    yield json.dumps(self._piece(chat, _reply_body(chat, job, value["text"])),
+                                     ensure_ascii=False) + "\n"
+            elif kind == "delta" or (kind == "choice" and value["tail"]):
                 yield json.dumps(self._piece(chat, value[1] if kind == "delta" else value["tail"]),
                                  ensure_ascii=False) + "\n"
             elif kind == "error":

@@ -633,6 +633,35 @@ def test_tool_calls(tooled):
     assert resp.choices[0].finish_reason == "stop" and "broken" in resp.choices[0].message.content
 
 
+def test_ollama_tool_calls(tooled, server):
+    """Ollama's client with tools: the call comes back in Ollama's shape (arguments as an object), streamed too; the
+    call and its result go back in the conversation; a template without tools is a 400."""
+    ollama = pytest.importorskip("ollama")
+    client = ollama_client(tooled)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    tooled.script.append(call)
+    resp = client.chat(model="m", messages=messages, tools=[WEATHER])
+    assert "get_weather: The weather in a city now" in tooled.prompts[-1]
+    [got] = resp.message.tool_calls
+    assert got.function.name == "get_weather" and dict(got.function.arguments) == {"city": "Paris"}
+    assert resp.message.content == "" and resp.done
+    tooled.script.append(call)
+    parts = list(client.chat(model="m", messages=messages, tools=[WEATHER], stream=True))
+    assert [t.function.name for p in parts for t in (p.message.tool_calls or [])] == ["get_weather"]
+    assert parts[-1].done
+    tooled.script.append("Sunny.")
+    resp = client.chat(model="m", tools=[WEATHER], messages=messages + [
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather",
+                                                                          "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "18 degrees", "tool_name": "get_weather"}])
+    assert '{"city": "Paris"}' in tooled.prompts[-1] and "<|tool|>18 degrees" in tooled.prompts[-1]
+    assert resp.message.content == "Sunny." and not resp.message.tool_calls
+    with pytest.raises(ollama.ResponseError) as e:
+        ollama_client(server).chat(model="x", messages=messages, tools=[WEATHER])
+    assert e.value.status_code == 400 and "does not use tools" in e.value.error
+
+
 def test_tools_refused(server, tooled):
     """A template that does not show tools, a tool_choice clover cannot force, malformed tools and tool messages:
     400s that say so."""
