@@ -402,6 +402,11 @@ BAD = [
      400, None),
     ("GET", "/v1/models/gpt-4o", None, 404, "model_not_found"),
     ("GET", "/v1/chat/completions", None, 405, "method_not_allowed"),
+    ("POST", "/metrics", None, 405, "method_not_allowed"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "x"}]},
+     400, None),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "tool", "content": "18"}], "tool_choice": "required"},
+     400, "unsupported_parameter"),
     ("GET", "/v2/anything", None, 404, "not_found"),
     ("POST", "/v1/chat/completions", b"{" + b" " * (65 * 1024) + b"}", 413, "request_too_large"),
 ]
