@@ -46,7 +46,8 @@ NUMBER, WHOLE, FLAG, LIST = "a number", "a whole number", "true or false", "a li
 # Sampling fields of other servers' APIs (llama-server, vLLM, text-generation-webui, what their clients send) that
 # clover has no such feature for: accepted when their value is of the right kind, then ignored, and named in the
 # response's X-Clover-Ignored header. presence_penalty and frequency_penalty are OpenAI's: 0 is no penalty (not
-# named). Fields clover does apply under another name: repeat_penalty (llama-server's repetition_penalty).
+# named). Fields clover does apply under another name: repeat_penalty (llama-server's repetition_penalty), n_predict
+# (its max_tokens, -1: none).
 IGNORED = {"presence_penalty": NUMBER, "frequency_penalty": NUMBER, "typical_p": NUMBER, "tfs_z": NUMBER,
            "mirostat": WHOLE, "mirostat_tau": NUMBER, "mirostat_eta": NUMBER, "repeat_last_n": WHOLE,
            "penalize_nl": FLAG, "cache_prompt": FLAG, "n_keep": WHOLE, "id_slot": WHOLE, "slot_id": WHOLE,
@@ -61,7 +62,7 @@ _KINDS = {NUMBER: (int, float), WHOLE: int, FLAG: bool, LIST: list}
 # repetition_penalty (repeat_penalty), top_k, min_p: not OpenAI's, but what transformers, vLLM, TGI and llama-server
 # clients send (clover generate's options; top_k -1 or 0: all tokens, as vLLM takes it)
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options",
-          "repetition_penalty", "repeat_penalty", "top_k", "min_p", "n", "logprobs"} | set(IGNORED)
+          "repetition_penalty", "repeat_penalty", "top_k", "min_p", "n", "logprobs", "n_predict"} | set(IGNORED)
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "logit_bias", "tools", "tool_choice",
                         "response_format", "parallel_tool_calls", "user", "service_tier", "store", "metadata"}
 COMPLETION_FIELDS = COMMON | {"prompt", "best_of", "echo", "logit_bias", "suffix", "user"}

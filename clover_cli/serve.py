@@ -196,6 +196,8 @@ class Server:
             except CloverError as e:  # a token the model has no embedding for
                 raise ApiError(400, str(e), "prompt")
         limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        if body.get(limit) is None and body.get("n_predict") != -1:  # llama-server's name for it (-1: no limit)
+            limit = "n_predict"
         # without one: --max-new-tokens, else up to the end of the context (as OpenAI's and llama-server's APIs)
         max_tokens = integer_field(body, limit, 1, 1_000_000) or self.max_new_tokens or s.max_context
         min_p = number_field(body, "min_p", 0.0, 1.0, 0.0)

@@ -222,6 +222,12 @@ def test_other_servers_sampling_fields(server, reference, capsys):
     assert ask(server, PROMPTS[1], repeat_penalty=1.8) == ask(server, PROMPTS[1], repetition_penalty=1.8) \
         != ask(server, PROMPTS[1])
     assert ask(server, PROMPTS[2], temperature=1.5, top_k=1) == reference[PROMPTS[2], False]["text"].strip()
+    for n_predict, tokens in ((5, 5), (-1, N)):  # llama-server's max_tokens (-1: no limit, max_tokens N holds)
+        status, _, body = request(server.url, "POST", "/v1/completions", {"prompt": PROMPTS[3], "temperature": 0,
+                                                                          "n_predict": n_predict, **(
+                                                                              {"max_tokens": N} if n_predict < 0 else {})})
+        assert status == 200 and body["usage"]["completion_tokens"] == tokens, body
+    assert request(server.url, "POST", "/v1/completions", {"prompt": "hi", "n_predict": 0})[0] == 400
 
 
 def test_api_defaults(slow, llama_dir):
