@@ -368,8 +368,8 @@ def serve(
     chat_template: Optional[str] = Common.chat_template,
 ):
     """Serve the model over HTTP with the OpenAI API: /v1/chat/completions (streamed or not), /v1/completions,
-    /v1/models; Ollama's (/api/chat, /api/generate, /api/tags, /api/show, /api/version); /health and /metrics
-    (Prometheus).
+    /v1/models; Ollama's (/api/chat, /api/generate, /api/tags, /api/ps, /api/show, /api/version); /health and
+    /metrics (Prometheus).
 
     The same drafters, sampling (temperature, top_p, top_k, min_p, repetition_penalty, seed, max_tokens), stop strings
     and chat template as `clover chat`; each response adds clover's figures (tau, acceptance rate, draft and verify

@@ -19,7 +19,7 @@ one registry per server.
 from __future__ import annotations
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/api/chat",
-             "/api/generate", "/api/tags", "/api/show", "/api/version")
+             "/api/generate", "/api/tags", "/api/ps", "/api/show", "/api/version")
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 

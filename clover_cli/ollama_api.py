@@ -2,7 +2,7 @@
 
     POST /api/chat       messages -> the chat template -> a reply
     POST /api/generate   a prompt, through the chat template (with `system`), or as it is with "raw": true
-    GET  /api/tags       the one model served;  POST /api/show: its details;  GET /api/version
+    GET  /api/tags       the one model served (/api/ps: loaded);  POST /api/show: its details;  GET /api/version
 
 Replies stream as NDJSON (one JSON object a line, the last with "done": true and the counts and durations) unless
 the request says "stream": false, as Ollama does. A request is translated into the OpenAI API's fields and served by
@@ -146,6 +146,7 @@ class Ollama:
         return [Route("/api/chat", self.chat, methods=["POST"]),
                 Route("/api/generate", self.generate, methods=["POST"]),
                 Route("/api/tags", self.tags, methods=["GET"]),
+                Route("/api/ps", self.running, methods=["GET"]),
                 Route("/api/show", self.show, methods=["POST"]),
                 Route("/api/version", self.version, methods=["GET"])]
 
@@ -166,6 +167,15 @@ class Ollama:
         modified = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.server.created))
         return JSONResponse({"models": [{"name": name, "model": name, "modified_at": modified, "size": 0,
                                          "digest": "", "details": self._details()}]})
+
+    async def running(self, request):
+        """/api/ps: the model, loaded for as long as the server runs."""
+        from starlette.responses import JSONResponse
+
+        name = self.server.model_id
+        return JSONResponse({"models": [{"name": name, "model": name, "size": 0, "digest": "",
+                                         "details": self._details(), "expires_at": "2999-12-31T23:59:59Z",
+                                         "size_vram": 0, "context_length": self.server.session.max_context}]})
 
     async def show(self, request):
         from starlette.responses import JSONResponse

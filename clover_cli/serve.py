@@ -5,7 +5,7 @@
     GET  /v1/models             the one model served
     GET  /health                status, the queue, the target step
     GET  /metrics               Prometheus' text format (metrics.py)
-    /api/chat, /api/generate, /api/tags, /api/show, /api/version: Ollama's API (ollama_api.py)
+    /api/chat, /api/generate, /api/tags, /api/ps, /api/show, /api/version: Ollama's API (ollama_api.py)
 
 One engine serves one request at a time, in the order they arrive: requests wait in a FIFO queue for the single
 worker thread that runs the engine (the event loop never waits on the model). Each response says how many requests

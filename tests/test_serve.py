@@ -752,6 +752,8 @@ def test_ollama_client(server, reference):
     replies; the counts are the reply's."""
     client = ollama_client(server)
     assert [m.model for m in client.list().models] == [server.model_id]
+    assert [(m.model, m.context_length) for m in client.ps().models] == [(server.model_id,
+                                                                          server.session.max_context)]
     assert client.show("llama3:8b").modelinfo["clover.context_length"] == server.session.max_context
     for text in PROMPTS[:2]:
         want = reference[text, False]
