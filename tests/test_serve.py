@@ -202,10 +202,13 @@ def test_a_repetition_penalty_is_clover_generates(server, llama_dir, tmp_path):
     assert status == 400 and err["error"]["param"] == "repetition_penalty"
 
 
-def test_other_servers_sampling_fields(server, reference, capsys):
+def test_other_servers_sampling_fields(server, reference, capsys, monkeypatch):
     """What llama-server and vLLM clients send: fields clover has (top_k, min_p, repeat_penalty) applied, the others
     accepted, ignored and named in X-Clover-Ignored (streamed too), with a note in the log; a malformed one is a
     400."""
+    from clover_cli import listener
+
+    monkeypatch.setattr(listener, "_notes", listener.RateLimit(burst=5))  # notes of earlier tests do not count
     extra = {"mirostat": 2, "typical_p": 0.9, "cache_prompt": True, "presence_penalty": 0, "samplers": ["top_k"],
              "frequency_penalty": 0.5}
     status, headers, body = request(server.url, "POST", "/v1/chat/completions", chat_body(PROMPTS[2], **extra))
