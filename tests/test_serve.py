@@ -999,12 +999,14 @@ def test_client_hanging_up_while_queued_is_never_run(slow, reference):
 
 
 def test_serve_command(llama_dir, tmp_path, reference):
-    """`clover serve` as a user runs it: the banner and its address, the key from CLOVER_API_KEY, a warning for a
-    public address, the stats stream (`clover stats` lists the server), Ctrl-C ends it cleanly."""
+    """`clover serve` as a user runs it: the banner and its address, the key from CLOVER_API_KEY, browser origins
+    from CLOVER_CORS_ORIGINS and --cors-origin, a warning for a public address, the stats stream (`clover stats` lists the server), Ctrl-C ends it cleanly."""
     stats = tmp_path / "stats.jsonl"
-    env = {**os.environ, "CLOVER_API_KEY": "k3y", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "CLOVER_API_KEY": "k3y", "PYTHONPATH": str(REPO),
+           "CLOVER_CORS_ORIGINS": "https://a.example, https://b.example"}
     proc = subprocess.Popen([sys.executable, "-m", "clover_cli", "serve", str(llama_dir), "--host", "0.0.0.0",
-                             "--port", "0", "--draft", "ngram", "--stats-file", str(stats)], cwd=REPO, env=env,
+                             "--port", "0", "--draft", "ngram", "--stats-file", str(stats), "--cors-origin",
+                             "https://c.example"], cwd=REPO, env=env,
                             stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         lines = []
@@ -1017,6 +1019,8 @@ def test_serve_command(llama_dir, tmp_path, reference):
         port = int(re.search(r"http://[^:]+:(\d+)/v1", lines[-1]).group(1))
         url = f"http://127.0.0.1:{port}"
         assert request(url, "GET", "/health")[0] == 401
+        for origin, allowed in (("https://b.example", 204), ("https://c.example", 204), ("https://d.example", 403)):
+            assert preflight(url, origin)[0] == allowed, origin
         status, _, body = request(url, "POST", "/v1/chat/completions", chat_body(PROMPTS[0]),
                                   {"Authorization": "Bearer k3y"})
         assert status == 200 and body["choices"][0]["message"]["content"] == reference[PROMPTS[0], False]["text"].strip()
