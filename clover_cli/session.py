@@ -213,8 +213,8 @@ class Session:
                 ids.add(tid)
         return ids
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        text = render(self.tokenizer, messages, self.template, add_generation_prompt=True)
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        text = render(self.tokenizer, messages, self.template, add_generation_prompt=True, tools=tools)
         return self._checked(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def encode_raw(self, text: str) -> list[int]:

@@ -93,9 +93,12 @@ def chat_template(tokenizer, fallback: str | None, choice: str | None = None) ->
     return name, BUILTIN[name]
 
 
-def render(tokenizer, messages: list[dict], template: str, add_generation_prompt: bool = True) -> str:
+def render(tokenizer, messages: list[dict], template: str, add_generation_prompt: bool = True,
+           tools: list[dict] | None = None) -> str:
+    """The conversation as the template writes it; `tools` (OpenAI's function tools) handed to it when given."""
+    extra = {"tools": tools} if tools else {}
     return tokenizer.apply_chat_template(
-        messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt
+        messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
     )
 
 

@@ -509,7 +509,7 @@ def test_bad_device_and_dtype(run_cli, llama_dir, prompt_path, isolated):
 QUANT_KERNELS = [("--load-in-8bit", "int8_vectorwise_quant"), ("--load-in-4bit", "quantize_4bit")]
 
 
-@pytest.mark.parametrize("missing", ["starlette", "uvicorn"])
+@pytest.mark.parametrize("missing", ["starlette", "uvicorn", "prometheus_client"])
 def test_serve_without_its_extra_names_it(run_cli, llama_dir, monkeypatch, isolated, missing):
     monkeypatch.setitem(sys.modules, missing, None)  # `import missing` raises ImportError
     assert_one_line_error(run_cli("serve", str(llama_dir), "--port", "0"), missing, "clover-cli[serve]",

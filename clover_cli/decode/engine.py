@@ -25,7 +25,7 @@ import torch
 from ..target import Target
 from .budget import DraftPolicy, device_sync
 from ..tree import DraftTree, long_tensor
-from .verify import Sampling, StopCheck, accept, penalize
+from .verify import Sampling, StopCheck, accept, penalize, token_logprobs
 
 
 @dataclass
@@ -40,6 +40,9 @@ class StepEvent:
     elapsed_s: float = 0.0
     prefill: bool = False
     finish: str | None = None  # "eos", "stop" or "length" on the last step
+    # with Sampling.logprobs set, per token: its log-probability under the target and the top alternatives
+    # (verify.token_logprobs); else None, and nothing is computed
+    logprobs: list | None = None
 
 
 class Engine:
@@ -117,9 +120,12 @@ class Engine:
             policy.stepped(tree, len(accepted), asked, judged, t1 - t0, t2 - t0)
 
             out, depths, finish = _emit(accepted, bonus, stop)
+            # token j of the step was chosen from the row of the path's node j (its parent in the tree)
+            lp = None if sampling.logprobs is None else token_logprobs(
+                logits[long_tensor(path[:len(out)], logits.device)], out, sampling.logprobs)
             yield StepEvent(out, depths, proposed=len(tree) - 1, tree_depth=max(tree.depths()),
                             accepted=sum(d > 0 for d in depths), draft_s=t1 - t0, verify_s=t2 - t1,
-                            elapsed_s=t2 - t0, finish=finish)
+                            elapsed_s=t2 - t0, finish=finish, logprobs=lp)
             root = bonus
 
     def _prefill(self, prompt: list[int], stop: StopCheck, sampling: Sampling, rng) -> tuple[int, StepEvent]:
@@ -148,8 +154,10 @@ class Engine:
         if drafter.observes:
             drafter.observe(hidden, long_tensor(prompt[keep + 1:] + [root], target.device))
         finish = stop.push(root)
+        lp = None if sampling.logprobs is None else token_logprobs(logits[-1:], [root], sampling.logprobs)
         device_sync(target.device)
-        return root, StepEvent([root], [0], elapsed_s=time.perf_counter() - t0, prefill=True, finish=finish)
+        return root, StepEvent([root], [0], elapsed_s=time.perf_counter() - t0, prefill=True, finish=finish,
+                               logprobs=lp)
 
 
 def _emit(accepted: list[int], bonus: int, stop: StopCheck) -> tuple[list[int], list[int], str | None]:

@@ -25,10 +25,24 @@ class Sampling:
     repetition_penalty: float = 1.0
     top_k: int = 0  # only the k most likely tokens (0: all)
     min_p: float = 0.0  # only tokens at least min_p times as likely as the most likely one (0: all)
+    # None: nothing more. k >= 0: each emitted token's log-probability under the target (the log-softmax of its raw
+    # logits, before any of the above) and its k most likely alternatives, in StepEvent.logprobs (clover serve)
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+def token_logprobs(rows: torch.Tensor, tokens: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Per token: its log-probability under its row of raw logits [len(tokens), V] (the target's log-softmax), and
+    the `top` most likely tokens of that row with theirs."""
+    z = torch.log_softmax(rows.float(), dim=-1)
+    chosen = z.gather(1, torch.tensor(tokens, dtype=torch.long, device=z.device)[:, None])[:, 0].tolist()
+    if top <= 0:
+        return [(c, []) for c in chosen]
+    values, ids = z.topk(min(top, z.shape[-1]), dim=-1)
+    return [(c, list(zip(i, v))) for c, i, v in zip(chosen, ids.tolist(), values.tolist())]
+
 
 def warp(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     """Sampling probabilities, unnormalised where a filter cut some tokens: softmax(logits / temperature), then
