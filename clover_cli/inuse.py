@@ -32,7 +32,7 @@ def hold(path: Path) -> None:
     package whose stamp or lock cannot be had is only less protected."""
     path = Path(path)
     try:
-        with open(path / LAST_USED, "w"):
+        with open(path / LAST_USED, "w"):  # not atomic: an empty stamp, only its time is read
             pass
         os.utime(path / LAST_USED)
     except OSError:

@@ -74,7 +74,7 @@ def main():
         name = f"clover_ab{i}"
         (build / name).mkdir()
         path = build / name / f"{name}.cpp"
-        path.write_text((source(version) + LOOP).replace("clover_quant", name))
+        path.write_text((source(version) + LOOP).replace("clover_quant", name))  # not atomic: a fresh temporary folder
         load(name=name, sources=[str(path)], extra_cflags=quant.FLAGS, extra_ldflags=["-fopenmp"],
              build_directory=str(build / name), is_python_module=False)
         ops.append(getattr(torch.ops, name))

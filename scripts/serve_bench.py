@@ -6,7 +6,8 @@
 1. Speed and identity: for each prompt (single-turn prompts of the built-in bench set), interleaved `--repeats`
    times (which of the two goes first alternates): a one-shot `clover generate --json` (a new process, as a script
    runs it) and a streamed chat completion through the `openai` client from a running `clover serve`. Each streamed
-   reply must be token-identical to generate's (temperature 0). Reported, as medians over the runs:
+   reply must be token-identical to generate's (temperature 0, sent with every request: the API's default is 1).
+   Reported, as medians over the runs:
    - decode tokens/s on equal footing: generate's `tokens_per_s` and the server's own (its "clover" figures), both
      the tokens after the first over the time of the decoding steps;
    - what the client saw while decoding: the tokens after the first over the time from the first piece of text
@@ -98,7 +99,7 @@ def streamed(client, model_id: str, text: str, max_tokens: int) -> dict:
     t0 = time.perf_counter()
     pieces, figures, usage, first, last = [], None, None, None, None
     for chunk in client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": text}],
-                                                max_tokens=max_tokens, stream=True,
+                                                max_tokens=max_tokens, temperature=0, stream=True,
                                                 stream_options={"include_usage": True}):
         if chunk.choices:
             piece = chunk.choices[0].delta.content or ""
@@ -121,12 +122,12 @@ def plain(client, model_id: str, text: str, max_tokens: int, stream: bool) -> tu
     if stream:
         reply, finish = [], None
         for chunk in client.chat.completions.create(model=model_id, messages=messages, max_tokens=max_tokens,
-                                                    stream=True):
+                                                    temperature=0, stream=True):
             if chunk.choices:
                 reply.append(chunk.choices[0].delta.content or "")
                 finish = chunk.choices[0].finish_reason or finish
         return "".join(reply), finish
-    resp = client.chat.completions.create(model=model_id, messages=messages, max_tokens=max_tokens)
+    resp = client.chat.completions.create(model=model_id, messages=messages, max_tokens=max_tokens, temperature=0)
     return resp.choices[0].message.content, resp.choices[0].finish_reason
 
 

@@ -170,10 +170,11 @@ def test_a_corrupt_input_is_one_line(run_cli, inputs, monkeypatch, command, targ
 
 
 def test_every_command_that_reads_input_is_walked(run_cli):
-    """A command added to clover is added here too (models and download read no local input)."""
+    """A command added to clover is added here too (models, download, list and ps read no local input; rm takes a
+    name `clover list` shows, never a path)."""
     from clover_cli.cli import app
     import typer.main
 
     commands = set(typer.main.get_command(app).commands)
     walked = {c.split()[0] for c in COMMANDS}
-    assert commands - walked == {"models", "download"}
+    assert commands - walked == {"models", "download", "list", "rm", "ps"}
