@@ -6,10 +6,10 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..drafter_names import HEADS_DRAFTS
 from ..errors import CloverError
 
-ARCHS = {"clover": "clover2", "medusa": "medusa", "eagle": "eagle",
-         "eagle3": "eagle3"}  # --arch -> the heads' architecture
+ARCHS = HEADS_DRAFTS  # --arch -> the heads' architecture: --arch takes the heads drafters' names (--draft's)
 EVAL_PROMPTS = 4
 EVAL_NEW_TOKENS = 64
 
