@@ -184,6 +184,7 @@ def test_bad_out_and_options(fresh_model, data_file, tmp_path, run_cli):
     for args, needle in [(["--arch", "eagle9"], "--arch"), (["--heads", "0"], "--heads"), (["--lr", "-1"], "--lr"),
                          (["--reg-weight", "nan"], "--reg-weight"), (["--resume"], "no checkpoint"),
                          (["--loss-vocab", "some"], "--loss-vocab"), (["--lr-schedule", "flat"], "--lr-schedule"),
+                         (["--repetition-penalty", "0"], "--repetition-penalty"),
                          (["--max-len", "64", "--batch-tokens", "32"],
                                                            "--batch-tokens")]:
         code, _, err = run_cli("train", str(fresh_model), "--data", str(data_file), "--out", str(tmp_path / "x"),
