@@ -33,6 +33,7 @@ class Sampling:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+
 def token_logprobs(rows: torch.Tensor, tokens: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]]]:
     """Per token: its log-probability under its row of raw logits [len(tokens), V] (the target's log-softmax), and
     the `top` most likely tokens of that row with theirs."""
