@@ -68,14 +68,22 @@ CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "lo
 COMPLETION_FIELDS = COMMON | {"prompt", "best_of", "echo", "logit_bias", "suffix", "user"}
 
 
+def finite(value) -> bool:
+    """A JSON number that is a finite float (an integer too large for a float is not: math.isfinite raises)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def number_field(body: dict, name: str, low: float, high: float, default: float, low_open: bool = False) -> float:
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not finite(value) \
             or not (low < value if low_open else low <= value) or value > high:
         interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
-        raise ApiError(400, f"'{name}' must be a number in {interval}, not {json.dumps(value)}", name)
+        raise ApiError(400, f"'{name}' must be a number in {interval}, not {json.dumps(value)[:80]}", name)
     return float(value)
 
 
@@ -100,7 +108,7 @@ def check_fields(body: dict, known: set[str]) -> list[str]:
         kind = IGNORED.get(name)
         if kind is not None:
             if isinstance(value, bool) != (kind == FLAG) or not isinstance(value, _KINDS[kind]) \
-                    or (kind == NUMBER and not math.isfinite(value)):
+                    or (kind == NUMBER and not finite(value)):
                 raise ApiError(400, f"'{name}' must be {kind}, not {json.dumps(value)[:80]}", name)
             if name in ("presence_penalty", "frequency_penalty"):
                 if not -2 <= value <= 2:

@@ -130,7 +130,7 @@ def _object(arguments: str):
     """A call's arguments as Ollama gives them: the object its JSON holds (a model may write a string instead)."""
     try:
         return json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):
         return arguments
 
 

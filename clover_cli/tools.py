@@ -72,7 +72,7 @@ def template_message(m: dict, where: str) -> dict | None:
                                 f"string)", where)
         try:
             arguments = json.loads(fn["arguments"])
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: JSON nested deeper than Python's stack
             raise ApiError(400, f"{where}.tool_calls[{j}].function.arguments is not JSON", where)
         out.append({"id": call.get("id"), "type": "function",
                     "function": {"name": fn["name"], "arguments": arguments}})
@@ -89,7 +89,7 @@ def parse_calls(text: str, fmt: str | None) -> tuple[str | None, list[dict]]:
     for body in _CALL.findall(text):
         try:
             call = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):
             return text, []
         if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
             return text, []

@@ -409,6 +409,17 @@ BAD = [
                                       "response_format": {"type": "json_object"}}, 400, "unsupported_parameter"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": "json"},
      400, None),
+    # an integer too large for a float (math.isfinite raises on it), for a field clover applies and one it ignores
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": 10 ** 400}, 400,
+     None),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 10 ** 400},
+     400, None),
+    # a tool call's arguments nested deeper than Python's stack (json.loads raises RecursionError)
+    ("POST", "/v1/chat/completions", {"messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                              "function": {"name": "f", "arguments": "[" * 10_000 + "]" * 10_000}}]},
+        {"role": "user", "content": "again"}]}, 400, None),
     ("GET", "/v1/models/gpt-4o", None, 404, "model_not_found"),
     ("GET", "/v1/chat/completions", None, 405, "method_not_allowed"),
     ("POST", "/metrics", None, 405, "method_not_allowed"),
