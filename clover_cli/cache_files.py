@@ -98,11 +98,16 @@ def key_prefix(name: str) -> str:
 
 
 def compiled_entries() -> list[Entry]:
-    """The compiled packages (steps and heads' programs) in the compile cache."""
+    """The compiled packages (steps and heads' programs) in the compile cache: folders named as package keys that
+    hold a meta.json as every build writes (another folder of such a name, in a cache folder shared with other
+    files, is not clover's to list, remove or prune)."""
     root = store.cache_root()
     out = []
     for d in children(root):
         if d.is_symlink() or not d.is_dir() or not PACKAGE_NAME.fullmatch(d.name):
+            continue
+        meta = d / "meta.json"
+        if meta.is_symlink() or not meta.is_file():
             continue
         step, sep, _ = d.name.rpartition("-heads-")
         log = d.with_name(d.name + ".log")

@@ -447,6 +447,20 @@ def test_prune_removes_packages_unused_for_30_days_but_not_the_new_one(run_cli):
     assert len(said) == 2 and all("unused for" in line for line in said), said
 
 
+def test_a_folder_named_like_a_package_without_meta_json_is_not_clovers(run_cli):
+    """A folder in the compile cache named as a package key but holding no meta.json (every build writes one) is
+    neither listed nor pruned, however old."""
+    from clover_cli import store
+    from clover_cli.cache_files import prune_compiled
+
+    mine = store.cache_root() / f"notes-{'c' * 20}"
+    write(mine / "keep.txt", 10)
+    old = time.time() - 400 * DAY
+    os.utime(mine / "keep.txt", (old, old))
+    assert prune_compiled(keep=(), log=lambda line: None) == []
+    assert (mine / "keep.txt").exists() and mine.name not in by_name(listed(run_cli))
+
+
 def test_prune_keeps_the_cache_under_its_size_cap_oldest_first(monkeypatch):
     from clover_cli import inuse, store
     from clover_cli.cache_files import prune_compiled

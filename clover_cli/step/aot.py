@@ -255,9 +255,8 @@ class Package:
         why = _files_problem(self.path, _read_meta(self.path)[0] or {}, self.ranges, full=True)
         if why:
             raise ValueError(why)
-        step = CompiledStep(self.path, self.capacity, self.ranges)
-        hold(self.path)  # in use while this process runs: neither `clover rm` nor the pruning removes it
-        return step
+        hold(self.path)  # in use from now while this process runs: neither `clover rm` nor the pruning removes it
+        return CompiledStep(self.path, self.capacity, self.ranges)
 
 
 
@@ -447,8 +446,8 @@ class HeadsPrograms:
         self.path, self.kind, self.capacity = Path(path), kind, capacity
         # program name -> {"n": [least, most], "past": [least, most]}: the sizes each augment program takes
         self.augment_ranges = augment_ranges
+        hold(self.path)  # in use from now on (see CompiledStep's load)
         programs = {name: Program(self.path / name) for name in heads_program_names(kind, augment_ranges)}
-        hold(self.path)
         self._past: dict[int, torch.Tensor] = {}
         if kind == "clover":
             # fixed sizes first, smallest first; then the program for any size
