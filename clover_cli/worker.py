@@ -55,7 +55,9 @@ class Deltas:
         self.text += text
 
     def take(self) -> str:
-        end = len(self.text.rstrip()) if self.trim else len(self.text)
+        # what was sent ends in a non-space (or is empty), so only the unsent part need be stripped: a step's cost
+        # stays that of its own text, not of the whole reply so far
+        end = self.sent + len(self.text[self.sent:].rstrip()) if self.trim else len(self.text)
         piece, self.sent = self.text[self.sent:end], max(self.sent, end)
         return piece
 
