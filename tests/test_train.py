@@ -254,6 +254,44 @@ def test_out_of_memory_suggests_smaller_batches(fresh_model, data_file, tmp_path
     assert not out.exists()
 
 
+def test_an_interrupted_runs_feature_cache_is_kept_and_reused(fresh_model, data_file, tmp_path, run_cli,
+                                                               monkeypatch):
+    """Stopped before its first checkpoint, a run keeps the target's hidden states it cached (costly: minutes to
+    hours on a CPU); the same command says so, and --overwrite with the same options trains from them, not
+    recomputing them. Other data (another --max-len) drops them."""
+    from clover_cli.train import loop as train_mod
+
+    out = tmp_path / "h"
+    real = train_mod.heads_loss
+    calls = {"n": 0}
+
+    def stop_first(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 1:  # after the first batch's features were cached, before any checkpoint
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(train_mod, "heads_loss", stop_first)
+    monkeypatch.setattr(train_mod, "EVAL_PROMPTS", 0)
+    common = ["train", str(fresh_model), "--data", str(data_file), "--out", str(out), "--heads", "2", "--layers", "1",
+              "--max-steps", "2", "--batch-tokens", "2048", "--max-len", "384", "--eval-every", "5",
+              "--cache-features"]
+    code, _, err = run_cli(*common)
+    assert code == 130, err
+    shards = sorted((out / "features").glob("shard_*.safetensors"))
+    assert shards and not (out / "checkpoint").exists()
+    stamps = [p.stat().st_mtime_ns for p in shards]
+    code, _, err = run_cli(*common)
+    assert code == 2 and "--overwrite" in err and "feature cache" in err
+    code, _, err = run_cli(*common, "--overwrite")
+    assert code == 0, err
+    assert [p.stat().st_mtime_ns for p in shards] == stamps  # read, not written again
+    assert json.loads((out / "config.json").read_text())["training"]["steps"] == 2
+    code, _, err = run_cli(*common[:-5], "--max-len", "256", "--eval-every", "5", "--cache-features", "--overwrite")
+    assert code == 0, err
+    assert all(not p.exists() or p.stat().st_mtime_ns != t for p, t in zip(shards, stamps))  # computed anew
+
+
 def test_failed_runs_leave_out_reusable(fresh_model, data_file, tmp_path, run_cli):
     out = tmp_path / "h"
     common = ["--out", str(out), "--heads", "2", "--layers", "1", "--max-steps", "1", "--batch-tokens", "2048",

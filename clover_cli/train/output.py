@@ -36,7 +36,9 @@ def check_out(cfg: TrainConfig) -> bool:
                               f"(--overwrite replaces only what clover train made)")
         if ours and not (cfg.resume or cfg.overwrite):
             if _checkpoint_dir(out) is None and not is_heads_dir(out):
-                kept = " (its regenerated replies are reused)" if any(out.glob("regenerated*.jsonl")) else ""
+                kept = [what for what, there in (("regenerated replies", any(out.glob("regenerated*.jsonl"))),
+                                                 ("feature cache", _has_features(out))) if there]
+                kept = f" (its {' and '.join(kept)} reused where the options match)" if kept else ""
                 raise CloverError(f"--out {out} holds an unfinished run with no checkpoint: pass --overwrite to "
                                   f"start again{kept}")
             raise CloverError(f"--out {out} already holds heads: pass --resume to continue or --overwrite")
@@ -57,6 +59,13 @@ def check_out(cfg: TrainConfig) -> bool:
 # What the regenerated replies (--out/regenerated.jsonl) depend on: they are reused only when these match.
 REGEN_KEYS = ("model", "revision", "data", "max_conversations", "regen_turns", "regen_max_tokens", "max_len",
              "repetition_penalty")
+# What the feature cache (--out/features, the target's hidden states per conversation) depends on: the same
+# conversations (REGEN_KEYS and whether they were regenerated) through the same weights.
+FEATURE_KEYS = (*REGEN_KEYS, "regenerate", "device", "dtype")
+
+
+def _has_features(out: Path) -> bool:
+    return any((out / "features").glob("shard_*.safetensors"))
 
 
 def _marker(cfg: TrainConfig) -> dict:
@@ -74,17 +83,19 @@ def make_out(cfg: TrainConfig, resuming: bool) -> str | None:
     out = Path(cfg.out)
     made = "created" if not out.exists() else ("empty" if not any(out.iterdir()) else None)
     ours = (out / MARKER).is_file() or is_heads_dir(out)
+    try:
+        before = json.loads((out / MARKER).read_text())
+    except (OSError, ValueError):
+        before = {}
+    now = _marker(cfg)
     if ours and cfg.overwrite and not resuming:
-        for name in ("checkpoint", "checkpoint-old", "checkpoint-new", "features", "model.safetensors"):
+        features_kept = all(before.get(k) == now[k] for k in FEATURE_KEYS)  # the same conversations and weights
+        for name in ("checkpoint", "checkpoint-old", "checkpoint-new", "model.safetensors",
+                     *(() if features_kept else ("features",))):
             p = out / name
             shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
     regen = [out / "regenerated.jsonl", *out.glob("regenerated.*-of-*.jsonl")] if out.is_dir() else []
     if any(p.is_file() for p in regen):
-        try:
-            before = json.loads((out / MARKER).read_text())
-        except (OSError, ValueError):
-            before = {}
-        now = _marker(cfg)
         if any(before.get(k) != now[k] for k in REGEN_KEYS):  # made for another model or data: not reusable
             for p in regen:
                 p.unlink(missing_ok=True)
@@ -104,7 +115,7 @@ def discard_unfinished(out: Path, made: str | None):
     --overwrite reuses them)."""
     if made is None or not out.is_dir() or _checkpoint_dir(out) is not None or (out / "model.safetensors").exists():
         return
-    if any(out.glob("regenerated*.jsonl")):
+    if any(out.glob("regenerated*.jsonl")) or _has_features(out):  # costly: kept for the next run
         return
     if made == "created":
         shutil.rmtree(out, ignore_errors=True)
