@@ -26,7 +26,7 @@ from . import atomic
 from .errors import CloverError
 
 INSTALL_HINT = "pip install 'clover-cli[llama]'"
-WRITER_VERSION = 1  # part of the cache key: bump when the GGUF this module writes changes
+WRITER_VERSION = 2  # part of the cache key: bump when the GGUF this module writes changes
 
 
 def why_unavailable(model, tokenizer, device, dtype, load_in_8bit: bool = False) -> str | None:
@@ -177,6 +177,9 @@ def _add_vocab(writer, tokenizer, n_vocab: int):
     probe = tokenizer("a", add_special_tokens=True)["input_ids"]  # does the tokenizer itself add BOS / EOS?
     writer.add_add_bos_token(tokenizer.bos_token_id is not None and probe[:1] == [tokenizer.bos_token_id])
     writer.add_add_eos_token(tokenizer.eos_token_id is not None and probe[-1:] == [tokenizer.eos_token_id])
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str) and template:  # so the file chats as the model does (llama.cpp, clover)
+        writer.add_chat_template(template)
 
 
 def gguf_for(resolved, model, tokenizer, cache: Path, quiet: bool = False) -> Path:

@@ -189,6 +189,15 @@ def test_gguf_reads_back(llama_model, tmp_path):
     tokens = field("tokenizer.ggml.tokens")
     assert len(tokens) == cfg.vocab_size and tokens[tok.eos_token_id] == "</s>"
     assert tokens[tok.convert_tokens_to_ids("Ġfox")] == "Ġfox"
+    assert field("tokenizer.chat_template") == tok.chat_template  # the file chats as the model does
+    other = tmp_path / "other"
+    other.mkdir()
+    saved, tok.chat_template = tok.chat_template, None
+    try:
+        write_gguf(model, tok, other / "m.gguf", "test")
+    finally:
+        tok.chat_template = saved
+    assert "tokenizer.chat_template" not in gguf.GGUFReader(other / "m.gguf").fields
 
     tensors = {t.name: t for t in reader.tensors}
     per_block = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
