@@ -613,3 +613,64 @@ def test_real_smollm2_gguf_is_lossless(cache):
             assert out == reference, (name, text)
             if name == "clover":
                 assert sum(e.accepted for e in events) > 0, text  # its drafts, not only the target's tokens
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not REAL_SMOLLM2.is_file(),
+                    reason="SmolLM2's GGUF is not on this machine (set CLOVER_SMOLLM2_GGUF to a copy)")
+def test_real_smollm2_heads_sample_the_targets_distribution(cache):
+    """Sampling at temperature 0.7, top-p 0.9 and the model's repetition penalty 1.1 with the Clover-2 heads the
+    package ships for smollm2, on a real chat prompt: the first two tokens' joint distribution equals the target's own, computed exactly
+    (every first token of the top-p set, then every second token after it), within a TV bound that exact sampling
+    meets; no pair outside the target's support is ever drawn, and the heads' drafts are accepted."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    from clover_cli.drafters import registry
+    from clover_cli.drafters.factory import make_drafter
+    from clover_cli.decode.engine import Engine
+    from clover_cli.decode.verify import Sampling, StopCheck, warp
+    from clover_cli.target import Target
+    from test_engine import _null_tv_bound, _tv
+
+    if store.content_hash(REAL_SMOLLM2) != SMOLLM2_PACKAGE.sha256:
+        pytest.skip(f"{REAL_SMOLLM2} is not the pinned SmolLM2 file (a partial or other copy)")
+    resolved = hub.resolve_model(str(REAL_SMOLLM2), quiet=True)
+    model, tok = load_converted(resolved.path)
+    s = Sampling(0.7, 0.9, repetition_penalty=1.1)
+    # the reply begun as "My favourite colour": its next token is all but certain (" is"), the colour after it open
+    # (dozens of tokens above top-p's cut): the position where the heads' drafts are taken or refused
+    prompt = chat_ids(tok, "Name a colour.") + tok("My favourite colour", add_special_tokens=False)["input_ids"]
+    processor = RepetitionPenaltyLogitsProcessor(1.1)
+
+    @torch.no_grad()
+    def probs(ids):
+        logits = model(torch.tensor([ids])).logits[:, -1].float()
+        return warp(processor(torch.tensor([ids]), logits)[0], s)
+
+    p1 = probs(prompt)
+    pairs, exact = [], []
+    for a in p1.nonzero().flatten().tolist():
+        p2 = probs(prompt + [a])
+        for b in p2.nonzero().flatten().tolist():
+            pairs.append((a, b))
+            exact.append(float(p1[a] * p2[b]))
+    exact = np.array(exact) / sum(exact)
+    assert 4 <= len(pairs) <= 5000  # a real spread of continuations, few enough to count
+    index = {p: i for i, p in enumerate(pairs)}
+
+    alias = hub.ResolvedModel("smollm2", resolved.path, aliases.ALIASES["smollm2"])
+    target = Target(model)
+    drafter = make_drafter("clover", target, heads=registry.load(registry.resolve_heads(None, alias), model))
+    engine = Engine(target, drafter, budget=8, auto_budget=False)
+    n = 600
+    counts, outside, accepted = np.zeros(len(pairs)), 0, 0
+    for i in range(n):  # three tokens: the second can then come from a draft (the last one never does)
+        out, events = run_engine(engine, prompt, StopCheck(3), Sampling(0.7, 0.9, seed=i, repetition_penalty=1.1))
+        if (out[0], out[1]) in index:
+            counts[index[(out[0], out[1])]] += 1
+        else:
+            outside += 1
+        accepted += sum(e.accepted for e in events)
+    assert outside == 0
+    assert accepted > n * 0.1  # the heads' drafts were taken, not only the target's own tokens
+    assert _tv(counts, exact) < _null_tv_bound(exact, n, np.random.default_rng(1))
