@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from .. import atomic
+from ..drafter_names import HEADS_DRAFTS
 from ..errors import CloverError, one_line
 from .config import TrainConfig
 
@@ -170,8 +171,8 @@ def _save_checkpoint(out: Path, heads, opt, sched, step: int, history: list):
     atomic.write_with(new / "heads.safetensors", lambda tmp: save_file(tensors, str(tmp)))
     optimizer = {"opt": opt.state_dict(), "sched": sched.state_dict()}
     atomic.write_with(new / "optimizer.pt", lambda tmp: torch.save(optimizer, tmp))
-    settings = _heads_settings("clover" if heads.cfg.architecture == "clover2" else "medusa", heads.cfg.num_heads,
-                               heads.cfg.num_layers)
+    arch = next(name for name, family in HEADS_DRAFTS.items() if family == heads.cfg.architecture)  # its --arch
+    settings = _heads_settings(arch, heads.cfg.num_heads, heads.cfg.num_layers)
     atomic.write_text(new / "state.json", json.dumps({"step": step, "history": history, "settings": settings}))
     # at every moment one complete checkpoint is on disk: checkpoint-old goes only once checkpoint is complete
     # (a run resumed from checkpoint-old has none) and the new one is in place
