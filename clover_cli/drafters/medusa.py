@@ -24,6 +24,7 @@ from ..target import Target, find_final_norm
 from ..tree import DraftTree, TreeBuilder
 from .common import (DraftProjection, GrowsTree, HeadsConfig, TreeGrower, check_size, finish_loading, first_file,
                      read_config, read_tensors, top_tokens)
+from .families import Layout, Spec, Training
 
 ARCHITECTURE = "medusa"
 LAYOUT = "medusa-authors"
@@ -210,3 +211,7 @@ def load(path: Path, target_model, dtype=None) -> torch.nn.Module:
                       target={"name_or_path": raw.get("base_model_name_or_path") if raw else None},
                       training={"config_num_heads": raw.get("medusa_num_heads")} if raw else {})
     return finish_loading(build(cfg, target_model), mapped, path, target_model, dtype)
+
+
+SPEC = Spec(build=build, drafter=MedusaDrafter, layout=Layout(LAYOUT, "Medusa's", is_layout, load),
+            training=Training(card_name="Medusa-1"))  # its heads read the post-norm features alone
