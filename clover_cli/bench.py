@@ -33,8 +33,7 @@ from .errors import CloverError
 LLAMA_METHODS = ("llama.cpp", "llama.cpp-lookup", "llama.cpp-draft")  # -draft: the model rows' draft model's chain
 MODEL_METHODS = ("model-chain", "model")  # a draft model's top-1 chain, and its MCSD tree (--draft model)
 SELF_METHODS = ("self-chain", "self")  # the same with the target itself, layers skipped, as the draft (--draft self)
-HEADS_OPTIONS = {"medusa": "--medusa-heads", "eagle": "--eagle-heads"}  # a heads row's own option (else --heads);
-#                                                                    any of them takes heads of any family
+HEADS_OPTIONS = {"medusa": "--medusa-heads", "eagle": "--eagle-heads"}  # rows' own options (else --heads), any family's
 BUILTIN_PROMPTS = Path(__file__).parent / "bench_prompts.jsonl"
 LOOKUP_TOKENS = 10  # tokens proposed per prompt-lookup match, for hf-lookup and llama.cpp-lookup alike
 
@@ -44,21 +43,17 @@ def heads_row(architecture: str) -> str:
     return family_spec(architecture).bench_row or by_architecture(architecture).draft
 
 
-def merged_row() -> str:
-    """The default drafter's row (--draft auto: the first family's heads with n-gram lookup): clover+ngram."""
-    return heads_row(families.FAMILIES[0].architecture) + "+ngram"
+def heads_rows() -> list[str]:
+    """The heads rows, one per name (EAGLE-1 and EAGLE-3 heads share eagle), in FAMILIES' order but the first family's
+    last, then the default drafter's (--draft auto: its heads merged with n-gram lookup): medusa, eagle, clover,
+    clover+ngram."""
+    first = heads_row(families.FAMILIES[0].architecture)
+    return [*dict.fromkeys([heads_row(f.architecture) for f in families.FAMILIES[1:]] + [first]), first + "+ngram"]
 
 
 def row_heads(method: str) -> str:
     """The heads row whose heads `method` runs (clover+ngram: clover's; a heads row: its own)."""
-    return heads_row(families.FAMILIES[0].architecture) if method == merged_row() else method
-
-
-def heads_rows() -> list[str]:
-    """The heads families' rows, one per row name (EAGLE-1 and EAGLE-3 heads share the eagle row), in FAMILIES'
-    order but the first family's last, followed by the default drafter's: medusa, eagle, clover, clover+ngram."""
-    rows = [heads_row(f.architecture) for f in (*families.FAMILIES[1:], families.FAMILIES[0])]
-    return [*dict.fromkeys(rows), merged_row()]
+    return method.removesuffix("+ngram") if method == heads_rows()[-1] else method
 
 
 def all_methods() -> tuple[str, ...]:
@@ -362,7 +357,7 @@ class BenchSession:
             log = None if self.quiet else (lambda text: print(f"clover bench: {text}", file=sys.stderr))
             drafter = make_drafter("self", s.target, static=method == "self-chain", log=log,
                                    self_cache=self_draft_path(s.resolved.path, s.device, s.dtype))
-        elif method == merged_row():
+        elif method == heads_rows()[-1]:  # clover+ngram
             # exactly what --draft auto runs; what it learns about when the heads pay carries over between runs,
             # as in a chat session, and starts from what earlier processes stored, as a session's does
             if method not in self.choices:
