@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .drafters.families import by_draft
+from .families import by_draft
 from .options import env
 from .sources import PackageSource, WheelPart
 

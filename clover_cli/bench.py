@@ -24,11 +24,10 @@ from pathlib import Path
 
 import torch
 
-from . import atomic
+from . import atomic, families
 from .bench_report import plot, plot_format, print_table
-from .drafters import families
-from .drafters.families import by_architecture, spec as family_spec
 from .errors import CloverError
+from .families import by_architecture, spec as family_spec
 
 LLAMA_METHODS = ("llama.cpp", "llama.cpp-lookup", "llama.cpp-draft")  # -draft: the model rows' draft model's chain
 MODEL_METHODS = ("model-chain", "model")  # a draft model's top-1 chain, and its MCSD tree (--draft model)

@@ -12,10 +12,9 @@ from typing import List, Optional
 
 import typer
 
-from . import __version__
-from .drafters import families
-from .drafters.families import either
+from . import __version__, families
 from .errors import CloverError
+from .families import either
 from .inputs import given_prompt
 from .options import MODES, QUANTIZE, Common, check_sampling, choices, env, options_from
 
@@ -30,7 +29,7 @@ app = typer.Typer(
 )
 
 
-# clover train --arch: the heads families (drafters/families.py), each with its few words
+# clover train --arch: the heads families (families.py), each with its few words
 ARCH_HELP = either(f"{f.draft} ({f.about})" if f.about else f.draft for f in families.FAMILIES) + "."
 MODEL_ARG = typer.Argument(None, help="Alias (see `clover models`), Hub repo id, local directory, GGUF file, or a "
                                        "GGUF on the Hub as REPO:FILE.gguf or REPO:QUANT (hf.co/ prefix allowed). "

@@ -10,8 +10,8 @@ from dataclasses import dataclass, fields
 
 import typer
 
-from .drafters.families import drafts
 from .errors import CloverError
+from .families import drafts
 
 MODES = ("auto", "on", "off")  # --compile, see clover_cli/step/manager.py
 TREES = ("dynamic", "static")  # --tree

@@ -12,10 +12,10 @@ from .decode.budget import mode_key, mode_parts
 from .decode.engine import Engine
 from .decode.verify import Sampling, StopCheck
 from .drafters.factory import make_drafter
-from .drafters.families import drafts, heads_drafts
 from .drafters.ngram import load_prior
 from .drafters.registry import resolve_heads
 from .errors import CloverError
+from .families import drafts, heads_drafts
 from .hub import looks_like_repo, resolve_model
 from .loading import keep_loaded, load
 from .options import Options, check_options, compile_mode, parse_budget  # noqa: F401 - importable here too

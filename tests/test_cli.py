@@ -119,7 +119,7 @@ def test_help_shows_the_choices(run_cli, command, monkeypatch):
     """Options with a fixed set of values show it in --help as typer shows a choice type, each value one that the
     option takes (checked before anything loads: test_bad_drafting_options and below); --draft, whose list is too
     wide for the column, names its values in its help."""
-    from clover_cli.drafters.families import drafts
+    from clover_cli.families import drafts
     from clover_cli.loading import pick_device, pick_dtype
     from clover_cli.options import Options, check_options, compile_mode
 

@@ -1,4 +1,4 @@
-"""Adding a heads family touches its own file and its one line in drafters/families.py, nothing else (issue #51).
+"""Adding a heads family touches its own file and its one line in clover_cli/families.py, nothing else (issue #51).
 
 A toy family is registered at runtime: this test module is its file (it ends in SPEC, as drafters/<family>.py do; its
 heads are Medusa's module under another architecture name), and the `toy` fixture adds its line to the table. With
@@ -16,8 +16,9 @@ import sys
 import pytest
 import torch
 
-from clover_cli.drafters import families, medusa
-from clover_cli.drafters.families import Family, Spec, Training
+from clover_cli import families
+from clover_cli.drafters import medusa
+from clover_cli.families import Family, Spec, Training
 from helpers import hf_greedy, run_engine
 
 
@@ -155,10 +156,10 @@ def test_a_session_drafts_with_the_new_family(toy, model, llama_dir, tmp_path, r
 
 
 def test_the_table_imports_nothing():
-    """drafters/families.py imports neither torch nor a family's file (options.py reads it before torch loads)."""
+    """clover_cli/families.py imports neither torch nor a family's file (options.py reads it before torch loads)."""
     import subprocess
 
-    code = ("import sys, clover_cli.drafters.families as f; f.drafts(); f.heads_drafts(); "
+    code = ("import sys, clover_cli.families as f; f.drafts(); f.heads_drafts(); "
             "loaded = sorted(m for m in sys.modules if m.startswith(('clover_cli', 'torch'))); print(loaded)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "['clover_cli', 'clover_cli.drafters', 'clover_cli.drafters.families']"
+    assert out.strip() == "['clover_cli', 'clover_cli.families']"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import math
 
-from ..drafters.families import drafts
 from ..errors import CloverError, one_line
+from ..families import drafts
 from ..reply import Out, ends_in_loop
 from ..running import start_session
 from .conversation import Conversation, fit_context

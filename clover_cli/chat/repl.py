@@ -29,7 +29,7 @@ def _completer():
     from prompt_toolkit.completion import Completer, Completion, PathCompleter
     from prompt_toolkit.document import Document
 
-    from ..drafters.families import drafts
+    from ..families import drafts
 
     paths = PathCompleter(expanduser=True)
 

@@ -44,13 +44,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import CloverError
+from ..families import Layout, Spec, Training
 from ..packed import pack_linears, packed_linears
 from ..target import Target, TreeKVCache, cache_kwarg
 from ..tree import DraftTree
 from .common import (TARGET_KEYS, DraftProjection, GrowsTree, HeadsConfig, Observed, RMSNorm, TreeGrower, check_size,
                      draft_config, finish_loading, first_file, near_identity, read_config, read_tensors, rotary_for,
                      same_weights, target_layer_class, top_tokens)
-from .families import Layout, Spec, Training
 
 ARCHITECTURE = "clover2"  # the heads config's "architecture"
 LAYOUT = "clover2-authors"  # the published layout this module reads

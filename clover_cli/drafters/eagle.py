@@ -31,13 +31,13 @@ import torch
 import torch.nn as nn
 
 from ..errors import CloverError
+from ..families import Layout, Spec, Training
 from ..packed import pack_linears, packed_linears
 from ..target import Target, TreeKVCache, cache_kwarg, find_final_norm
 from ..tree import DraftTree
 from .common import (STATIC_TREE, DraftProjection, GrowsTree, HeadsConfig, TreeGrower, check_size, draft_config,
                      finish_loading, first_file, join_pending, keep_pending, near_identity, read_config, read_tensors,
                      rotary_for, same_weights, target_layer_class, top_tokens)
-from .families import Layout, Spec, Training
 
 ARCHITECTURE = "eagle"
 LAYOUT = "eagle"

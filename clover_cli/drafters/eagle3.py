@@ -38,11 +38,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import CloverError
+from ..families import Layout, Spec, Training
 from ..target import Target, tree_attention
 from .eagle import EagleDrafter, _strip_prefix  # the same wrapper prefix as EAGLE-1's files
 from .common import (HeadsConfig, RMSNorm, finish_loading, first_file, near_identity, read_config, read_tensors,
                      same_weights)
-from .families import Layout, Spec, Training
 
 ARCHITECTURE = "eagle3"
 LAYOUT = "eagle3"

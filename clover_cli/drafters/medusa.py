@@ -19,12 +19,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import CloverError
+from ..families import Layout, Spec, Training
 from ..packed import pack_linears, packed_linears
 from ..target import Target, find_final_norm
 from ..tree import DraftTree, TreeBuilder
 from .common import (DraftProjection, GrowsTree, HeadsConfig, TreeGrower, check_size, finish_loading, first_file,
                      read_config, read_tensors, top_tokens)
-from .families import Layout, Spec, Training
 
 ARCHITECTURE = "medusa"
 LAYOUT = "medusa-authors"

@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from .. import families
 from ..errors import CloverError
-from . import families
+from ..families import Layout, Spec, by_architecture, spec
 from .common import DRAFT_VOCAB_KEY, HeadsConfig, compute_dtype, read_config
-from .families import Layout, Spec, by_architecture, spec
 
 
 def layouts() -> list[tuple[str, Layout]]:

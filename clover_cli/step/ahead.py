@@ -20,7 +20,7 @@ def compile_model(resolved, heads: str | None, no_heads: bool, draft_model: str 
 
     from . import capacity_for
     from ..drafters import registry
-    from ..drafters.families import by_architecture
+    from ..families import by_architecture
     from ..quantized import weights_for
     from ..store import heads_dir, package_dir
     from ..target import context_limit

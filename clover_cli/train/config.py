@@ -6,9 +6,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..drafters import families
-from ..drafters.families import Family, Training, by_draft, either, spec
+from .. import families
 from ..errors import CloverError
+from ..families import Family, Training, by_draft, either, spec
 
 EVAL_PROMPTS = 4
 EVAL_NEW_TOKENS = 64

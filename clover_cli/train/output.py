@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 
 from .. import atomic
-from ..drafters.families import by_architecture
 from ..errors import CloverError, one_line
+from ..families import by_architecture
 from .config import TrainConfig, training
 
 MARKER = "clover-train.json"

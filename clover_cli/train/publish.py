@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import CloverError
-from ..drafters.families import by_architecture, spec
+from ..families import by_architecture, spec
 from .config import EVAL_NEW_TOKENS, EVAL_PROMPTS
 
 

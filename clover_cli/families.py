@@ -4,7 +4,7 @@ models`, `clover bench`'s rows) reads this table, and what is specific to a fami
 (drafters/<family>.py) as `SPEC = Spec(...)`.
 
 This module imports nothing of clover's and no torch: options.py checks --draft before the model and torch load. A
-family's file (and torch) is imported only when its SPEC is asked for (`spec`, and registry.py's uses of it).
+family's file (and torch) is imported only when its SPEC is asked for (`spec`: drafters/registry.py, train/, bench.py).
 
 Adding a heads family: write drafters/<family>.py ending in `SPEC = Spec(...)` and add its one line to FAMILIES.
 """
