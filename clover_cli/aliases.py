@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from .families import by_draft
 from .options import env
 from .sources import PackageSource, WheelPart
 
@@ -18,9 +19,6 @@ HEADS_SUBDIR = "heads"  # a model directory may carry its draft heads here
 def bundled_heads(alias: str) -> Path:
     """Where the package carries an alias's own heads (its ("clover", "bundled") entry): bundled/<alias>/heads."""
     return PACKAGE_FILES / alias / HEADS_SUBDIR
-
-
-FAMILY_NAMES = {"clover": "Clover-2", "medusa": "Medusa", "eagle": "EAGLE", "eagle3": "EAGLE-3"}
 
 
 @dataclass(frozen=True)
@@ -50,7 +48,7 @@ class ModelSpec:
 
     def heads_text(self) -> str:
         """What `clover models` shows."""
-        return ", ".join(f"{repo} ({FAMILY_NAMES[family]})" for family, repo in self.heads) or "none"
+        return ", ".join(f"{repo} ({by_draft(family).name})" for family, repo in self.heads) or "none"
 
 
 SMOLLM2_GGUF = PackageSource(

@@ -24,17 +24,40 @@ from pathlib import Path
 
 import torch
 
-from . import atomic
+from . import atomic, families
 from .bench_report import plot, plot_format, print_table
 from .errors import CloverError
+from .families import by_architecture, spec as family_spec
 
 LLAMA_METHODS = ("llama.cpp", "llama.cpp-lookup", "llama.cpp-draft")  # -draft: the model rows' draft model's chain
 MODEL_METHODS = ("model-chain", "model")  # a draft model's top-1 chain, and its MCSD tree (--draft model)
 SELF_METHODS = ("self-chain", "self")  # the same with the target itself, layers skipped, as the draft (--draft self)
-ALL_METHODS = ("hf", "hf-lookup", "hf-assisted", "plain", "ngram", "medusa", "eagle", "clover", "clover+ngram",
-               *MODEL_METHODS, *LLAMA_METHODS, *SELF_METHODS)
+HEADS_OPTIONS = {"medusa": "--medusa-heads", "eagle": "--eagle-heads"}  # rows' own options (else --heads), any family's
 BUILTIN_PROMPTS = Path(__file__).parent / "bench_prompts.jsonl"
 LOOKUP_TOKENS = 10  # tokens proposed per prompt-lookup match, for hf-lookup and llama.cpp-lookup alike
+
+
+def heads_row(architecture: str) -> str:
+    """The row that runs heads of this architecture: its family's SPEC.bench_row, else its --draft name."""
+    return family_spec(architecture).bench_row or by_architecture(architecture).draft
+
+
+def heads_rows() -> list[str]:
+    """The heads rows, one per name (EAGLE-1 and EAGLE-3 heads share eagle), in FAMILIES' order but the first family's
+    last, then the default drafter's (--draft auto: its heads merged with n-gram lookup): medusa, eagle, clover,
+    clover+ngram."""
+    first = heads_row(families.FAMILIES[0].architecture)
+    return [*dict.fromkeys([heads_row(f.architecture) for f in families.FAMILIES[1:]] + [first]), first + "+ngram"]
+
+
+def row_heads(method: str) -> str:
+    """The heads row whose heads `method` runs (clover+ngram: clover's; a heads row: its own)."""
+    return method.removesuffix("+ngram") if method == heads_rows()[-1] else method
+
+
+def all_methods() -> tuple[str, ...]:
+    return ("hf", "hf-lookup", "hf-assisted", "plain", "ngram", *heads_rows(), *MODEL_METHODS, *LLAMA_METHODS,
+            *SELF_METHODS)
 
 
 @dataclass
@@ -162,19 +185,19 @@ def load_prompts(spec: str | None, limit: int | None) -> list[dict]:
 def choose_methods(spec: str | None, session, cfg: BenchConfig) -> list[str]:
     if spec:
         methods = [m.strip() for m in spec.split(",") if m.strip()]
-        unknown = [m for m in methods if m not in ALL_METHODS]
+        unknown = [m for m in methods if m not in all_methods()]
         if unknown:
-            raise CloverError(f"unknown method {unknown[0]!r}; choose from {', '.join(ALL_METHODS)}")
+            raise CloverError(f"unknown method {unknown[0]!r}; choose from {', '.join(all_methods())}")
         if "hf-assisted" in methods and session.assistant is None:
             raise CloverError("hf-assisted needs --assistant MODEL (or --draft-model)")
         if any(m in MODEL_METHODS for m in methods) and session.draft_model is None:
             raise CloverError("the model rows need a draft model: pass --draft-model")
-        if any(m.startswith("clover") for m in methods) and session.clover_heads is None:
-            raise CloverError("the clover method needs Clover-2 heads: pass --heads")
-        if "medusa" in methods and session.medusa_heads is None:
-            raise CloverError("the medusa method needs Medusa heads: pass --medusa-heads")
-        if "eagle" in methods and session.eagle_heads is None:
-            raise CloverError("the eagle method needs EAGLE heads: pass --eagle-heads")
+        asked = {row_heads(m) for m in methods}
+        for family in families.FAMILIES:
+            row = heads_row(family.architecture)
+            if row in asked and row not in session.heads:
+                raise CloverError(f"the {row} method needs {family.name} heads: pass "
+                                  f"{HEADS_OPTIONS.get(row, '--heads')}")
         if cfg.temperature > 0 and any(m.startswith("hf-") or m in LLAMA_METHODS for m in methods):
             raise CloverError("hf-lookup, hf-assisted and llama.cpp run greedy only; use --temperature 0")
         if cfg.repetition_penalty != 1.0 and any(m in LLAMA_METHODS for m in methods):
@@ -193,12 +216,9 @@ def choose_methods(spec: str | None, session, cfg: BenchConfig) -> list[str]:
     methods += ["plain", "ngram"]
     if session.draft_model is not None:
         methods += list(MODEL_METHODS)
-    if session.medusa_heads is not None:
-        methods.append("medusa")
-    if session.eagle_heads is not None:
-        methods.append("eagle")
-    if session.clover_heads is not None:
-        methods += ["clover", "clover+ngram"]  # the heads alone, and the default drafter (heads + lookup)
+    for row in heads_rows():  # the heads alone; clover+ngram: the default drafter (clover's heads + lookup)
+        if row_heads(row) in session.heads:
+            methods.append(row)
     if cfg.temperature > 0:
         methods = [m for m in methods if not m.startswith("hf-")]
     elif cfg.repetition_penalty != 1.0:
@@ -247,16 +267,10 @@ class BenchSession:
         s = self.session
         s.compiler.start(background=False)
         heads_path = resolve_heads(cfg.heads, s.resolved, quiet=True)
-        self.clover_heads = self.medusa_heads = self.eagle_heads = None
+        self.heads = {}  # heads row -> (heads, their directory): each heads directory given runs in its family's row
         for path in filter(None, [heads_path, cfg.medusa_heads, cfg.eagle_heads]):
             heads = load_heads(Path(path), s.model)
-            arch = heads.cfg.architecture
-            if arch == "clover2":
-                self.clover_heads, self.clover_path = heads, str(path)
-            elif arch == "medusa":
-                self.medusa_heads, self.medusa_path = heads, str(path)
-            else:
-                self.eagle_heads, self.eagle_path = heads, str(path)
+            self.heads[heads_row(heads.cfg.architecture)] = heads, str(path)
         self.draft_model = self.draft_model_path = None
         wanted = [m.strip() for m in (cfg.methods or "").split(",")]
         assistant_path = None
@@ -332,7 +346,7 @@ class BenchSession:
         from .drafters.merged import ChoiceStats
 
         s = self.session
-        heads = {"medusa": self.medusa_heads, "eagle": self.eagle_heads}.get(method, self.clover_heads)
+        heads, heads_path = self.heads.get(row_heads(method), (None, None))
         if method in MODEL_METHODS:
             drafter = make_drafter("model", s.target, draft_model=self.draft_model, static=method == "model-chain")
             s.compiler.ready_draft(drafter, self.draft_model_path)  # the draft's own compiled step
@@ -342,20 +356,20 @@ class BenchSession:
             log = None if self.quiet else (lambda text: print(f"clover bench: {text}", file=sys.stderr))
             drafter = make_drafter("self", s.target, static=method == "self-chain", log=log,
                                    self_cache=self_draft_path(s.resolved.path, s.device, s.dtype))
-        elif method == "clover+ngram":
+        elif method == heads_rows()[-1]:  # clover+ngram
             # exactly what --draft auto runs; what it learns about when the heads pay carries over between runs,
             # as in a chat session, and starts from what earlier processes stored, as a session's does
             if method not in self.choices:
                 self.choices[method] = ChoiceStats(), s.engine.policy.cost_store.choices_path(
-                    self.clover_path, self.repetition_penalty, self.temperature)
+                    heads_path, self.repetition_penalty, self.temperature)
                 s.engine.policy.cost_store.load_choices(*self.choices[method])
             drafter = make_drafter("auto", s.target, heads=heads, prior=s.ngram_prior,
                                    choices=self.choices[method][0])
         else:  # plain, ngram, and the heads alone: medusa, eagle (eager: EAGLE heads have no compiled programs), clover
             drafter = make_drafter({"plain": "none"}.get(method, method), s.target, heads=heads,
                                    prior=s.ngram_prior if method == "ngram" else None)
-        if method in ("medusa", "clover", "clover+ngram"):  # the heads' compiled programs, when the step is
-            s.compiler.ready_heads(drafter.primary, self.medusa_path if method == "medusa" else self.clover_path)
+        if heads is not None:  # the heads' compiled programs, when the step is and the family has them
+            s.compiler.ready_heads(drafter.primary, heads_path)
         if method not in self.engines:
             self.engines[method] = Engine(s.target, drafter, budget=self.budget, auto_budget=self.auto,
                                           cost_store=s.engine.policy.cost_store)

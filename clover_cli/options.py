@@ -10,8 +10,8 @@ from dataclasses import dataclass, fields
 
 import typer
 
-from .drafter_names import DRAFTS
 from .errors import CloverError
+from .families import drafts
 
 MODES = ("auto", "on", "off")  # --compile, see clover_cli/step/manager.py
 TREES = ("dynamic", "static")  # --tree
@@ -96,8 +96,8 @@ class Options:
 def check_options(opts: Options) -> None:
     """The drafting options' values and combinations, in one line each: checked before anything loads (an
     interactive chat shows its prompt before the model is there)."""
-    if opts.draft not in DRAFTS:
-        raise CloverError(f"unknown drafter {opts.draft!r}; choose one of {', '.join(DRAFTS)}")
+    if opts.draft not in drafts():
+        raise CloverError(f"unknown drafter {opts.draft!r}; choose one of {', '.join(drafts())}")
     if opts.tree not in TREES:
         raise CloverError(f"--tree must be dynamic or static, not {opts.tree!r}")
     if opts.quantize is not None and opts.quantize not in QUANTIZE:
@@ -202,13 +202,13 @@ def _templates(incomplete: str) -> list[str]:
 class Common:
     revision = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit) of the model.")
     heads = typer.Option(None, "--heads", help="Draft heads: a local directory or a Hub repo id.")
-    draft = typer.Option("auto", "--draft", help=f"Drafter: {', '.join(DRAFTS[:-1])} "
-                                                 f"or {DRAFTS[-1]}. auto = the model's heads merged with n-gram lookup when "
+    draft = typer.Option("auto", "--draft", help=f"Drafter: {', '.join(drafts()[:-1])} "
+                                                 f"or {drafts()[-1]}. auto = the model's heads merged with n-gram lookup when "
                                                  "it has heads, else ngram. model = a smaller draft model "
                                                  "(--draft-model) drafting a multi-candidate (MCSD) tree. self = the "
                                                  "model itself with some middle layers skipped (chosen on the first "
                                                  "prompt, cached).",
-                        **choices(*DRAFTS, name="drafter"))
+                        **choices(*drafts(), name="drafter"))
     draft_model = typer.Option(None, "--draft-model", help="The draft model of --draft model: an alias, a local "
                                "directory, a GGUF file or a Hub repo id, with the target's tokenizer and fewer "
                                "parameters (default: the one the model's alias names).", show_default=False)

@@ -12,13 +12,13 @@ from .decode.budget import mode_key, mode_parts
 from .decode.engine import Engine
 from .decode.verify import Sampling, StopCheck
 from .drafters.factory import make_drafter
-from .drafter_names import HEADS_DRAFTS
 from .drafters.ngram import load_prior
 from .drafters.registry import resolve_heads
 from .errors import CloverError
+from .families import drafts, heads_drafts
 from .hub import looks_like_repo, resolve_model
 from .loading import keep_loaded, load
-from .options import DRAFTS, Options, check_options, compile_mode, parse_budget  # noqa: F401 - importable here too
+from .options import Options, check_options, compile_mode, parse_budget  # noqa: F401 - importable here too
 from .packed import finish_packing
 from .quantized import apply, weights_for
 from .step.costs import StepCosts
@@ -42,7 +42,7 @@ class Session:
             torch.set_num_threads(opts.threads)
         self.resolved = resolve_model(opts.model, opts.revision, opts.allow_pickle, quiet=quiet, dtype=opts.dtype)
         self.heads_path = None
-        if opts.draft == "auto" or opts.draft in HEADS_DRAFTS:
+        if opts.draft == "auto" or opts.draft in heads_drafts():
             self.heads_path = resolve_heads(opts.heads, self.resolved, quiet=quiet, draft=opts.draft)
         self.draft_model = self.draft_model_name = None  # --draft model's model, loaded once
         self.draft_model_path = None
@@ -161,7 +161,7 @@ class Session:
             print(f"clover: warning: heads {self.heads_path} were trained for {made_for}, not {self.resolved.name}: "
                   f"the output stays exact, but fewer drafted tokens may be accepted", file=sys.stderr)
         arch = heads.cfg.architecture
-        want = HEADS_DRAFTS.get(opts.draft, arch)
+        want = heads_drafts().get(opts.draft, arch)
         if arch != want:
             raise CloverError(f"--draft {opts.draft} needs {want} heads, but {self.heads_path} holds {arch} heads")
         return made(heads=heads, prior=self.ngram_prior if opts.draft == "auto" else None)
@@ -174,10 +174,10 @@ class Session:
         """Use another drafter from now on (the next reply re-reads the conversation into it)."""
         from dataclasses import replace
 
-        if name not in DRAFTS:
-            raise CloverError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTS)}")
+        if name not in drafts():
+            raise CloverError(f"unknown drafter {name!r}; choose one of {', '.join(drafts())}")
         opts = replace(self.opts, draft=name)
-        if name == "auto" or name in HEADS_DRAFTS:
+        if name == "auto" or name in heads_drafts():
             published = self.resolved.spec.heads_for(name) if self.resolved.spec and not opts.heads else None
             if self.heads_path is None or published not in (None, "bundled"):
                 # an alias may publish heads of several drafters: /draft medusa takes its Medusa heads

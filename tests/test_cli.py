@@ -119,7 +119,7 @@ def test_help_shows_the_choices(run_cli, command, monkeypatch):
     """Options with a fixed set of values show it in --help as typer shows a choice type, each value one that the
     option takes (checked before anything loads: test_bad_drafting_options and below); --draft, whose list is too
     wide for the column, names its values in its help."""
-    from clover_cli.drafter_names import DRAFTS
+    from clover_cli.families import drafts
     from clover_cli.loading import pick_device, pick_dtype
     from clover_cli.options import Options, check_options, compile_mode
 
@@ -134,6 +134,7 @@ def test_help_shows_the_choices(run_cli, command, monkeypatch):
                      "--device": ["auto", "cpu", "cuda", "cuda:N"],
                      "--dtype": ["auto", "float32", "float16", "bfloat16"], "--compile": ["auto", "on", "off"],
                      "--quantize": ["int8", "int4"]}
+    DRAFTS = drafts()
     assert rows["--draft"] == "<drafter>" and f"{', '.join(DRAFTS[:-1])} or {DRAFTS[-1]}" in " ".join(
         re.sub(r"[│|]", " ", out).split())
     for value in shown["--tree"]:

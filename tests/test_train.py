@@ -492,3 +492,30 @@ def test_two_processes_through_accelerate_launch(fresh_model, data_file, tmp_pat
         assert code == 0, err
         texts[draft] = json.loads(stdout)
     assert texts["clover"]["text"] == texts["none"]["text"] and texts["clover"]["draft"] == "clover"
+
+
+@pytest.mark.parametrize("arch", ["clover", "medusa", "eagle", "eagle3"])
+def test_a_checkpoint_records_its_own_arch_and_resumes_with_it(tmp_path, arch):
+    """A checkpoint's settings name the --arch it was trained with (an EAGLE run's were recorded as medusa, and its
+    --resume refused), and --resume with that --arch passes the check."""
+    import torch
+
+    from clover_cli.drafters.common import HeadsConfig
+    from clover_cli.errors import CloverError
+    from clover_cli.train import TrainConfig
+    from clover_cli.train.output import _check_resumable, _save_checkpoint
+
+    family = {"clover": "clover2"}.get(arch, arch)
+    heads = torch.nn.Linear(4, 4)
+    heads.cfg = HeadsConfig(architecture=family, num_heads=3, num_layers=1)
+    opt = torch.optim.AdamW(heads.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    _save_checkpoint(tmp_path, heads, opt, sched, 2, [])
+    settings = json.loads((tmp_path / "checkpoint" / "state.json").read_text())["settings"]
+    assert settings["arch"] == arch
+    _check_resumable(tmp_path / "checkpoint", TrainConfig(model="m", out=tmp_path, arch=arch, num_heads=3,
+                                                          num_layers=1))
+    other = "medusa" if arch != "medusa" else "eagle"
+    with pytest.raises(CloverError, match="was made with --arch " + arch):
+        _check_resumable(tmp_path / "checkpoint", TrainConfig(model="m", out=tmp_path, arch=other, num_heads=3,
+                                                              num_layers=1))

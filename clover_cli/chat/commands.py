@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import math
 
-from ..drafter_names import DRAFTS
 from ..errors import CloverError, one_line
+from ..families import drafts
 from ..reply import Out, ends_in_loop
 from ..running import start_session
 from .conversation import Conversation, fit_context
@@ -32,7 +32,7 @@ COMMANDS = {
     "/system": ("[TEXT | --clear]", "show, set or clear the system message"),
     "/temp": ("[X]", "show or set the sampling temperature, 0 to 10 (0 = greedy)"),
     "/penalty": ("[P]", "show or set the repetition penalty, above 0 and up to 10 (1 = none)"),
-    "/draft": ("[NAME]", f"show or switch the drafter: {', '.join(DRAFTS)}"),
+    "/draft": ("[NAME]", f"show or switch the drafter: {', '.join(drafts())}"),
     "/stats": ("", "acceptance statistics of this chat so far"),
     "/exit": ("", "leave (also /quit and Ctrl-D)"),
 }

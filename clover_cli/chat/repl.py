@@ -29,7 +29,7 @@ def _completer():
     from prompt_toolkit.completion import Completer, Completion, PathCompleter
     from prompt_toolkit.document import Document
 
-    from ..drafter_names import DRAFTS
+    from ..families import drafts
 
     paths = PathCompleter(expanduser=True)
 
@@ -46,7 +46,7 @@ def _completer():
                 return
             cmd, _, rest = text.partition(" ")
             if cmd == "/draft":
-                for d in DRAFTS:
+                for d in drafts():
                     if d.startswith(rest):
                         yield Completion(d, start_position=-len(rest))
             elif cmd in ("/save", "/load"):

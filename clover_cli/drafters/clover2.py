@@ -44,6 +44,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import CloverError
+from ..families import Layout, Spec, Training
 from ..packed import pack_linears, packed_linears
 from ..target import Target, TreeKVCache, cache_kwarg
 from ..tree import DraftTree
@@ -375,5 +376,19 @@ def load(path: Path, target_model, dtype=None) -> torch.nn.Module:
                       target={k: raw.get(k) for k in TARGET_KEYS},
                       training={k: block.get(k) for k in ("heads_coefficient", "decay_coefficient") if k in block})
     cfg.target["name_or_path"] = raw.get("_name_or_path") or None
-    cfg.check_target(target_model.config, str(path))
+    cfg.check_target(target_model.config, str(path), layer=True)
     return finish_loading(build(cfg, target_model), mapped, path, target_model, dtype)
+
+
+def config_problem(cfg: HeadsConfig) -> str | None:
+    """What is wrong with a Clover-2 config beyond what every family's checks catch: its gates split the state."""
+    if not (cfg.num_gate_heads >= 1 and cfg.hidden_size % cfg.num_gate_heads == 0):
+        return f"num_gate_heads must divide hidden_size {cfg.hidden_size}, not {cfg.num_gate_heads}"
+    return None
+
+
+SPEC = Spec(build=build, drafter=CloverDrafter, layout=Layout(LAYOUT, "the Clover-2 authors'", is_layout, load),
+            # reads the pre-norm features with the tokens; --layers augmenting layers; with one head its recurrent
+            # block idles
+            training=Training(features="pre", tokens=True, layers=True, idle_one_head=True),
+            copies_layer=True, config_problem=config_problem)

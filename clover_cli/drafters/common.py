@@ -36,7 +36,7 @@ TARGET_KEYS = ("model_type", "hidden_size", "vocab_size", "num_attention_heads",
 
 @dataclass
 class HeadsConfig:
-    architecture: str = "clover2"  # or "medusa", "eagle"
+    architecture: str = "clover2"  # a family's (families.FAMILIES): or "medusa", "eagle", "eagle3"
     num_heads: int = 5  # EAGLE: the depth of its draft tree (one model, run once per depth)
     num_layers: int = 2  # Clover-2 augmenting block depth
     hidden_size: int = 0
@@ -70,14 +70,14 @@ class HeadsConfig:
             rms_norm_eps=getattr(target_config, "rms_norm_eps", 1e-6), target=target,
         )
 
-    def check_target(self, target_config, where: str):
+    def check_target(self, target_config, where: str, layer: bool = False):
         tc = target_config.to_dict()
         if (self.hidden_size, self.vocab_size) != (tc.get("hidden_size"), tc.get("vocab_size")):
             raise CloverError(f"heads {where} were made for hidden size {self.hidden_size} and vocabulary "
                               f"{self.vocab_size}; this model has {tc.get('hidden_size')} and {tc.get('vocab_size')}")
-        # Clover-2's augmenting layers and EAGLE's layer are copies of the target's decoder layer: its shape must
-        # match too.
-        for key in TARGET_KEYS if self.architecture in ("clover2", "eagle") else ():
+        # heads that copy the target's decoder layer (`layer`: their family's Spec.copies_layer; Clover-2's augmenting
+        # layers, EAGLE's layer): its shape must match too
+        for key in TARGET_KEYS if layer else ():
             want, have = self.target.get(key), tc.get(key)
             if want is not None and want != have:
                 raise CloverError(f"heads {where} were made for a target with {key}={want}, this model has {have}")

@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import CloverError
+from ..families import Layout, Spec, Training
 from ..packed import pack_linears, packed_linears
 from ..target import Target, TreeKVCache, cache_kwarg, find_final_norm
 from ..tree import DraftTree
@@ -44,6 +45,8 @@ FILES = ("model.safetensors", "pytorch_model.bin")  # safetensors first, where a
 REFERENCE_ROPE_THETA = 10000.0  # the reference's rotary base when its config names none
 DEPTH = 6  # drafting depth of published heads (EAGLE-2's default depth, 6 levels)
 TOPK = 10  # EAGLE-2: children per expanded node, and nodes expanded per depth
+REG_WEIGHT = 10.0  # training: EAGLE-1 weighs its feature regression 1.0 and its cross-entropy 0.1
+NOISE = 0.2  # training: width of the uniform noise EAGLE-1 adds to the input features
 
 
 class EagleHead(nn.Module):
@@ -298,3 +301,9 @@ def load(path, target_model, dtype=None) -> nn.Module:
                       num_gate_heads=heads, rms_norm_eps=eps, embed=embed, rope_theta=theta, fc_bias=bias,
                       layer=layer, layout="eagle", target={"name_or_path": raw.get("_name_or_path") or None})
     return finish_loading(build(cfg, target_model), state, path, target_model, dtype)
+
+
+SPEC = Spec(build=build, drafter=EagleDrafter, layout=Layout(LAYOUT, "EAGLE's", is_layout, load),
+            # one model, teacher-forced on the target's post-norm features, noised, as EAGLE-1 trains
+            training=Training(features="post", tokens=True, noise=NOISE, reg_scale=REG_WEIGHT, one_model=True),
+            copies_layer=True)

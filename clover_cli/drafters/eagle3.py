@@ -38,6 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import CloverError
+from ..families import Layout, Spec, Training
 from ..target import Target, tree_attention
 from .eagle import EagleDrafter, _strip_prefix  # the same wrapper prefix as EAGLE-1's files
 from .common import (HeadsConfig, RMSNorm, finish_loading, first_file, near_identity, read_config, read_tensors,
@@ -449,3 +450,10 @@ def eagle3_loss(heads, model, x, mask, post, cfg):
     loss = ce + cfg.reg_weight * reg
     acc = (ids[s_logits.argmax(-1)] == t_arg).float().mean().item()
     return loss, [(loss.item(), acc, int(m.sum()))]
+
+
+SPEC = Spec(build=build, drafter=Eagle3Drafter,
+            # tried before EAGLE-1's layout: an EAGLE-3 file passes its test too
+            layout=Layout(LAYOUT, "EAGLE-3's", is_layout, load, before="eagle"),
+            training=Training(one_model=True, own_vocab=True, loss=eagle3_loss),
+            bench_row="eagle")  # clover bench's eagle row runs EAGLE-1 or EAGLE-3 heads, whichever --eagle-heads are

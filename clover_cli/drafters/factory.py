@@ -1,4 +1,4 @@
-"""The one place a drafter is made from its name (drafter_names.DRAFTS) and what it runs on: used by the session (--draft,
+"""The one place a drafter is made from its name (families.drafts()) and what it runs on: used by the session (--draft,
 /draft) and by clover bench (one fresh drafter per run). Finding and loading what a drafter needs (heads, a draft
 model, the n-gram prior, cache files) is the caller's; which class runs a heads family is the registry's."""
 

@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import CloverError
+from ..families import Layout, Spec, Training
 from ..packed import pack_linears, packed_linears
 from ..target import Target, find_final_norm
 from ..tree import DraftTree, TreeBuilder
@@ -210,3 +211,7 @@ def load(path: Path, target_model, dtype=None) -> torch.nn.Module:
                       target={"name_or_path": raw.get("base_model_name_or_path") if raw else None},
                       training={"config_num_heads": raw.get("medusa_num_heads")} if raw else {})
     return finish_loading(build(cfg, target_model), mapped, path, target_model, dtype)
+
+
+SPEC = Spec(build=build, drafter=MedusaDrafter, layout=Layout(LAYOUT, "Medusa's", is_layout, load),
+            training=Training(card_name="Medusa-1"))  # its heads read the post-norm features alone

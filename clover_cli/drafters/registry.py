@@ -1,13 +1,13 @@
 """Which drafter family a heads directory holds, and everything done with heads by family: build, load, save, draft.
 
-Every layout clover reads, told apart by its files:
+The families are families.FAMILIES (one line each); what is specific to one is its file's SPEC (families.Spec), read
+here through families.spec (the file is imported then). Every layout clover reads, told apart by its files:
 
-    clover            what `clover train` writes: config.json with an "architecture" ("clover2", "medusa", "eagle"),
-                      model.safetensors (clover's own format: save_heads / load_own)
-    clover2-authors   the Clover-2 authors' (drafters/clover2.py)
-    medusa-authors    Medusa-1's (drafters/medusa.py)
-    eagle             EAGLE-1's (drafters/eagle.py)
-    eagle3            EAGLE-3's (drafters/eagle3.py)
+    clover            what `clover train` writes: config.json with an "architecture" (a family's: "clover2",
+                      "medusa", "eagle", "eagle3"), model.safetensors (clover's own format: save_heads / load_own)
+    a family's own    its SPEC.layout: clover2-authors (the Clover-2 authors', drafters/clover2.py), medusa-authors
+                      (Medusa-1's, drafters/medusa.py), eagle (EAGLE-1's, drafters/eagle.py), eagle3 (EAGLE-3's,
+                      drafters/eagle3.py)
 
 A published layout loads into the same module as clover's own format, with the config switches that make it compute
 the authors' function exactly. Pickled files are read tensors-only (torch.load with weights_only=True); a pickle that
@@ -19,32 +19,41 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import MISSING, asdict, dataclass
+from dataclasses import MISSING, asdict
 from pathlib import Path
-from types import ModuleType
 
 import torch
 import torch.nn as nn
 
+from .. import families
 from ..errors import CloverError
-from . import clover2, eagle, eagle3, medusa
+from ..families import Layout, Spec, by_architecture, spec
 from .common import DRAFT_VOCAB_KEY, HeadsConfig, compute_dtype, read_config
 
 
-@dataclass(frozen=True)
-class Family:
-    module: ModuleType  # its nn.Module's `build`, its published layout's `is_layout` / `load` / LAYOUT
-    drafter: type
-    name: str  # as users read it
+def layouts() -> list[tuple[str, Layout]]:
+    """(architecture, published layout) of every family that has one, in the order they are tried: FAMILIES' order,
+    but a layout marked `before` another family's just before that one (EAGLE-3's before EAGLE-1's)."""
+    found = [(f.architecture, spec(f.architecture).layout) for f in families.FAMILIES]
+    found = [(arch, layout) for arch, layout in found if layout is not None]
+    for pair in [pair for pair in found if pair[1].before is not None]:
+        found.remove(pair)
+        later = next((i for i, (arch, _) in enumerate(found) if arch == pair[1].before), len(found))
+        found.insert(later, pair)
+    return found
 
 
-FAMILIES = {  # by the heads config's "architecture"; a published layout is tried in this order
-    "clover2": Family(clover2, clover2.CloverDrafter, "Clover-2"),
-    "medusa": Family(medusa, medusa.MedusaDrafter, "Medusa"),
-    "eagle3": Family(eagle3, eagle3.Eagle3Drafter, "EAGLE-3"),  # before EAGLE-1: an EAGLE-3 file passes its test too
-    "eagle": Family(eagle, eagle.EagleDrafter, "EAGLE"),
-}
-KNOWN = "clover's own, the Clover-2 authors', Medusa's, EAGLE's, EAGLE-3's"
+def known() -> str:
+    """The layouts clover reads, in words."""
+    published = [spec(f.architecture).layout for f in families.FAMILIES]
+    return ", ".join(["clover's own"] + [layout.text for layout in published if layout is not None])
+
+
+def family_spec(architecture: str) -> Spec:
+    """A known architecture's SPEC; CloverError (one line) for one clover does not know."""
+    if by_architecture(architecture) is None:
+        raise CloverError(f"unknown heads architecture {architecture!r}")
+    return spec(architecture)
 
 
 def detect(path: Path) -> str | None:
@@ -56,19 +65,19 @@ def detect(path: Path) -> str | None:
         return None
     if "architecture" in raw:
         return "clover"
-    for fam in FAMILIES.values():
-        if fam.module.is_layout(path, raw):
-            return fam.module.LAYOUT
+    for _, layout in layouts():
+        if layout.is_layout(path, raw):
+            return layout.name
     return None
 
 
 def family(path: Path) -> str | None:
-    """The drafter family of heads directory `path`: its architecture, "clover2", "medusa", "eagle" or "eagle3" (None:
-    not a heads directory clover knows)."""
+    """The drafter family of heads directory `path`: its architecture, "clover2", "medusa", "eagle", "eagle3", ...
+    (None: not a heads directory clover knows)."""
     layout = detect(Path(path))
     if layout == "clover":
         return read_config(Path(path)).get("architecture")
-    return next((arch for arch, fam in FAMILIES.items() if fam.module.LAYOUT == layout), None)
+    return next((arch for arch, published in layouts() if published.name == layout), None)
 
 
 def is_heads_dir(path: Path) -> bool:
@@ -78,7 +87,7 @@ def is_heads_dir(path: Path) -> bool:
 def check_heads_dir(path: Path, name: str) -> Path:
     """`path`, when it holds heads clover reads; else a one-line error naming `name` (what the user gave)."""
     if not is_heads_dir(path):
-        raise CloverError(f"{name} is not a heads directory in a layout clover reads ({KNOWN})")
+        raise CloverError(f"{name} is not a heads directory in a layout clover reads ({known()})")
     return Path(path)
 
 
@@ -103,9 +112,7 @@ def resolve_heads(heads: str | None, model, revision: str | None = None, quiet: 
 
 
 def build_heads(cfg: HeadsConfig, target_model) -> nn.Module:
-    if cfg.architecture not in FAMILIES:
-        raise CloverError(f"unknown heads architecture {cfg.architecture!r}")
-    return FAMILIES[cfg.architecture].module.build(cfg, target_model)
+    return family_spec(cfg.architecture).build(cfg, target_model)
 
 
 def load(path: Path, target_model, dtype=None) -> nn.Module:
@@ -117,15 +124,20 @@ def load(path: Path, target_model, dtype=None) -> nn.Module:
     layout = detect(path)
     if layout == "clover":
         return load_own(path, target_model, dtype)
-    for fam in FAMILIES.values():
-        if fam.module.LAYOUT == layout:
-            return fam.module.load(path, target_model, dtype)
-    raise CloverError(f"{path} is not a heads directory in a layout clover reads ({KNOWN})")
+    for _, published in layouts():
+        if published.name == layout:
+            return published.load(path, target_model, dtype)
+    raise CloverError(f"{path} is not a heads directory in a layout clover reads ({known()})")
+
+
+def drafter_class(architecture: str) -> type:
+    """The Drafter class that runs heads of this architecture."""
+    return family_spec(architecture).drafter
 
 
 def drafter_for(heads, target, **grow):
     """The drafter that runs these heads, by their architecture."""
-    return FAMILIES[heads.cfg.architecture].drafter(heads, target, **grow)
+    return drafter_class(heads.cfg.architecture)(heads, target, **grow)
 
 
 # ---------------------------------------------------------------------------------------------- clover's own format
@@ -165,6 +177,12 @@ def load_heads_config(path: Path) -> HeadsConfig:
     return cfg
 
 
+def check_target(cfg: HeadsConfig, target_config, where: str):
+    """CloverError (one line) when heads of config `cfg` do not fit the target of `target_config`: its sizes, and the
+    shape of its decoder layer for a family whose heads copy it."""
+    cfg.check_target(target_config, where, layer=spec(cfg.architecture).copies_layer)
+
+
 def _config_problem(cfg: HeadsConfig) -> str | None:
     """What is wrong with a heads config read from a file (types, ranges, a gate that cannot split the state), or
     None: a config that passes builds heads whose every step runs."""
@@ -177,7 +195,7 @@ def _config_problem(cfg: HeadsConfig) -> str | None:
         ok = isinstance(value, (int, float)) if want is float else isinstance(value, want)
         if not ok or (want is not bool and isinstance(value, bool)):
             return f"{name} must be {'a number' if want is float else f'a {want.__name__}'}, not {value!r}"
-    if cfg.architecture not in FAMILIES:
+    if by_architecture(cfg.architecture) is None:
         return f"unknown architecture {cfg.architecture!r}"
     if cfg.embed not in ("input", "lm_head", "own"):
         return f"embed must be input, lm_head or own, not {cfg.embed!r}"
@@ -185,8 +203,9 @@ def _config_problem(cfg: HeadsConfig) -> str | None:
                          ("vocab_size", 1, 1 << 24), ("draft_vocab_size", 0, cfg.vocab_size)):
         if not lo <= getattr(cfg, name) <= hi:
             return f"{name} must be between {lo} and {hi}, not {getattr(cfg, name)}"
-    if cfg.architecture == "clover2" and not (cfg.num_gate_heads >= 1 and cfg.hidden_size % cfg.num_gate_heads == 0):
-        return f"num_gate_heads must divide hidden_size {cfg.hidden_size}, not {cfg.num_gate_heads}"
+    problem = spec(cfg.architecture).config_problem  # the family's own checks (Clover-2: its gates split the state)
+    if problem is not None and (why := problem(cfg)):
+        return why
     if not (math.isfinite(cfg.rms_norm_eps) and 0 < cfg.rms_norm_eps < 1):
         return f"rms_norm_eps must be in (0, 1), not {cfg.rms_norm_eps}"
     return None
@@ -198,7 +217,7 @@ def load_own(path: Path, target_model, dtype=None) -> nn.Module:
 
     path = Path(path)
     cfg = load_heads_config(path)
-    cfg.check_target(target_model.config, str(path))
+    check_target(cfg, target_model.config, str(path))
     weights = path / "model.safetensors"
     if not weights.is_file():
         raise CloverError(f"heads {path} have no model.safetensors")

@@ -20,6 +20,7 @@ def compile_model(resolved, heads: str | None, no_heads: bool, draft_model: str 
 
     from . import capacity_for
     from ..drafters import registry
+    from ..families import by_architecture
     from ..quantized import weights_for
     from ..store import heads_dir, package_dir
     from ..target import context_limit
@@ -31,8 +32,8 @@ def compile_model(resolved, heads: str | None, no_heads: bool, draft_model: str 
     except Exception as e:
         raise CloverError(f"cannot read the model config in {resolved.path}: {one_line(e)}")
     heads_path = None if no_heads else registry.resolve_heads(heads, resolved)
-    family = registry.FAMILIES.get(registry.family(heads_path)) if heads_path is not None else None
-    if family is not None and family.drafter.programs_kind is None:
+    family = by_architecture(registry.family(heads_path)) if heads_path is not None else None
+    if family is not None and registry.drafter_class(family.architecture).programs_kind is None:
         echo(f"{family.name} heads run eager (they have no compiled programs): compiling the target's step only",
              err=True)
         heads_path = None
@@ -114,9 +115,9 @@ def _check_heads(path: Path, config):
     """Refuse heads whose config is bad, that do not fit the target or whose weights are damaged, in one line."""
     from safetensors import safe_open
 
-    from ..drafters.registry import load_heads_config
+    from ..drafters.registry import check_target, load_heads_config
 
-    load_heads_config(path).check_target(config, str(path))
+    check_target(load_heads_config(path), config, str(path))
     try:
         with safe_open(str(Path(path) / "model.safetensors"), "pt") as f:
             f.keys()

@@ -57,7 +57,7 @@ class Job:
 def build(job: Job, log=print) -> dict:
     """Load the model (CPU, float32) once and build what `job` still lacks. Returns {"step": meta, "heads": meta}
     for the parts built."""
-    from ..drafters.registry import FAMILIES, load as load_heads
+    from ..drafters.registry import drafter_class, load as load_heads
     from ..loading import load
     from ..quantized import apply
     from ..target import Target
@@ -81,7 +81,7 @@ def build(job: Job, log=print) -> dict:
         log(f"compiled step ready in {time.perf_counter() - t0:.0f} s: {job.out}")
     if need_heads:
         heads = load_heads(Path(job.heads), model)
-        cls = FAMILIES[heads.cfg.architecture].drafter
+        cls = drafter_class(heads.cfg.architecture)
         if cls.programs_kind is None:  # EAGLE heads have no compiled programs
             raise CloverError(f"{heads.cfg.architecture} heads run eager: they have no compiled programs")
         built["heads"] = build_heads_for(cls(heads, target, topk=job.topk), target.cache.capacity, job.heads_out,

@@ -28,15 +28,16 @@ The package, by concern:
     config    TrainConfig, its checks, the learning-rate schedule and the constants they share
     data      the conversations: loading, the held-out split, regeneration, encoding, the draft vocabulary, batches
     features  the target's hidden states: computed per batch, or cached in safetensors shards
-    loss      heads_loss (Clover-2, Medusa, EAGLE; EAGLE-3's own loss lives with its drafter)
+    loss      heads_loss (Clover-2, Medusa, EAGLE, as their SPEC.training says; EAGLE-3's own loss lives with its
+              drafter)
     output    --out: its checks, its marker, the checkpoints, cleaning up after a failed run
     loop      run_training: the training loop, evaluation, progress
     publish   the model card, the evaluation line, pushing to the Hub
 """
 
-from .config import ARCHS, TrainConfig, lr_factor, validate
+from .config import TrainConfig, lr_factor, validate
 from .data import draft_vocabulary
 from .loop import run_training
 from .loss import heads_loss
 
-__all__ = ["ARCHS", "TrainConfig", "draft_vocabulary", "heads_loss", "lr_factor", "run_training", "validate"]
+__all__ = ["TrainConfig", "draft_vocabulary", "heads_loss", "lr_factor", "run_training", "validate"]

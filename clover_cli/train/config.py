@@ -6,10 +6,10 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..drafter_names import HEADS_DRAFTS
+from .. import families
 from ..errors import CloverError
+from ..families import Family, Training, by_draft, either, spec
 
-ARCHS = HEADS_DRAFTS  # --arch -> the heads' architecture: --arch takes the heads drafters' names (--draft's)
 EVAL_PROMPTS = 4
 EVAL_NEW_TOKENS = 64
 
@@ -66,12 +66,24 @@ def lr_factor(schedule: str, warmup: int, total_steps: int, step: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
 
 
+def family(arch: str) -> Family:
+    """The heads family --arch names (--arch takes the heads drafters' names, --draft's)."""
+    found = by_draft(arch)
+    if found is None:
+        raise CloverError(f"--arch must be {either(f.draft for f in families.FAMILIES)}, not {arch!r}")
+    return found
+
+
+def training(arch: str) -> Training:
+    """How the family --arch names is trained (its file's SPEC.training)."""
+    return spec(family(arch).architecture).training
+
+
 def validate(cfg: TrainConfig):
-    if cfg.arch not in ARCHS:
-        raise CloverError(f"--arch must be clover, medusa, eagle or eagle3, not {cfg.arch!r}")
+    family(cfg.arch)
     if not 1 <= cfg.num_heads <= 16:
         raise CloverError(f"--heads must be between 1 and 16, not {cfg.num_heads}")
-    if cfg.arch == "clover" and not 1 <= cfg.num_layers <= 8:
+    if training(cfg.arch).layers and not 1 <= cfg.num_layers <= 8:
         raise CloverError(f"--layers must be between 1 and 8, not {cfg.num_layers}")
     if not (math.isfinite(cfg.lr) and 0 < cfg.lr <= 1):
         raise CloverError(f"--lr must be in (0, 1], not {cfg.lr}")

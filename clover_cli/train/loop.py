@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CloverError
-from .config import ARCHS, EVAL_NEW_TOKENS, EVAL_PROMPTS, TrainConfig, lr_factor, validate
+from .config import EVAL_NEW_TOKENS, EVAL_PROMPTS, TrainConfig, family, lr_factor, training, validate
 from .data import collate, draft_vocabulary, encode, load_data, make_batches, nothing_to_train, regenerate
 from .features import FeatureCache, _autocast, _hidden
 from .loss import heads_loss
@@ -37,7 +37,7 @@ def evaluate(heads, cfg, model, tokenizer, template, held_ids, held_masks, held_
     from ..templates import render
 
     heads.eval()
-    agree = [[0.0, 0] for _ in range(1 if cfg.arch in ("eagle", "eagle3") else cfg.num_heads)]  # EAGLE: one model
+    agree = [[0.0, 0] for _ in range(1 if training(cfg.arch).one_model else cfg.num_heads)]  # EAGLE: one model
     per_batch = max(1, min(8, cfg.batch_tokens // cfg.max_len))
     for k in range(0, min(len(held_ids), 64), per_batch):
         rows = list(range(k, min(k + per_batch, len(held_ids), 64)))
@@ -134,7 +134,7 @@ def run_training(cfg: TrainConfig):
     # Clover-2 with one head never uses its recurrent block; DDP must then be told that some parameters idle.
     # The long timeout covers processes waiting for each other's share of regeneration and for the evaluation.
     accelerator = Accelerator(cpu=want_cpu, mixed_precision="no", kwargs_handlers=[
-        DistributedDataParallelKwargs(find_unused_parameters=cfg.arch == "clover" and cfg.num_heads == 1),
+        DistributedDataParallelKwargs(find_unused_parameters=training(cfg.arch).idle_one_head and cfg.num_heads == 1),
         InitProcessGroupKwargs(timeout=timedelta(hours=2))])
     main, world = accelerator.is_main_process, accelerator.num_processes
     barrier = accelerator.wait_for_everyone
@@ -209,13 +209,14 @@ def _train(cfg, accelerator, device, log, resuming, resolved, model, tokenizer, 
     total_steps = cfg.max_steps or max(1, int(math.ceil(per_epoch * cfg.epochs)))
     total_steps = max(1, total_steps // world) if cfg.max_steps is None else total_steps
 
-    hcfg = HeadsConfig.for_target(model.config, architecture=ARCHS[cfg.arch], num_heads=cfg.num_heads,
-                                  num_layers=1 if cfg.arch in ("eagle", "eagle3") else cfg.num_layers,
+    trained = training(cfg.arch)
+    hcfg = HeadsConfig.for_target(model.config, architecture=family(cfg.arch).architecture, num_heads=cfg.num_heads,
+                                  num_layers=1 if trained.one_model else cfg.num_layers,
                                   name=resolved.repo or resolved.name, revision=cfg.revision)
     vocab = draft_vocabulary(ids, masks, model.config.vocab_size, cfg.draft_vocab)
     hcfg.draft_vocab_size = 0 if vocab is None else len(vocab)
     heads = build_heads(hcfg, model)
-    if cfg.arch == "eagle3":  # its own lm_head over the draft vocabulary, mapped by d2t/t2d (drafters/eagle3.py)
+    if trained.own_vocab:  # EAGLE-3: its own lm_head over the draft vocabulary, mapped by d2t/t2d
         heads.use_vocab(vocab)
         vocab = None
     heads.init_from_target(model)

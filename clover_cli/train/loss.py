@@ -1,26 +1,24 @@
 """The heads' training loss: soft cross-entropy against the target's distribution plus feature regression, per head
-(Clover-2, Medusa) or per step (EAGLE); EAGLE-3's own loss is in drafters/eagle3.py."""
+(Clover-2, Medusa) or per step (EAGLE). What a family reads and how its terms weigh is its file's SPEC.training
+(drafters/families.Training); a family with a loss of its own (EAGLE-3's, in drafters/eagle3.py) names it there."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from .config import TrainConfig
-
-EAGLE_REG_WEIGHT = 10.0  # EAGLE-1 weighs its feature regression 1.0 and its cross-entropy 0.1
-EAGLE_NOISE = 0.2  # width of the uniform noise EAGLE-1 adds to the input features in training
+from .config import TrainConfig, training
 
 
 def heads_loss(heads, arch: str, model, x, mask, pre, post, cfg: TrainConfig):
-    """Total loss and per-head (loss, top-1 agreement with the target, positions) for one batch."""
+    """Total loss and per-head (loss, top-1 agreement with the target, positions) for one batch of heads of --arch
+    `arch`."""
     B, T = x.shape
     lm_head = model.get_output_embeddings()
-    reg_weight = cfg.reg_weight
-    if arch == "eagle3":
-        from ..drafters.eagle3 import eagle3_loss
-
-        return eagle3_loss(heads, model, x, mask, post, cfg)
+    trained = training(arch)
+    reg_weight = cfg.reg_weight * trained.reg_scale
+    if trained.loss is not None:
+        return trained.loss(heads, model, x, mask, post, cfg)
     inner = getattr(heads, "module", heads)  # under DistributedDataParallel
     # --loss-vocab draft: both distributions over the draft vocabulary only (the tokens the heads can propose),
     # the target's renormalised there: a head's projection costs draft_vocab / vocab_size of the whole one's
@@ -28,18 +26,15 @@ def heads_loss(heads, arch: str, model, x, mask, pre, post, cfg: TrainConfig):
     weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
     if vocab is not None:
         weight, bias = weight[vocab], (bias[vocab] if bias is not None else None)
-    if arch in ("clover", "eagle"):
+    feature = pre if trained.features == "pre" else post
+    if trained.noise and inner.training:  # EAGLE: the post-norm features, noised while training
+        feature = feature + (torch.rand_like(feature) - 0.5) * trained.noise
+    if trained.tokens:  # Clover-2, EAGLE: the features with the tokens, at their rotary positions
         pos = torch.arange(T, device=x.device)[None].expand(B, T)
-        feature = pre
-        if arch == "eagle":  # EAGLE reads the post-norm features, noised while training
-            feature = post
-            if inner.training:
-                feature = post + (torch.rand_like(post) - 0.5) * EAGLE_NOISE
-            reg_weight = cfg.reg_weight * EAGLE_REG_WEIGHT
         rope = inner.rotary(model)(feature, pos)
         outs = heads(feature, x, inner.token_embedding(model), rope, pos)  # forward: a DDP wrapper syncs gradients
-    else:
-        outs = heads(post)
+    else:  # Medusa: the features alone
+        outs = heads(feature)
     # The target's distribution at every position whose next token is an assistant token, computed once and
     # shared by all heads (head i reads it i positions further on). The soft cross-entropy of a head output o is
     #     -sum_v p(v) log q(v) = logsumexp(W o) - sum_v p(v) (W o)_v = logsumexp(W o) - (p W) . o

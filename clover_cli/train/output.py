@@ -13,7 +13,8 @@ import torch
 
 from .. import atomic
 from ..errors import CloverError, one_line
-from .config import TrainConfig
+from ..families import by_architecture
+from .config import TrainConfig, training
 
 MARKER = "clover-train.json"
 
@@ -126,7 +127,7 @@ def discard_unfinished(out: Path, made: str | None):
 
 def _heads_settings(arch: str, num_heads: int, num_layers: int) -> dict:
     """What a checkpoint's heads were built with: resuming with other options cannot load it."""
-    return {"arch": arch, "heads": num_heads, **({"layers": num_layers} if arch == "clover" else {})}
+    return {"arch": arch, "heads": num_heads, **({"layers": num_layers} if training(arch).layers else {})}
 
 
 def _check_resumable(path: Path, cfg: TrainConfig):
@@ -181,8 +182,8 @@ def _save_checkpoint(out: Path, heads, opt, sched, step: int, history: list):
     atomic.write_with(new / "heads.safetensors", lambda tmp: save_file(tensors, str(tmp)))
     optimizer = {"opt": opt.state_dict(), "sched": sched.state_dict()}
     atomic.write_with(new / "optimizer.pt", lambda tmp: torch.save(optimizer, tmp))
-    settings = _heads_settings("clover" if heads.cfg.architecture == "clover2" else "medusa", heads.cfg.num_heads,
-                               heads.cfg.num_layers)
+    arch = by_architecture(heads.cfg.architecture).draft  # its --arch
+    settings = _heads_settings(arch, heads.cfg.num_heads, heads.cfg.num_layers)
     atomic.write_text(new / "state.json", json.dumps({"step": step, "history": history, "settings": settings}))
     # at every moment one complete checkpoint is on disk: checkpoint-old goes only once checkpoint is complete
     # (a run resumed from checkpoint-old has none) and the new one is in place
