@@ -279,6 +279,35 @@ def test_warp_is_transformers_warpers(temperature, top_k, top_p, min_p):
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.99])
+def test_top_p_on_a_real_vocabulary_is_the_full_sorts(top_p):
+    """warp's top-p looks among the TOP_P_PEEK most likely tokens first and sorts the whole row only when their mass
+    falls short: bit for bit what sorting every row gives, on rows of a 49,152-token vocabulary from peaked (the cut
+    among the first few) to flat (the cut thousands down: the full sort), alone and mixed in one batch (agreement with
+    transformers' warpers: test_warp_is_transformers_warpers)."""
+    from clover_cli.decode import verify
+
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randn(1, 49152, generator=g) * scale for scale in (12.0, 6.0, 3.0, 1.0, 0.3, 0.0)]
+    logits = torch.cat(rows)
+
+    def full_sort(probs):
+        sorted_p, order = probs.sort(descending=True)
+        outside = (sorted_p.cumsum(-1) - sorted_p) >= top_p
+        outside[..., 0] = False
+        sorted_p[outside] = 0.0
+        return torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+
+    s = Sampling(0.8, top_p)
+    probs = torch.softmax((logits - logits.max(-1, keepdim=True).values) / 0.8, dim=-1)
+    expected = full_sort(probs)
+    kept = (expected > 0).sum(-1)
+    assert kept.min() < 10 and kept.max() > verify.TOP_P_PEEK  # both paths taken
+    assert torch.equal(warp(logits, s), expected)
+    for i in range(len(rows)):  # each row alone: the batch's fallback must not be what makes it agree
+        assert torch.equal(warp(logits[i:i + 1], s), expected[i:i + 1])
+
+
 def test_sample_draws_each_token_with_its_share_of_the_mass():
     """engine.sample (the inverse of the cumulative sum) against the exact distribution: unnormalised input, zero
     entries (a top-p cut, a rejected sibling) never drawn, within the TV bound exact sampling meets; a version that

@@ -63,14 +63,28 @@ def warp(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
         probs = probs.masked_fill(z < kth, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)  # top-p reads the mass of what top-k kept
     if s.top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        outside = (sorted_p.cumsum(-1) - sorted_p) >= s.top_p  # mass before this token already reaches top_p
-        outside[..., 0] = False
-        sorted_p[outside] = 0.0
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+        probs = _top_p(probs, s.top_p)
     if s.min_p > 0.0:
         probs = probs.masked_fill(probs < s.min_p * probs.max(-1, keepdim=True).values, 0.0)
     return probs
+
+
+TOP_P_PEEK = 256  # top-p looks among this many most likely tokens first (a full sort of 49k takes ~4 ms a row)
+
+
+def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Top-p: a token is cut where the mass of the tokens more likely than it already reaches top_p (the most likely
+    one always stays). The cut nearly always falls among the few most likely tokens, so those are taken first
+    (topk, sorted) and the whole row sorted only when their mass falls short of top_p: the same tokens kept with the
+    same probabilities as the full sort gives, the partial sums being the same sums in the same order."""
+    k = min(TOP_P_PEEK, probs.shape[-1])
+    sorted_p, order = probs.topk(k, dim=-1)
+    if k < probs.shape[-1] and not bool(((sorted_p.cumsum(-1) - sorted_p)[..., -1] >= top_p).all()):
+        sorted_p, order = probs.sort(descending=True)  # a flat row: its cut lies further down
+    outside = (sorted_p.cumsum(-1) - sorted_p) >= top_p  # mass before this token already reaches top_p
+    outside[..., 0] = False
+    sorted_p = sorted_p.masked_fill(outside, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_p)
 
 
 def penalize(logits: torch.Tensor, tree: DraftTree, context: list[int], penalty: float) -> torch.Tensor:
