@@ -449,7 +449,9 @@ def train(
                                                                         "to a safetensors shard cache."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the last checkpoint in --out."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Start again in an --out that holds heads or a run "
-                                                              "(a directory of other files is refused)."),
+                                                              "(its regenerated replies and feature cache reused where "
+                                                              "the data options match; a directory of other files is "
+                                                              "refused)."),
     push_to_hub: Optional[str] = typer.Option(None, "--push-to-hub", help="Upload the heads to this Hub repo."),
     seed: int = typer.Option(0, "--seed", help="Random seed."),
     reg_weight: float = typer.Option(1.0, "--reg-weight", help="Weight of the hidden-state regression (SmoothL1) "
