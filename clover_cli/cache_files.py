@@ -144,6 +144,28 @@ def check_path(path: Path, allowed: list[Path]) -> None:
         raise CloverError(f"refusing to remove {path}: it is not inside clover's or the Hub's cache", code=1)
 
 
+def sweep_removals(folder: Path) -> None:
+    """Remove the `.NAME.removing-PID` folders in `folder` that a removal left when it failed or was killed midway
+    (PID no longer running); a running removal's is left to it."""
+    try:
+        leftovers = [p for p in Path(folder).iterdir() if p.name.startswith(".") and ".removing-" in p.name]
+    except OSError:
+        return
+    for p in leftovers:
+        pid = p.name.rsplit(".removing-", 1)[1]
+        if not pid.isdigit() or p.is_symlink() or not p.is_dir():
+            continue
+        if int(pid) != os.getpid():
+            try:
+                os.kill(int(pid), 0)
+                continue  # that removal is still running
+            except ProcessLookupError:
+                pass
+            except OSError:  # another user's process: running
+                continue
+        shutil.rmtree(p, ignore_errors=True)
+
+
 def remove_path(path: Path, allowed: list[Path]) -> None:
     """Remove the file, link or folder `path`, which must pass check_path: a link is removed itself, never what it
     points to; a folder is first renamed aside (gone at once for every reader), then removed without following the
@@ -154,6 +176,7 @@ def remove_path(path: Path, allowed: list[Path]) -> None:
         st = os.lstat(path)
     except FileNotFoundError:
         return
+    sweep_removals(path.parent)
     if stat.S_ISDIR(st.st_mode):
         aside = path.with_name(f".{path.name}.removing-{os.getpid()}")
         shutil.rmtree(aside, ignore_errors=True)  # (this process's own, left by a removal that failed)

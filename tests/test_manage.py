@@ -279,6 +279,32 @@ def test_rm_never_follows_links_out_of_the_cache(tmp_path, run_cli):
     assert not repo.exists() and precious.exists() and linked_pkg.is_symlink()
 
 
+def test_a_failed_removals_leftover_is_swept_by_the_next_one(tmp_path, monkeypatch):
+    """A removal renames a folder to .NAME.removing-PID before deleting it; one killed midway leaves that folder.
+    The next removal in the same folder sweeps such leftovers of processes that no longer run, and leaves a running
+    removal's alone."""
+    import subprocess
+    import sys
+
+    from clover_cli import cache_files
+
+    root = tmp_path / "cache"
+    (root / "a" / "x").mkdir(parents=True)
+    (root / "b").mkdir()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = root / f".old.removing-{int(gone.stdout)}"
+    (stale / "inner").mkdir(parents=True)
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        live = root / f".busy.removing-{running.pid}"
+        live.mkdir()
+        cache_files.remove_path(root / "a", [root])
+        assert sorted(p.name for p in root.iterdir()) == [live.name, "b"]
+    finally:
+        running.kill()
+        running.wait()
+
+
 def test_remove_path_refuses_anything_outside_the_caches(tmp_path):
     from clover_cli import cache_files as manage
     from clover_cli.errors import CloverError
