@@ -213,8 +213,9 @@ def hold_entry(entry: Entry, sessions: list[dict], held: list) -> None:
         except OSError:
             continue
         held.append(lock)
-    for s in sessions:
-        if s.get("path") and any(within(Path(s["path"]), p) for p in entry.paths):
+    for s in sessions:  # its target, and the heads or draft model it loaded beside it
+        used = [u for u in (s.get("path"), *s.get("uses", ())) if u]
+        if any(within(Path(u), p) for u in used for p in entry.paths):
             raise Busy(f"{entry.name} is in use by clover {s['command']} (pid {s['pid']}); not removed")
 
 

@@ -50,8 +50,10 @@ def alive(pid: int, boot: str | None = None) -> bool:
 def register(command: str, session, sid: str | None, writer) -> None:
     """Note this process's session (never fails: a registry that cannot be written only hides it from ps)."""
     pid = os.getpid()
+    uses = [getattr(session, name, None) for name in ("heads_path", "draft_model_path")]  # what it loaded beside
     entry = {"pid": pid, "command": command, "model": session.resolved.name,
-             "path": str(Path(session.resolved.path).absolute()), "started": round(time.time(), 3),
+             "path": str(Path(session.resolved.path).absolute()),
+             "uses": [str(Path(p).absolute()) for p in uses if p is not None], "started": round(time.time(), 3),
              "session": sid, "stats": str(writer.path) if writer is not None else None, "boot": _boot(pid)}
     path = sessions_dir() / f"{pid}.json"
     try:
@@ -83,6 +85,9 @@ def _entry(path: Path) -> dict | None:
     for key in ("command", "model", "path", "session", "stats", "boot"):
         if entry.get(key) is not None and not isinstance(entry[key], str):
             return None
+    uses = entry.get("uses", [])
+    if not isinstance(uses, list) or not all(isinstance(u, str) for u in uses):
+        return None
     return entry
 
 

@@ -411,6 +411,27 @@ def test_rm_refuses_a_model_a_session_runs(tmp_path, run_cli):
     assert code == 0 and not repo.exists(), err
 
 
+def test_rm_refuses_heads_and_a_draft_model_a_session_loaded(tmp_path, run_cli):
+    """A session's --heads and --draft-model repos are in use as its target is: not removed while it runs."""
+    from clover_cli import running
+
+    heads, draft = hub_repo(tmp_path, "owner/heads"), hub_repo(tmp_path, "owner/draft")
+    session, writer = fake_session(tmp_path, tmp_path / "model-dir")
+    session.heads_path, session.draft_model_path = heads / "snapshots" / COMMIT, draft / "snapshots" / COMMIT
+    running.start_session("chat", session, writer)
+    try:
+        for name, repo in (("owner/heads", heads), ("owner/draft", draft)):
+            code, out, err = run_cli("rm", name, "-y")
+            assert code == 1, name
+            one_line_error(err, f"pid {os.getpid()}")
+            assert repo.exists()
+    finally:
+        running.unregister()
+    for name, repo in (("owner/heads", heads), ("owner/draft", draft)):
+        code, out, err = run_cli("rm", name, "-y")
+        assert code == 0 and not repo.exists(), err
+
+
 # --- clover ps ----------------------------------------------------------------------------------------------------
 
 
