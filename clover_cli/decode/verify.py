@@ -79,9 +79,11 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     same probabilities as the full sort gives, the partial sums being the same sums in the same order."""
     k = min(TOP_P_PEEK, probs.shape[-1])
     sorted_p, order = probs.topk(k, dim=-1)
-    if k < probs.shape[-1] and not bool(((sorted_p.cumsum(-1) - sorted_p)[..., -1] >= top_p).all()):
+    before = sorted_p.cumsum(-1) - sorted_p  # the mass of the tokens more likely than each
+    if k < probs.shape[-1] and not bool((before[..., -1] >= top_p).all()):
         sorted_p, order = probs.sort(descending=True)  # a flat row: its cut lies further down
-    outside = (sorted_p.cumsum(-1) - sorted_p) >= top_p  # mass before this token already reaches top_p
+        before = sorted_p.cumsum(-1) - sorted_p
+    outside = before >= top_p  # mass before this token already reaches top_p
     outside[..., 0] = False
     sorted_p = sorted_p.masked_fill(outside, 0.0)
     return torch.zeros_like(probs).scatter_(-1, order, sorted_p)
