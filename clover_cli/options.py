@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 import typer
 
 from .errors import CloverError
-from .families import drafts
+from .families import drafts, either
 
 MODES = ("auto", "on", "off")  # --compile, see clover_cli/step/manager.py
 TREES = ("dynamic", "static")  # --tree
@@ -93,11 +93,16 @@ class Options:
     compile: str | None = None  # auto, on or off (None: CLOVER_COMPILE, else auto); see clover_cli/step/manager.py
 
 
+def check_draft(name: str) -> None:
+    """--draft and chat's /draft: a drafter clover has, or one line naming them."""
+    if name not in drafts():
+        raise CloverError(f"unknown drafter {name!r}; choose one of {', '.join(drafts())}")
+
+
 def check_options(opts: Options) -> None:
     """The drafting options' values and combinations, in one line each: checked before anything loads (an
     interactive chat shows its prompt before the model is there)."""
-    if opts.draft not in drafts():
-        raise CloverError(f"unknown drafter {opts.draft!r}; choose one of {', '.join(drafts())}")
+    check_draft(opts.draft)
     if opts.tree not in TREES:
         raise CloverError(f"--tree must be dynamic or static, not {opts.tree!r}")
     if opts.quantize is not None and opts.quantize not in QUANTIZE:
@@ -202,9 +207,8 @@ def _templates(incomplete: str) -> list[str]:
 class Common:
     revision = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit) of the model.")
     heads = typer.Option(None, "--heads", help="Draft heads: a local directory or a Hub repo id.")
-    draft = typer.Option("auto", "--draft", help=f"Drafter: {', '.join(drafts()[:-1])} "
-                                                 f"or {drafts()[-1]}. auto = the model's heads merged with n-gram lookup when "
-                                                 "it has heads, else ngram. model = a smaller draft model "
+    draft = typer.Option("auto", "--draft", help=f"Drafter: {either(drafts())}. auto = the model's heads merged "
+                                                 "with n-gram lookup when it has heads, else ngram. model = a smaller draft model "
                                                  "(--draft-model) drafting a multi-candidate (MCSD) tree. self = the "
                                                  "model itself with some middle layers skipped (chosen on the first "
                                                  "prompt, cached).",

@@ -15,10 +15,10 @@ from .drafters.factory import make_drafter
 from .drafters.ngram import load_prior
 from .drafters.registry import resolve_heads
 from .errors import CloverError
-from .families import drafts, heads_drafts
+from .families import heads_drafts
 from .hub import looks_like_repo, resolve_model
 from .loading import keep_loaded, load
-from .options import Options, check_options, compile_mode, parse_budget  # noqa: F401 - importable here too
+from .options import Options, check_draft, check_options, compile_mode, parse_budget  # noqa: F401 - importable here too
 from .packed import finish_packing
 from .quantized import apply, weights_for
 from .step.costs import StepCosts
@@ -174,8 +174,7 @@ class Session:
         """Use another drafter from now on (the next reply re-reads the conversation into it)."""
         from dataclasses import replace
 
-        if name not in drafts():
-            raise CloverError(f"unknown drafter {name!r}; choose one of {', '.join(drafts())}")
+        check_draft(name)
         opts = replace(self.opts, draft=name)
         if name == "auto" or name in heads_drafts():
             published = self.resolved.spec.heads_for(name) if self.resolved.spec and not opts.heads else None

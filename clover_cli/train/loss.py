@@ -1,6 +1,6 @@
 """The heads' training loss: soft cross-entropy against the target's distribution plus feature regression, per head
 (Clover-2, Medusa) or per step (EAGLE). What a family reads and how its terms weigh is its file's SPEC.training
-(drafters/families.Training); a family with a loss of its own (EAGLE-3's, in drafters/eagle3.py) names it there."""
+(families.Training); a family with a loss of its own (EAGLE-3's, in drafters/eagle3.py) names it there."""
 
 from __future__ import annotations
 
