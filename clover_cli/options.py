@@ -87,7 +87,7 @@ class Options:
     trust_remote_code: bool = False
     allow_pickle: bool = False
     max_context: int | None = None  # --ctx-size: most tokens of context (None: the model's own limit)
-    threads: int | None = None  # --threads: torch's intra-op threads (None: torch's default)
+    threads: int | None = None  # --threads: torch's intra-op threads (None: the cores left free, cores.py)
     chat_template: str | None = None  # --chat-template: a built-in template's name or a Jinja file
     quantize: str | None = None  # --quantize int8 | int4: the linears quantized in groups of 32 (CPU)
     compile: str | None = None  # auto, on or off (None: CLOVER_COMPILE, else auto); see clover_cli/step/manager.py
@@ -253,7 +253,8 @@ class Common:
     min_p = typer.Option(0.0, "--min-p", help="Sample only tokens at least this share as likely as the most likely "
                                               "one, in [0, 1) (0 = all).")
     threads = typer.Option(None, "--threads", "-t", help="CPU threads for the model's arithmetic (torch's intra-op "
-                           "threads; default: torch's own, one per core).", show_default=False)
+                           "threads; default: one per core, less the cores other programs keep busy, looked at after "
+                           "loading and before each reply).", show_default=False)
     chat_template = typer.Option(None, "--chat-template", help="The chat template: vicuna_v1.1, llama3, chatml or a "
                                  "Jinja file (default: the model's own, else its alias's, else vicuna_v1.1).",
                                  autocompletion=_templates, show_default=False)

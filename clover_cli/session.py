@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from .cores import Threads
 from .decode.budget import mode_key, mode_parts
 from .decode.engine import Engine
 from .decode.verify import Sampling, StopCheck
@@ -38,8 +39,7 @@ class Session:
             budget, auto = (len(STATIC_TREE) if auto else min(budget, len(STATIC_TREE))), False
         self.opts = opts
         self.quiet = quiet
-        if opts.threads is not None:  # --threads: before anything runs (the step costs are keyed by the count)
-            torch.set_num_threads(opts.threads)
+        self.threads = Threads(opts.threads)  # --threads, or one per core other programs leave free (cores.py)
         self.resolved = resolve_model(opts.model, opts.revision, opts.allow_pickle, quiet=quiet, dtype=opts.dtype)
         self.heads_path = None
         if opts.draft == "auto" or opts.draft in heads_drafts():
@@ -85,6 +85,7 @@ class Session:
         # the tokenizer's own template has no known stop strings; an alias names the template it follows
         self.stop_strings = STOP_STRINGS.get(self.template_name) or STOP_STRINGS.get(spec.template if spec else "", [])
         keep_loaded()  # what was loaded lives as long as the session: out of the cyclic collector's passes
+        self.threads.settle()  # what other programs did with the cores while this one loaded
 
     def _warn(self, text: str):
         if not self.quiet:
@@ -254,6 +255,8 @@ class Session:
         room = self.check_fits(prompt, max_new_tokens)
         stop = StopCheck(room, self.eos_ids, self.stop_strings if stop_strings is None else stop_strings,
                          self.decode)
+        if not self.compiler.building_beside() and self.threads.settle():
+            self.engine.policy.cost_model = None  # the step costs of the new count: stored, or measured again
         stored = self._stored_choices(sampling.temperature, sampling.repetition_penalty)
         try:
             for ev in self.engine.generate(prompt, stop, sampling):
@@ -266,6 +269,7 @@ class Session:
             if stored is not None:
                 self.engine.policy.cost_store.save_choices(*stored)
             self.engine.drafter.save_learning()  # the learned early stop of --draft model
+            self.threads.idle()
 
     def _stored_choices(self, temperature: float = 0.0, repetition_penalty: float = 1.0):
         """(the default drafter's learned choice, its file), restored from the store when the drafter is new or the

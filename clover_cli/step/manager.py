@@ -234,6 +234,11 @@ class StepCompiler:
             self._threads = torch.get_num_threads()
             torch.set_num_threads(1)
 
+    def building_beside(self) -> bool:
+        """Whether a build runs beside the replies with this process's threads cut to one for it (_watch): the
+        thread count is this compiler's until the build ends."""
+        return bool(self._threads)
+
     def _say_other(self) -> None:
         """One line, once, when the build is another process's (this one runs eager meanwhile and picks its package
         up when it lands)."""
