@@ -373,3 +373,32 @@ def test_eagle_through_the_cli(tmp_path, run_cli):
 
     eagle_files(other, AutoModelForCausalLM.from_pretrained(model_dir), hidden=32)
     check_trained_heads_cli(run_cli, model_dir, out, prompt, "eagle", 32, ("clover", "needs clover2 heads"), other)
+
+
+@pytest.mark.parametrize("family_", ["llama", "qwen2"])
+def test_a_new_eagle_layer_starts_as_the_identity(family_):
+    """init_from_target: the draft layer is the target's last decoder layer with its residual outputs (o_proj,
+    down_proj) zeroed, so a fresh EAGLE head predicts the feature it is given back (fc's near-identity start): a copy
+    of a real model's last layer outputs many times the post-norm feature's size and its training starts lost."""
+    from clover_cli.drafters.common import HeadsConfig
+    from clover_cli.drafters.registry import build_heads
+    from clover_cli.target import decoder_layers
+
+    model = make_model(family_, seed=0)
+    with torch.no_grad():  # a last layer whose copy, kept whole, would add a large term to the feature
+        for p in decoder_layers(model.base_model)[-1].parameters():
+            p.mul_(30.0)
+    heads = build_heads(HeadsConfig.for_target(model.config, architecture="eagle", num_heads=1, num_layers=1), model)
+    heads.init_from_target(model)
+    layer, last = heads.layers[0], decoder_layers(model.base_model)[-1]
+    assert torch.equal(layer.self_attn.q_proj.weight, last.self_attn.q_proj.weight)
+    assert torch.equal(layer.mlp.gate_proj.weight, last.mlp.gate_proj.weight)
+    assert not layer.self_attn.o_proj.weight.any() and not layer.mlp.down_proj.weight.any()
+    T = 6
+    post = torch.randn(1, T, model.config.hidden_size)
+    ids = torch.randint(0, model.config.vocab_size, (1, T))
+    pos = torch.arange(T)[None]
+    with torch.no_grad():
+        out = heads(post, ids, heads.token_embedding(model), heads.rotary(model)(post, pos), pos)[0]
+        start = heads.fc(torch.cat([heads.token_embedding(model)(ids.roll(-1, 1)), post], -1))
+    assert torch.allclose(out[:, :-1], start[:, :-1], atol=1e-5)
