@@ -16,7 +16,9 @@ from . import __version__, families
 from .errors import CloverError
 from .families import either
 from .inputs import given_prompt
-from .options import MODES, QUANTIZE, Common, check_sampling, choices, env, options_from
+from .options import MODES, Common, check_quantize, check_sampling, choices, env, options_from
+
+COMPILED_DTYPES = ("auto", "float32", "bfloat16")  # clover compile --dtype: the CPU step's weights (quantized.py)
 
 app = typer.Typer(
     name="clover",
@@ -545,9 +547,10 @@ def compile_step(
                                     "alias names too (the bundled model's own draft for tiny)."),
     trust_remote_code: bool = Common.trust_remote_code, allow_pickle: bool = Common.allow_pickle,
     force: bool = typer.Option(False, "--force", help="Build again even when a package is cached."),
-    dtype: str = typer.Option("auto", "--dtype", **choices("auto", "float32"),
-                              help="auto (a GGUF's own quantized blocks, as chat runs it; else float32) or float32 (a "
-                              "GGUF dequantized), as chat's --dtype."),
+    dtype: str = typer.Option("auto", "--dtype", **choices(*COMPILED_DTYPES),
+                              help="auto (a GGUF's own quantized blocks, as chat runs it; else float32), float32, or "
+                              "bfloat16 (the weights rounded to bfloat16, multiplied in float32: half the bytes), "
+                              "as chat's --dtype."),
     quantize: Optional[str] = Common.quantize,
 ):
     """Build the compiled target step of a model (and its draft heads' programs) ahead of time (CPU, float32; a
@@ -562,10 +565,9 @@ def compile_step(
     from .hub import resolve_model
     from .step.ahead import compile_model
 
-    if dtype not in ("auto", "float32"):
-        raise CloverError(f"clover compile builds the CPU's float32 step: --dtype auto or float32, not {dtype!r}")
-    if quantize is not None and quantize not in QUANTIZE:
-        raise CloverError(f"--quantize must be {' or '.join(QUANTIZE)}, not {quantize!r}")
+    if dtype not in COMPILED_DTYPES:
+        raise CloverError(f"clover compile builds the CPU's step: --dtype {', '.join(COMPILED_DTYPES)}, not {dtype!r}")
+    check_quantize(quantize, dtype)
     resolved = resolve_model(model, revision, allow_pickle, dtype=dtype)  # a GGUF: converted as chat converts it
     compile_model(resolved, heads, no_heads, draft_model, with_draft, trust_remote_code, allow_pickle, force,
                   echo=typer.echo, dtype=dtype, quantize=quantize)

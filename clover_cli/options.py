@@ -99,14 +99,23 @@ def check_draft(name: str) -> None:
         raise CloverError(f"unknown drafter {name!r}; choose one of {', '.join(drafts())}")
 
 
+def check_quantize(quantize: str | None, dtype: str = "auto") -> None:
+    """--quantize's value, and a --dtype beside it (its kernels compute in float32), in one line."""
+    if quantize is None:
+        return
+    if quantize not in QUANTIZE:
+        raise CloverError(f"--quantize must be {' or '.join(QUANTIZE)}, not {quantize!r}")
+    if dtype not in ("auto", "float32", "fp32"):
+        raise CloverError(f"--quantize {quantize} computes in float32: drop --dtype {dtype}")
+
+
 def check_options(opts: Options) -> None:
     """The drafting options' values and combinations, in one line each: checked before anything loads (an
     interactive chat shows its prompt before the model is there)."""
     check_draft(opts.draft)
     if opts.tree not in TREES:
         raise CloverError(f"--tree must be dynamic or static, not {opts.tree!r}")
-    if opts.quantize is not None and opts.quantize not in QUANTIZE:
-        raise CloverError(f"--quantize must be {' or '.join(QUANTIZE)}, not {opts.quantize!r}")
+    check_quantize(opts.quantize, opts.dtype)
     if opts.quantize is not None and (opts.load_in_8bit or opts.load_in_4bit):
         raise CloverError("--quantize and --load-in-8bit / --load-in-4bit exclude each other: choose one")
     if opts.early_stop not in EARLY_STOPS:
@@ -240,10 +249,11 @@ class Common:
                               "0=20GiB,cpu=64GiB (or a JSON object); the rest goes to disk.", show_default=False)
     dtype = typer.Option("auto", "--dtype", **choices(*DTYPES),
                          help="auto (bf16/fp16 on GPU; on CPU a GGUF's own quantized blocks, else fp32), float32, "
-                         "float16, bfloat16 (a GGUF dequantized to it).")
+                         "float16, bfloat16 (a GGUF dequantized to it; on a CPU the weights rounded to bfloat16 and "
+                         "multiplied in float32 by clover's kernels: half float32's bytes).")
     quantize = typer.Option(None, "--quantize", **choices(*QUANTIZE), help="CPU: run the linears "
                             "quantized in groups of 32, int8 or int4 (the output embedding int8), on clover's own "
-                            "kernels; the activations are quantized to int8 as llama.cpp does.", show_default=False)
+                            "kernels, which multiply them by the float32 activations as they are.", show_default=False)
     trust_remote_code = typer.Option(False, "--trust-remote-code", help="Run model code from its repository.")
     allow_pickle = typer.Option(False, "--allow-pickle", help="Allow pickled .bin weights (unsafe from strangers).")
     max_new_tokens = typer.Option(256, "--max-new-tokens", "-n", help="Most tokens to generate.")

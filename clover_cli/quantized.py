@@ -1,14 +1,14 @@
 """Quantized weights on the CPU: a GGUF's own blocks (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0) kept as
-they are, or any float model's linears quantized in groups of 32 (--quantize int8 | int4), run by the kernels of
-clover_kernels.quant (C++, AVX-512 VNNI where the CPU has it), inside the eager forward and the compiled step.
+they are, any float model's linears quantized in groups of 32 (--quantize int8 | int4), or its weights rounded to
+bfloat16 (--dtype bfloat16), run by the kernels of clover_kernels.quant (C++, AVX-512 where the CPU has it), inside
+the eager forward and the compiled step.
 
 The weights a step streams are what bounds it on a CPU: SmolLM2-135M's Q4_1 file holds 98 MB where its float32
-weights take 538 MB. Each QuantLinear multiplies int8-quantized activations (blocks of 32, as llama.cpp does) by the
-weights' integers; a row's result does not depend on the other rows, so a draft tree's verify gives each row what a
-one-row step gives, and speculative decoding stays exact with respect to the quantized target that runs (its own
-greedy decoding, or transformers' generate on the same model). Against the dequantized float32 weights the
-activations' rounding shows: logits differ by ~0.5% of their range (docs/BENCHMARKS.md measures how often a greedy
-reply differs).
+weights take 538 MB (bfloat16: 269 MB). Each QuantLinear multiplies the float32 activations as they are by the
+weights' integers and scales (or the bfloat16 weights widened): the product with the dequantized weights up to the
+order of float32 sums. A row's result does not depend on the other rows, so a draft tree's verify gives each row what
+a one-row step gives, and speculative decoding stays exact with respect to the quantized target that runs (its own
+greedy decoding, or transformers' generate on the same model).
 
 A GGUF's blocks are decoded when the file is converted (gguf_model.py) and written beside the converted model
 (BLOCKS_FILE), each tensor only after its blocks were checked to hold exactly the float weights transformers made of
@@ -32,11 +32,12 @@ import torch
 import torch.nn as nn
 
 from .errors import CloverError, one_line
+from .options import check_quantize
 
 BLOCKS_FILE = "clover-gguf-blocks.safetensors"  # in a converted GGUF directory: its tensors' blocks, repacked
 BLOCKS_VERSION = 1  # bump when the packed records change: older files are not used (the model runs float)
-WEIGHTS = ("float", "gguf", "int8", "int4")
-QUANTIZE = ("int8", "int4")  # --quantize
+WEIGHTS = ("float", "gguf", "int8", "int4", "bf16")
+BF16_DTYPES = ("bfloat16", "bf16")  # --dtype on a CPU: the weights rounded to bfloat16, multiplied in float32
 GROUP = 32  # --quantize: weights per scale
 # GGUF tensor types run in their own blocks, and how: (bits of the kernel's integers, weights per scale)
 GGUF_TYPES = {"Q8_0": (8, 32), "Q4_0": (4, 32), "Q4_1": (4, 32), "Q5_0": (8, 32), "Q5_1": (8, 32),
@@ -122,25 +123,32 @@ def float_state_dict(module: nn.Module) -> dict:
 
 
 def weights_for(quantize: str | None, dtype: str, device: torch.device, model_dir: Path) -> str:
-    """The weights a session runs: --quantize's; on a CPU a GGUF's own blocks unless a --dtype asks for floats;
-    else float."""
+    """The weights a session runs: --quantize's; on a CPU, --dtype bfloat16's ("bf16": a float32 model whose
+    weights are rounded to bfloat16, its linears run by the kernels from half the bytes), or a GGUF's own blocks
+    unless a --dtype asks for floats; else float."""
     if quantize is not None:
-        if quantize not in QUANTIZE:
-            raise CloverError(f"--quantize must be {' or '.join(QUANTIZE)}, not {quantize!r}")
+        check_quantize(quantize, dtype)
         if device.type != "cpu":
             raise CloverError("--quantize runs on the CPU; on a GPU use --load-in-8bit or --load-in-4bit")
-        if dtype not in ("auto", "float32", "fp32"):
-            raise CloverError(f"--quantize {quantize} computes in float32: drop --dtype {dtype}")
         return quantize
+    if device.type == "cpu" and dtype in BF16_DTYPES:
+        return "bf16"
     if device.type == "cpu" and dtype == "auto" and (Path(model_dir) / BLOCKS_FILE).is_file():
         return "gguf"
     return "float"
 
 
+def load_dtype(weights: str, dtype: str) -> str:
+    """The --dtype a model is loaded in for `weights`: bfloat16 weights are loaded in float32 (and rounded by
+    apply) since their kernels compute in float32."""
+    return "float32" if weights == "bf16" else dtype
+
+
 def apply(model, model_dir: Path, weights: str, warn=None) -> str | None:
     """Make the model's linears QuantLinears for `weights` ("gguf": the blocks in model_dir's BLOCKS_FILE; "int8" or
-    "int4": quantized now). Returns what runs, in words (None for float weights, or when the kernels cannot be
-    built: the model then runs as it is, with one line)."""
+    "int4": quantized now; "bf16": every weight of the float32 model rounded to bfloat16, the linears' kept so).
+    Returns what runs, in words (None for float weights, or when the kernels cannot be built: the model then runs as
+    it is, with one line)."""
     if weights == "float":
         return None
     if not kernels(warn):
@@ -149,6 +157,8 @@ def apply(model, model_dir: Path, weights: str, warn=None) -> str | None:
         blocks = read_blocks(Path(model_dir) / BLOCKS_FILE, warn)
         if not blocks:
             return None
+    elif weights == "bf16":
+        blocks = bf16_model(model)
     else:
         blocks = quantize_model(model, 8 if weights == "int8" else 4)
     replace_linears(model, blocks)
@@ -295,6 +305,22 @@ def quantize_model(model, bits: int) -> dict:
         q, d, m = quantize_weight(module.weight, b)
         blocks[name] = (pack(q, d, m, b), f"int{b}")
     return blocks
+
+
+def bf16_model(model) -> dict:
+    """Round every float32 parameter of the model (embeddings and norms too; not the buffers it computes, as RoPE's
+    frequencies) to bfloat16 in place: it becomes a bfloat16 checkpoint loaded in float32 (transformers'
+    `from_pretrained(..., dtype=torch.float32)` of the model saved in bfloat16).
+    Module name -> (Packed, "bf16") for its linears (the kernels multiply them widened, exactly, by float32
+    activations)."""
+    from clover_kernels.quant import pack_bf16
+
+    with torch.no_grad():
+        for tensor in model.parameters():
+            if tensor.dtype == torch.float32 and tensor.device.type != "meta":
+                tensor.copy_(tensor.to(torch.bfloat16))
+    return {name: (pack_bf16(module.weight), "bf16") for name, module in model.named_modules()
+            if isinstance(module, nn.Linear) and module.weight.device.type != "meta"}
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -18,10 +18,10 @@ from .drafters.registry import resolve_heads
 from .errors import CloverError
 from .families import heads_drafts
 from .hub import looks_like_repo, resolve_model
-from .loading import keep_loaded, load
+from .loading import keep_loaded, load, pick_device
 from .options import Options, check_draft, check_options, compile_mode, parse_budget  # noqa: F401 - importable here too
 from .packed import finish_packing
-from .quantized import apply, weights_for
+from .quantized import apply, load_dtype, weights_for
 from .step.costs import StepCosts
 from .step.manager import StepCompiler
 from .target import Target, check_exact
@@ -50,12 +50,13 @@ class Session:
             from .drafters.draft_model import resolve_draft_model
 
             self.draft_model_name, self.draft_model_path = resolve_draft_model(opts.draft_model, self.resolved, quiet)
-        loaded = load(self.resolved.path, opts.device, opts.dtype, opts.load_in_8bit, opts.trust_remote_code,
-                      opts.allow_pickle, opts.load_in_4bit, opts.device_map, opts.max_memory)
+        weights = weights_for(opts.quantize, opts.dtype, pick_device(opts.device), self.resolved.path)
+        loaded = load(self.resolved.path, opts.device, load_dtype(weights, opts.dtype), opts.load_in_8bit,
+                      opts.trust_remote_code, opts.allow_pickle, opts.load_in_4bit, opts.device_map, opts.max_memory)
         self.model, self.tokenizer, self.offload = loaded.model, loaded.tokenizer, loaded.offload
         self.device, self.dtype, self.load_in_8bit = loaded.device, loaded.dtype, loaded.load_in_8bit
         self.load_in_4bit = loaded.load_in_4bit
-        self.weights = weights_for(opts.quantize, opts.dtype, self.device, self.resolved.path)
+        self.weights = weights
         self.weights_note = apply(self.model, self.resolved.path, self.weights, warn=self._warn)
         if self.weights_note is None:  # float weights, or no kernels to run quantized ones here (said)
             self.weights = "float"

@@ -11,6 +11,7 @@ dequantized weights up to the order of float32 sums (no rounding of the activati
 on the other rows: a draft tree's verify gives each row what a one-row step gives.
 
     pack(q, d, m)                  -> Packed (the kernel's records; float16 scales where they hold d and m exactly)
+    pack_bf16(w)                   -> Packed (bfloat16 weights, no scales: multiplied widened to float32, exactly)
     Packed.unpack() / dequantize() -> q, d, m / the float32 weight the kernel multiplies by
     qlinear(x, packed)             the kernel (torch.ops.clover_quant.linear); load(build_dir) builds and loads it
     qlinear_ref(x, packed)         the same sums in torch (rounded as the kernel's fused multiply-adds round)
@@ -30,6 +31,9 @@ SOURCE = Path(__file__).with_name("quant_cpu.cpp")
 LANES = 16  # outputs per tile (one 512-bit register of float32)
 
 
+BF16 = 16  # the kind of bfloat16 weights (quant_cpu.cpp's BF16): 16 per k per tile, no scales
+
+
 def kind_code(bits: int, group: int, affine: bool, f32: bool) -> int:
     """The integer naming a packed layout (quant_cpu.cpp's Kind)."""
     assert bits in (4, 8) and group in (16, 32)
@@ -37,6 +41,8 @@ def kind_code(bits: int, group: int, affine: bool, f32: bool) -> int:
 
 
 def kind_of(code: int) -> tuple[int, int, bool, bool]:
+    if code == BF16:
+        return 16, 32, False, False
     return (8 if code & 1 else 4), (16 if code & 2 else 32), bool(code & 4), bool(code & 8)
 
 
@@ -79,9 +85,17 @@ class Packed:
         m = side(qbytes + sbytes) if affine else None
         return q[:n], d, m
 
+    def bf16_weight(self) -> torch.Tensor:
+        """The bfloat16 weight [N, K] (K as packed) of BF16 records (pack_bf16's layout)."""
+        tiles = -(-self.out_features // LANES)
+        w = self.data.view(torch.bfloat16).view(tiles, self.in_features // 2, 4, 2, 4)  # tile, pair, quarter, k, i
+        return w.permute(0, 2, 4, 1, 3).reshape(tiles * LANES, self.in_features)[:self.out_features]
+
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K] the records hold: d * q + m, group by group (for a GGUF's blocks exactly what the
-        gguf package dequantizes them to)."""
+        gguf package dequantizes them to); bfloat16 records widened."""
+        if self.kind == BF16:
+            return self.bf16_weight().float()
         q, d, m = self.unpack()
         group = self.group
         w = d.repeat_interleave(group, dim=1) * q.float()
@@ -141,6 +155,24 @@ def pack(q, d, m=None, bits: int = 4) -> Packed:
     return Packed(torch.from_numpy(data.copy()), n, kp, kind_code(bits, group, m is not None, f32))
 
 
+def pack_bf16(w: torch.Tensor) -> Packed:
+    """Records for the kernel from a weight [N, K] whose values bfloat16 holds exactly (ValueError otherwise): per
+    tile of 16 outputs, a 64-byte line per pair of k, each of its four 128-bit quarters holding 4 outputs' words of
+    the first k then of the second (quant_cpu.cpp widens them by interleaving with zeros). K is padded to a multiple
+    of 32 with zero weights."""
+    w = w.detach()
+    narrow = w.to(torch.bfloat16)
+    if not torch.equal(narrow.float(), w.float()):
+        raise ValueError("pack_bf16: the weights are not bfloat16 values")
+    n, k = narrow.shape
+    tiles = -(-n // LANES)
+    narrow = torch.nn.functional.pad(narrow, (0, -k % 32, 0, tiles * LANES - n))
+    kp = narrow.shape[1]
+    # outputs (quarter, i) and k (pair, which) -> tile, pair, quarter, which, i
+    records = narrow.view(tiles, 4, 4, kp // 2, 2).permute(0, 3, 1, 4, 2).contiguous()
+    return Packed(records.view(-1).view(torch.uint8).clone(), n, kp, BF16)
+
+
 def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """a * b + c rounded once to float32 (through float64: equal to a fused multiply-add except where that double
     rounding differs, by an ulp)."""
@@ -149,13 +181,20 @@ def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 
 def qlinear_ref(x: torch.Tensor, packed: Packed) -> torch.Tensor:
     """The kernel's result in torch: per group, s = fma(q[:, k], x[:, k], s) for the group's k in order, then
-    acc = fma(d, s, acc) and (affine) acc = fma(m, sum of x over the group, acc)."""
+    acc = fma(d, s, acc) and (affine) acc = fma(m, sum of x over the group, acc); bfloat16 records:
+    acc = fma(w[:, k], x[:, k], acc) for every k in order."""
     shape = x.shape
-    q, d, m = packed.unpack()
     group, n = packed.group, packed.out_features
     x = x.reshape(-1, shape[-1]).float()
     if x.shape[1] < packed.in_features:
         x = torch.nn.functional.pad(x, (0, packed.in_features - x.shape[1]))
+    if packed.kind == BF16:  # acc = fma(w[k], x[k], acc), k in order
+        w = packed.dequantize()
+        acc = torch.zeros(x.shape[0], n, dtype=torch.float32)
+        for k in range(packed.in_features):
+            acc = _fma(w[None, :, k], x[:, k, None], acc)
+        return acc.view(*shape[:-1], n)
+    q, d, m = packed.unpack()
     qf = q.float()
     acc = torch.zeros(x.shape[0], n, dtype=torch.float32)
     for g in range(packed.in_features // group):

@@ -15,6 +15,14 @@
 //   m    16 offsets (affine formats only), same type
 // so that one 512-bit register holds one k's weights of 16 outputs. Records are read in order: one stream per
 // thread, the tiles split between threads.
+//
+// bfloat16 weights (kind BF16: a bfloat16 checkpoint, or --dtype bfloat16 on a CPU) have no groups and no scales: a
+// tile's record is its 16 outputs' weights for every k in order, two k per 64 bytes (one cache line): in each
+// 128-bit quarter q, 4 words of k (outputs 4q..4q+3), then the same 4 outputs' words of k + 1. Interleaving a
+// quarter's low (high) words with zeros makes them the upper halves of 4 floats: the float32 weights of k (k + 1),
+// exactly, in two instructions for the two k. They multiply the float32 activations as they are:
+// acc = fma(w[k], x[k], acc) for k in order. Half float32's bytes; the float32 product of the same weights up to the
+// order of the sums.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -36,13 +44,19 @@ namespace {
 
 constexpr int LANES = 16;  // outputs per tile
 
-// kind: bits (4 or 8) | group (16 or 32) | affine | float32 scales, in one integer (kernels/quant.py kind_code)
+constexpr int64_t BF16 = 16;  // the kind of bfloat16 weights (kernels/quant.py BF16)
+
+// kind: bits (4 or 8) | group (16 or 32) | affine | float32 scales, in one integer (kernels/quant.py kind_code); or
+// BF16: records of 32 k's bfloat16 weights (no scales)
 struct Kind {
   int bits, group;
   bool affine, f32;
   explicit Kind(int64_t code)
-      : bits(code & 1 ? 8 : 4), group(code & 2 ? 16 : 32), affine(code & 4), f32(code & 8) {}
-  int record() const { return LANES * group * bits / 8 + (affine ? 2 : 1) * LANES * (f32 ? 4 : 2); }
+      : bits(code == BF16 ? 16 : code & 1 ? 8 : 4), group(code == BF16 ? 32 : code & 2 ? 16 : 32),
+        affine(code != BF16 && (code & 4)), f32(code != BF16 && (code & 8)) {}
+  int record() const {
+    return LANES * group * bits / 8 + (bits == 16 ? 0 : (affine ? 2 : 1) * LANES * (f32 ? 4 : 2));
+  }
 };
 
 inline float half_to_float(uint16_t h) {
@@ -177,20 +191,60 @@ void tiles_rows(const uint8_t* rec, int64_t tile_bytes, int64_t groups, const fl
 #endif
 }
 
-template <int BITS, int GROUP, bool AFFINE, bool F32>
-void run(const uint8_t* packed, int64_t M, int64_t N, int64_t K, const float* x, float* y) {
-  constexpr int REC = LANES * GROUP * BITS / 8 + (AFFINE ? 2 : 1) * LANES * (F32 ? 4 : 2);
-  const int64_t groups = K / GROUP, tiles = (N + LANES - 1) / LANES, tile_bytes = groups * REC;
-  // each row's sum over each group (in order), for the offsets' term
-  std::vector<float> sums(AFFINE ? M * groups : 0);
-  for (int64_t r = 0; AFFINE && r < M; r++)
-    for (int64_t g = 0; g < groups; g++) {
-      float s = 0.0f;
-      for (int k = 0; k < GROUP; k++) s += x[r * K + g * GROUP + k];
-      sums[r * groups + g] = s;
+// T tiles of bfloat16 weights for R rows of x: acc = fma(w[k], x[k], acc), k in order (see the top of the file).
+template <int R, int T>
+void bf16_tiles_rows(const uint8_t* rec, int64_t tile_bytes, const float* x, int64_t K, float* y, int64_t N,
+                     int64_t n0) {
+#if CLOVER_AVX512
+  __m512 acc[T][R];
+  for (int t = 0; t < T; t++)
+    for (int r = 0; r < R; r++) acc[t][r] = _mm512_setzero_ps();
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t k = 0; k < K; k += 2) {
+    __m512 w0[T], w1[T];
+    for (int t = 0; t < T; t++) {
+      const __m512i v = _mm512_loadu_si512((const void*)(rec + t * tile_bytes + 2 * LANES * k));
+      w0[t] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, v));
+      w1[t] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, v));
     }
-  // Tasks of 8 tiles: with one row a thread's tiles go 8 at a time (independent sums to overlap), with more rows
-  // one at a time. Rows in blocks of 8, then the rest.
+    for (int r = 0; r < R; r++) {
+      const __m512 x0 = _mm512_set1_ps(x[r * K + k]), x1 = _mm512_set1_ps(x[r * K + k + 1]);
+      for (int t = 0; t < T; t++) acc[t][r] = _mm512_fmadd_ps(w0[t], x0, acc[t][r]);
+      for (int t = 0; t < T; t++) acc[t][r] = _mm512_fmadd_ps(w1[t], x1, acc[t][r]);
+    }
+  }
+  for (int t = 0; t < T; t++) {
+    const int64_t first = n0 + t * LANES;
+    const int64_t valid = N - first < LANES ? N - first : LANES;
+    if (valid <= 0) break;
+    const __mmask16 mask = (__mmask16)((1u << valid) - 1);
+    for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * N + first, mask, acc[t][r]);
+  }
+#else
+  for (int t = 0; t < T; t++)
+    for (int64_t l = 0; l < LANES && n0 + t * LANES + l < N; l++)
+      for (int r = 0; r < R; r++) {
+        float acc = 0.0f;
+        for (int64_t k = 0; k < K; k++) {
+          // the word of output l = 4q + i at k: quarter q of k's line, after the 4 words of k - 1 when k is odd
+          const int64_t word = LANES * (k & ~int64_t(1)) + 8 * (l / 4) + 4 * (k & 1) + l % 4;
+          uint16_t h;
+          std::memcpy(&h, rec + t * tile_bytes + 2 * word, 2);
+          const uint32_t bits = (uint32_t)h << 16;
+          float w;
+          std::memcpy(&w, &bits, 4);
+          acc = std::fma(w, x[r * K + k], acc);
+        }
+        y[r * N + n0 + t * LANES + l] = acc;
+      }
+#endif
+}
+
+// The tiles split between threads in tasks of 8: with one row a thread's tiles go 8 at a time (independent sums
+// to overlap), with more rows fewer at a time; rows in blocks of 8, then the rest. op.template tiles<R, T>(r, t)
+// computes T tiles from tile t for R rows from row r.
+template <class Op>
+void run_tasks(int64_t M, int64_t tiles, const Op& op) {
   constexpr int64_t BLOCK = 8;
   const int64_t tasks = (tiles + BLOCK - 1) / BLOCK;
   at::parallel_for(0, tasks, 1, [&](int64_t b0, int64_t b1) {
@@ -198,17 +252,10 @@ void run(const uint8_t* packed, int64_t M, int64_t N, int64_t K, const float* x,
       const int64_t t_end = (b + 1) * BLOCK < tiles ? (b + 1) * BLOCK : tiles;
       for (int64_t r = 0; r < M;) {
         const int64_t left = M - r;
-        const float* xr = x + r * K;
-        const float* sr = sums.data() + r * groups;
-        float* yr = y + r * N;
         int64_t t = b * BLOCK;
-#define CLOVER_RT(RR, TT)                                                                                     \
-  for (; t + TT <= t_end; t += TT)                                                                            \
-    tiles_rows<BITS, GROUP, AFFINE, F32, RR, TT>(packed + t * tile_bytes, tile_bytes, groups, xr, sr, K, yr, N, \
-                                                 t * LANES);                                                  \
-  for (; t < t_end; t++)                                                                                      \
-    tiles_rows<BITS, GROUP, AFFINE, F32, RR, 1>(packed + t * tile_bytes, tile_bytes, groups, xr, sr, K, yr, N,  \
-                                                t * LANES);                                                   \
+#define CLOVER_RT(RR, TT)                                          \
+  for (; t + TT <= t_end; t += TT) op.template tiles<RR, TT>(r, t); \
+  for (; t < t_end; t++) op.template tiles<RR, 1>(r, t);            \
   r += RR;
         if (left >= 8) {
           CLOVER_RT(8, 2)
@@ -223,6 +270,54 @@ void run(const uint8_t* packed, int64_t M, int64_t N, int64_t K, const float* x,
       }
     }
   });
+}
+
+template <int BITS, int GROUP, bool AFFINE, bool F32>
+struct GroupedTiles {
+  const uint8_t* packed;
+  int64_t tile_bytes, groups;
+  const float *x, *sums;
+  int64_t K;
+  float* y;
+  int64_t N;
+  template <int R, int T>
+  void tiles(int64_t r, int64_t t) const {
+    tiles_rows<BITS, GROUP, AFFINE, F32, R, T>(packed + t * tile_bytes, tile_bytes, groups, x + r * K,
+                                               sums + r * groups, K, y + r * N, N, t * LANES);
+  }
+};
+
+struct Bf16Tiles {
+  const uint8_t* packed;
+  int64_t tile_bytes;
+  const float* x;
+  int64_t K;
+  float* y;
+  int64_t N;
+  template <int R, int T>
+  void tiles(int64_t r, int64_t t) const {
+    bf16_tiles_rows<R, T>(packed + t * tile_bytes, tile_bytes, x + r * K, K, y + r * N, N, t * LANES);
+  }
+};
+
+template <int BITS, int GROUP, bool AFFINE, bool F32>
+void run(const uint8_t* packed, int64_t M, int64_t N, int64_t K, const float* x, float* y) {
+  constexpr int REC = LANES * GROUP * BITS / 8 + (AFFINE ? 2 : 1) * LANES * (F32 ? 4 : 2);
+  const int64_t groups = K / GROUP, tiles = (N + LANES - 1) / LANES, tile_bytes = groups * REC;
+  // each row's sum over each group (in order), for the offsets' term
+  std::vector<float> sums(AFFINE ? M * groups : 0);
+  for (int64_t r = 0; AFFINE && r < M; r++)
+    for (int64_t g = 0; g < groups; g++) {
+      float s = 0.0f;
+      for (int k = 0; k < GROUP; k++) s += x[r * K + g * GROUP + k];
+      sums[r * groups + g] = s;
+    }
+  run_tasks(M, tiles, GroupedTiles<BITS, GROUP, AFFINE, F32>{packed, tile_bytes, groups, x, sums.data(), K, y, N});
+}
+
+void run_bf16(const uint8_t* packed, int64_t M, int64_t N, int64_t K, const float* x, float* y) {
+  const int64_t tiles = (N + LANES - 1) / LANES;
+  run_tasks(M, tiles, Bf16Tiles{packed, 2 * LANES * K, x, K, y, N});
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, int64_t in_features,
@@ -256,6 +351,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
       CLOVER_KIND(9, 8, 32, false, true) CLOVER_KIND(10, 4, 16, false, true) CLOVER_KIND(11, 8, 16, false, true)
       CLOVER_KIND(12, 4, 32, true, true) CLOVER_KIND(13, 8, 32, true, true) CLOVER_KIND(14, 4, 16, true, true)
       CLOVER_KIND(15, 8, 16, true, true)
+      case BF16:
+        run_bf16(p, M, N, K, xp, out);
+        break;
       default: TORCH_CHECK(false, "unknown packed weight kind ", kind);
     }
 #undef CLOVER_KIND

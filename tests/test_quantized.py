@@ -78,6 +78,32 @@ def test_kernel_equals_its_reference_row_by_row(layout):
         assert torch.equal(quant.qlinear(x[4:17], packed), y[4:17])  # a row in another place among others
 
 
+def random_bf16(n: int, k: int, seed: int = 0):
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16).float()
+    packed = quant.pack_bf16(w)
+    assert packed.kind == quant.BF16 and quant.kind_of(packed.kind)[0] == 16
+    return packed, w
+
+
+def test_bf16_kernel_equals_its_reference_row_by_row():
+    """bfloat16 weights: the kernel's outputs are the reference's (fma(w[k], x[k], acc), k in order; an ulp apart at
+    most), each row alone the same bits as in any batch; the records hold the weights exactly; weights bfloat16
+    cannot hold are refused."""
+    for n, k in SHAPES:
+        packed, w = random_bf16(n, k)
+        assert packed.in_features == k + (-k % 32) and torch.equal(packed.dequantize()[:, :k], w)
+        x = torch.randn(17, k)
+        y = quant.qlinear(x, packed)
+        assert y.shape == (17, n) and ulps(y, quant.qlinear_ref(x, packed)) <= 1
+        want = torch.nn.functional.linear(x.double(), w.double()).float()
+        assert (y - want).abs().max() <= 2e-5 * want.abs().max()  # float32 rounding apart, no more
+        for rows in (1, 2, 3, 5, 8, 13):
+            assert torch.equal(quant.qlinear(x[:rows], packed), y[:rows])
+        assert torch.equal(quant.qlinear(x[4:17], packed), y[4:17])
+    with pytest.raises(ValueError, match="not bfloat16 values"):
+        quant.pack_bf16(torch.full((16, 32), 1.0 + 2**-10))
+
+
 def test_kernel_is_the_dequantized_product_up_to_rounding():
     """Against F.linear with the dequantized float32 weights: float32 rounding apart, no more (no rounding of the
     activations, which would show at ~1e-2)."""
@@ -106,14 +132,13 @@ def test_portable_path_equals_the_reference(tmp_path):
 import sys, torch
 sys.path[:0] = {sys.path!r}
 from clover_kernels import quant
-from test_quantized import LAYOUTS, random_packed, ulps
+from test_quantized import LAYOUTS, random_bf16, random_packed, ulps
 quant.load({str(tmp_path)!r}, generic=True)
 assert not quant.avx512()
-for layout in LAYOUTS:
-    packed, *_ = random_packed(37, 96, *layout)
-    x = torch.randn(11, 96)
+for packed in [random_packed(37, 96, *layout)[0] for layout in LAYOUTS] + [random_bf16(37, 70)[0]]:
+    x = torch.randn(11, packed.in_features)
     y = quant.qlinear(x, packed)
-    assert ulps(y, quant.qlinear_ref(x, packed)) <= 1, layout
+    assert ulps(y, quant.qlinear_ref(x, packed)) <= 1, packed.kind
     assert torch.equal(quant.qlinear(x[3:4], packed), y[3:4])
 print("ok")
 """
@@ -281,6 +306,46 @@ def test_quantize_any_float_model(bits, llama_dir):
         assert out == reference
 
 
+def test_bf16_weights_of_any_float_model(llama_dir):
+    """--dtype bfloat16 on a CPU: every parameter rounded to bfloat16 (the model becomes a bfloat16 checkpoint loaded
+    in float32), the linears kept so for the kernel, RoPE's frequencies untouched; decoding on it gives exactly
+    transformers' greedy generate on the same model, and the tokens the float32 model with the rounded weights and
+    torch's own products gives."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from clover_cli.decode.engine import Engine
+    from clover_cli.decode.verify import StopCheck
+    from clover_cli.drafters.ngram import NgramDrafter
+    from clover_cli.target import Target
+
+    model = AutoModelForCausalLM.from_pretrained(llama_dir).eval()
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    rounded = copy.deepcopy(model).to(torch.bfloat16).float()  # what the weights become, run by torch
+    for name, b in rounded.named_buffers():
+        b.copy_(buffers[name])
+    note = quantized.apply(model, Path("."), "bf16")
+    assert note.startswith("bf16") and "float" not in note
+    assert all(isinstance(m, quantized.QuantLinear) for m in model.modules() if isinstance(m, torch.nn.Linear))
+    want = dict(rounded.named_parameters())
+    for name, p in model.named_parameters():  # norms, embeddings (the linears' weights are the kernels' now)
+        assert torch.equal(p, want[name]), name
+    for name, module in model.named_modules():
+        if isinstance(module, quantized.QuantLinear):
+            assert torch.equal(module.weight, rounded.get_submodule(name).weight), name
+    assert all(torch.equal(b, buffers[name]) for name, b in model.named_buffers() if name in buffers)
+    assert any("rotary" in name for name in buffers)
+    target = Target(model)
+    prompt = list(range(5, 25))
+    reference = hf_greedy(model, prompt, 20)
+    assert hf_greedy(rounded, prompt, 20) == reference
+    for drafter in (None, NgramDrafter()):
+        engine = Engine(target, drafter or make("none", model, target, 0), budget=8, auto_budget=False)
+        out, _ = run_engine(engine, prompt, StopCheck(20))
+        assert out == reference
+
+
 def test_quantize_options_fail_in_one_line(run_cli, tmp_path):
     prompt = tmp_path / "p.txt"
     prompt.write_text("hi")
@@ -324,10 +389,11 @@ def test_fused_products_equal_the_ones_they_replace(written, cache):
 
 
 @pytest.mark.slow
-def test_the_compiled_step_runs_quantized_weights_losslessly(tmp_path):
-    """A quantized model's compiled step (its kernel called from the AOTInductor program, q/k/v and gate/up fused)
-    passes the build's check against the eager step, and decoding on it gives transformers' greedy generate on the
-    same quantized model, for plain decoding, n-gram lookup and Clover-2 heads merged with it."""
+@pytest.mark.parametrize("weights", ["int4", "bf16"])
+def test_the_compiled_step_runs_quantized_weights_losslessly(weights, tmp_path):
+    """A quantized (or bfloat16) model's compiled step (its kernel called from the AOTInductor program, q/k/v and
+    gate/up fused) passes the build's check against the eager step, and decoding on it gives transformers' greedy
+    generate on the same model, for plain decoding, n-gram lookup and Clover-2 heads merged with it."""
     from clover_cli.decode.engine import Engine
     from clover_cli.decode.verify import StopCheck
     from clover_cli.step.aot import Package
@@ -338,7 +404,7 @@ def test_the_compiled_step_runs_quantized_weights_losslessly(tmp_path):
     import random
 
     model = make_model("llama", seed=3)
-    quantized.apply(model, Path("."), "int4")
+    quantized.apply(model, Path("."), weights)
     target = Target(model)
     meta = build_for(target, tmp_path / "pkg", log=lambda text: None, static=(1,), autotune=False)
     assert set(meta["ranges"]) == {"step-1.pt2", "step.pt2"}

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from .. import atomic
+from ..quantized import WEIGHTS
 from ..errors import CloverError, one_line
 from . import unsupported
 from .aot import Package, find_heads
@@ -36,7 +37,7 @@ class Job:
     heads_out: Path | None = None
     topk: int = 8
     force: bool = False
-    weights: str = "float"  # the linears' weights (clover_cli/quantized.py): float, gguf, int8 or int4
+    weights: str = "float"  # the linears' weights (clover_cli/quantized.py WEIGHTS): float, gguf, int8, int4, bf16
 
     def argv(self) -> list[str]:
         """The child's arguments: every path absolute (it runs from another directory)."""
@@ -266,7 +267,7 @@ def main(argv=None) -> int:
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--allow-pickle", action="store_true")
     p.add_argument("--force", action="store_true")
-    p.add_argument("--weights", default="float", choices=("float", "gguf", "int8", "int4"))
+    p.add_argument("--weights", default="float", choices=WEIGHTS)
     p.add_argument("--log", help="the file standard output goes to: emptied once the build lock is taken")
     a = p.parse_args(argv)
     from ..signals import exit_on_signals
