@@ -354,6 +354,10 @@ def test_quantize_options_fail_in_one_line(run_cli, tmp_path):
                        (["--quantize", "int4", "--dtype", "bfloat16"], "drop --dtype bfloat16")):
         code, out, err = run_cli("generate", "tiny", "-f", str(prompt), "-n", "2", "--stats-file", "off", *args)
         assert code == 2 and says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    for args, says in ((["--quantize", "int3"], "--quantize must be int8 or int4"),  # clover compile: the same check
+                       (["--quantize", "int8", "--dtype", "bfloat16"], "drop --dtype bfloat16")):
+        code, out, err = run_cli("compile", "tiny", *args)
+        assert code == 2 and says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_generate_runs_quantized_and_says_so(run_cli, tmp_path):
