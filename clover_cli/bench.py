@@ -309,7 +309,7 @@ class BenchSession:
         from .llamacpp import unsupported_model, why_unavailable
 
         s = self.session
-        why = why_unavailable(s.model, s.tokenizer, s.device, s.dtype, s.load_in_8bit)
+        why = why_unavailable(s.model, s.tokenizer, s.device, s.dtype, s.load_in_8bit, s.weights)
         if why is None and draft and (why := unsupported_model(self.draft_model.config)):
             why = f"the draft model: {why}"
         return why

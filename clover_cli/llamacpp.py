@@ -29,7 +29,7 @@ INSTALL_HINT = "pip install 'clover-cli[llama]'"
 WRITER_VERSION = 2  # part of the cache key: bump when the GGUF this module writes changes
 
 
-def why_unavailable(model, tokenizer, device, dtype, load_in_8bit: bool = False) -> str | None:
+def why_unavailable(model, tokenizer, device, dtype, load_in_8bit: bool = False, weights: str = "float") -> str | None:
     """None when the llama.cpp rows can run for this target, else the reason in one line."""
     for module, package in (("llama_cpp", "llama-cpp-python"), ("gguf", "gguf")):
         try:
@@ -41,6 +41,9 @@ def why_unavailable(model, tokenizer, device, dtype, load_in_8bit: bool = False)
             return f"{package} does not load ({first_line}); reinstall it: {INSTALL_HINT}"
     if load_in_8bit:
         return "llama.cpp runs the target's float32 weights, and this target is loaded in 8 bits (drop --load-in-8bit)"
+    if weights != "float":  # the GGUF is written from the float32 model's own parameters
+        return f"llama.cpp runs the target's float32 weights, and this target runs {weights} weights (use --dtype " \
+               f"float32)"
     if str(device) != "cpu" or str(dtype) != "torch.float32":
         return f"llama.cpp runs the target's float32 weights on the CPU, and this target is " \
                f"{str(dtype).replace('torch.', '')} on {device} (use --device cpu --dtype float32)"

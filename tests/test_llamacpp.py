@@ -99,10 +99,13 @@ def test_llama_cpp_draft_needs_a_llama_draft(llama_dir, prompts_file, run_cli, f
 
 
 @pytest.mark.skipif(not importable("gguf"), reason="gguf is not installed")
-def test_only_float32_on_the_cpu(llama_dir, prompts_file, run_cli, fake_llama_cpp):
-    code, out, err = run_cli("bench", str(llama_dir), "--prompts", str(prompts_file), "--methods", "llama.cpp",
-                             "--dtype", "bfloat16")
-    assert code == 2 and err.count("\n") == 1 and "bfloat16 on cpu" in err and "--dtype float32" in err, err
+@pytest.mark.parametrize("args,says", [(["--dtype", "bfloat16"], "runs bf16 weights"),
+                                       (["--quantize", "int8"], "runs int8 weights")])
+def test_only_float32_on_the_cpu(llama_dir, prompts_file, run_cli, fake_llama_cpp, args, says):
+    """The GGUF llama.cpp runs is written from the float32 model's parameters: weights clover runs in another format
+    (bfloat16, quantized) are refused in one line, not written half."""
+    code, out, err = run_cli("bench", str(llama_dir), "--prompts", str(prompts_file), "--methods", "llama.cpp", *args)
+    assert code == 2 and err.count("\n") == 1 and says in err and "--dtype float32" in err, err
 
 
 def test_unsupported_configs_are_named():
