@@ -730,6 +730,9 @@ def test_metrics(llama_dir):
                                                                   "temperature": 0})[2])
         assert request(s.url, "POST", "/v1/chat/completions", {"messages": []})[0] == 400
         assert request(s.url, "GET", "/nowhere/at/all")[0] == 404
+        deadline = time.monotonic() + 30  # a reply is sent as its last token is ready; its job ends right after
+        while s.worker.status()["running"] and time.monotonic() < deadline:
+            time.sleep(0.01)
         got = scrape(s.url)
     def req(endpoint, status):
         return got.get(("clover_requests_total", (("endpoint", endpoint), ("status", status))))
