@@ -32,12 +32,12 @@ import torch
 import torch.nn as nn
 
 from .errors import CloverError, one_line
+from .loading import DTYPES
 from .options import check_quantize
 
 BLOCKS_FILE = "clover-gguf-blocks.safetensors"  # in a converted GGUF directory: its tensors' blocks, repacked
 BLOCKS_VERSION = 1  # bump when the packed records change: older files are not used (the model runs float)
 WEIGHTS = ("float", "gguf", "int8", "int4", "bf16")
-BF16_DTYPES = ("bfloat16", "bf16")  # --dtype on a CPU: the weights rounded to bfloat16, multiplied in float32
 GROUP = 32  # --quantize: weights per scale
 # GGUF tensor types run in their own blocks, and how: (bits of the kernel's integers, weights per scale)
 GGUF_TYPES = {"Q8_0": (8, 32), "Q4_0": (4, 32), "Q4_1": (4, 32), "Q5_0": (8, 32), "Q5_1": (8, 32),
@@ -131,7 +131,7 @@ def weights_for(quantize: str | None, dtype: str, device: torch.device, model_di
         if device.type != "cpu":
             raise CloverError("--quantize runs on the CPU; on a GPU use --load-in-8bit or --load-in-4bit")
         return quantize
-    if device.type == "cpu" and dtype in BF16_DTYPES:
+    if device.type == "cpu" and DTYPES.get(dtype) == torch.bfloat16:  # --dtype bfloat16 (or bf16)
         return "bf16"
     if device.type == "cpu" and dtype == "auto" and (Path(model_dir) / BLOCKS_FILE).is_file():
         return "gguf"

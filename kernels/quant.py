@@ -31,7 +31,7 @@ SOURCE = Path(__file__).with_name("quant_cpu.cpp")
 LANES = 16  # outputs per tile (one 512-bit register of float32)
 
 
-BF16 = 16  # the kind of bfloat16 weights (quant_cpu.cpp's BF16): 16 per k per tile, no scales
+BF16 = 16  # the kind of bfloat16 weights (quant_cpu.cpp's BF16): no groups, no scales (pack_bf16's layout)
 
 
 def kind_code(bits: int, group: int, affine: bool, f32: bool) -> int:
