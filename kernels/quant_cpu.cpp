@@ -23,11 +23,21 @@
 // exactly, in two instructions for the two k. They multiply the float32 activations as they are:
 // acc = fma(w[k], x[k], acc) for k in order. Half float32's bytes; the float32 product of the same weights up to the
 // order of the sums.
+//
+// int8 activations (the flag ACT8 on a kind of integers, as llama.cpp runs a GGUF's blocks): each row's activations
+// are rounded per group to int8 with a scale, xs = max|x| / 127, xq = rint(x * (127 / max|x|)), and the integers
+// multiply the integers exactly (AVX-512 VNNI: 64 byte products per instruction against 16 float32 ones); then per
+// group acc = fma(d * xs, s, acc) with s = sum of q[k] * xq[k] (an exact integer) and, for affine formats,
+// acc = fma(m, xs * sum(xq), acc). The product is then the dequantized weights' with the rounded activations,
+// each group's exactly, up to the float32 accumulation over groups; a row still does not depend on the others. The weights' records are the same as above: a 64-byte line of them is reordered in
+// registers (one byte permutation) so that each 32-bit lane holds four k's of one output, and the activations are
+// stored in the matching k order (act8_rows).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -39,12 +49,22 @@
 #else
 #define CLOVER_AVX512 0
 #endif
+#if CLOVER_AVX512 && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define CLOVER_VNNI 1
+#else
+#define CLOVER_VNNI 0
+#endif
 
 namespace {
 
 constexpr int LANES = 16;  // outputs per tile
 
 constexpr int64_t BF16 = 16;  // the kind of bfloat16 weights (kernels/quant.py BF16)
+constexpr int64_t ACT8 = 32;  // flag on a kind of integers: int8 activations (kernels/quant.py ACT8)
+
+// While set, ACT8 kinds multiply the float32 activations as they are (kernels/quant.py float_activations): the checks
+// that compare clover's step with a reference of other arithmetic run so, in the same programs.
+std::atomic<bool> float_only{false};
 
 // kind: bits (4 or 8) | group (16 or 32) | affine | float32 scales, in one integer (kernels/quant.py kind_code); or
 // BF16: records of 32 k's bfloat16 weights (no scales)
@@ -240,12 +260,189 @@ void bf16_tiles_rows(const uint8_t* rec, int64_t tile_bytes, const float* x, int
 #endif
 }
 
+// Where k of a group sits in a row's int8 activations (act8_rows): 4-bit records hold k and k + 1 in one byte's two
+// nibbles, so each 8 k's are stored as the even ones then the odd ones; 8-bit records in k order.
+template <int BITS>
+inline int act8_slot(int k) {
+  return BITS == 4 ? (k & ~7) + 4 * (k & 1) + ((k & 7) >> 1) : k;
+}
+
+// Each row's activations per group rounded to int8: xs = max|x| / 127, xq = rint(x * (127 / max|x|)) (0 for a group
+// of zeros), stored in act8_slot order (for 8-bit records as xq + 128: VNNI multiplies unsigned bytes by signed ones,
+// the weights being the signed ones); and sq = xs * (sum of xq over the group), the rounded activations' sum.
+template <int BITS, int GROUP>
+void act8_rows(const float* x, int64_t M, int64_t K, uint8_t* xq, float* xs, float* sq) {
+  const int64_t groups = K / GROUP;
+  for (int64_t r = 0; r < M; r++)
+    for (int64_t g = 0; g < groups; g++) {
+      const float* xg = x + r * K + g * GROUP;
+      uint8_t* out = xq + r * K + g * GROUP;
+#if CLOVER_AVX512
+      __m512 v[GROUP / 16], top = _mm512_setzero_ps();
+      for (int i = 0; i < GROUP / 16; i++) {
+        v[i] = _mm512_loadu_ps(xg + 16 * i);
+        top = _mm512_max_ps(top, _mm512_abs_ps(v[i]));
+      }
+      const float amax = _mm512_reduce_max_ps(top);
+#else
+      float amax = 0.0f;
+      for (int k = 0; k < GROUP; k++) amax = std::fmax(amax, std::fabs(xg[k]));
+#endif
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      const float scale = amax / 127.0f;
+      int32_t total = 0;
+#if CLOVER_AVX512
+      const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+      __m512i sum = _mm512_setzero_si512();
+      for (int i = 0; i < GROUP / 16; i++) {  // rounded to nearest even, as nearbyint
+        const __m512i q = _mm512_min_epi32(hi, _mm512_max_epi32(lo, _mm512_cvtps_epi32(_mm512_mul_ps(v[i], _mm512_set1_ps(inv)))));
+        sum = _mm512_add_epi32(sum, q);
+        __m128i b = _mm512_cvtepi32_epi8(q);
+        if (BITS == 4) b = _mm_shuffle_epi8(b, _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15));
+        else b = _mm_xor_si128(b, _mm_set1_epi8((char)0x80));
+        _mm_storeu_si128((__m128i*)(out + 16 * i), b);
+      }
+      total = _mm512_reduce_add_epi32(sum);
+#else
+      for (int k = 0; k < GROUP; k++) {
+        const int q = (int)std::fmin(127.0f, std::fmax(-127.0f, std::nearbyint(xg[k] * inv)));
+        total += q;
+        out[act8_slot<BITS>(k)] = (uint8_t)(BITS == 4 ? (int8_t)q : q + 128);
+      }
+#endif
+      xs[r * groups + g] = scale;
+      sq[r * groups + g] = scale * (float)total;
+    }
+}
+
+// T tiles for R rows of int8 activations: per group s = sum of q[k] * xq[k] (int32, exact), then
+// acc = fma(d * xs, s, acc) and, affine, acc = fma(m, sq, acc) (sq: xs * the sum of xq over the group).
+template <int BITS, int GROUP, bool AFFINE, bool F32, int R, int T>
+void act8_tiles_rows(const uint8_t* rec, int64_t tile_bytes, int64_t groups, const uint8_t* xq, const float* xs,
+                     const float* sx, int64_t K, float* y, int64_t N, int64_t n0) {
+  constexpr int QB = LANES * GROUP * BITS / 8;
+  constexpr int SB = LANES * (F32 ? 4 : 2);
+  constexpr int REC = QB + (AFFINE ? 2 : 1) * SB;
+#if CLOVER_VNNI
+  alignas(64) float acc[T][R][LANES];
+  for (int t = 0; t < T; t++)
+    for (int r = 0; r < R; r++) _mm512_store_ps(acc[t][r], _mm512_setzero_ps());
+  // a 64-byte line holds 16 bytes (one per output) for each of 4 positions: output l's 4 bytes to lane l
+  alignas(64) uint8_t order[64];
+  for (int l = 0; l < LANES; l++)
+    for (int i = 0; i < 4; i++) order[4 * l + i] = (uint8_t)(16 * i + l);
+  const __m512i perm = _mm512_load_si512((const void*)order);
+  const __m512i low = _mm512_set1_epi8(0x0f), ones = _mm512_set1_epi8(1);
+  constexpr int LINES = QB / 64;  // 4-bit: 8 k's per line (two nibbles of 4 pairs); 8-bit: 4 k's
+  for (int64_t g = 0; g < groups; g++) {
+    __m512i s[T][R], sq[T];
+    for (int t = 0; t < T; t++) {
+      sq[t] = _mm512_setzero_si512();
+      for (int r = 0; r < R; r++) s[t][r] = _mm512_setzero_si512();
+    }
+    const uint8_t* xg = xq + g * GROUP;
+    for (int c = 0; c < LINES; c++) {
+      __m512i w0[T], w1[T];
+      for (int t = 0; t < T; t++) {
+        const __m512i v = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512((const void*)(rec + t * tile_bytes + g * REC + 64 * c)));
+        if (BITS == 4) {
+          w0[t] = _mm512_and_si512(v, low);                         // k = 8c, 8c + 2, 8c + 4, 8c + 6
+          w1[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);   // k = 8c + 1, ... 8c + 7
+        } else {
+          w0[t] = v;                                                // k = 4c ... 4c + 3, signed
+          sq[t] = _mm512_dpbusd_epi32(sq[t], ones, v);              // their sum, for the + 128 of the activations
+        }
+      }
+      for (int r = 0; r < R; r++) {
+        if (BITS == 4) {
+          int32_t e, o;
+          std::memcpy(&e, xg + r * K + 8 * c, 4);
+          std::memcpy(&o, xg + r * K + 8 * c + 4, 4);
+          const __m512i x0 = _mm512_set1_epi32(e), x1 = _mm512_set1_epi32(o);
+          for (int t = 0; t < T; t++) {
+            s[t][r] = _mm512_dpbusd_epi32(s[t][r], w0[t], x0);
+            s[t][r] = _mm512_dpbusd_epi32(s[t][r], w1[t], x1);
+          }
+        } else {
+          int32_t e;
+          std::memcpy(&e, xg + r * K + 4 * c, 4);
+          const __m512i x0 = _mm512_set1_epi32(e);
+          for (int t = 0; t < T; t++) s[t][r] = _mm512_dpbusd_epi32(s[t][r], x0, w0[t]);
+        }
+      }
+    }
+    for (int t = 0; t < T; t++) {
+      const uint8_t* p = rec + t * tile_bytes + g * REC + QB;
+      const __m512 d = F32 ? _mm512_loadu_ps((const float*)p) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+      __m512 m;
+      if (AFFINE) m = F32 ? _mm512_loadu_ps((const float*)(p + SB)) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p + SB)));
+      const __m512i shift = _mm512_slli_epi32(sq[t], 7);
+      for (int r = 0; r < R; r++) {
+        const __m512i si = BITS == 4 ? s[t][r] : _mm512_sub_epi32(s[t][r], shift);
+        const __m512 dx = _mm512_mul_ps(d, _mm512_set1_ps(xs[r * groups + g]));
+        __m512 a = _mm512_fmadd_ps(dx, _mm512_cvtepi32_ps(si), _mm512_load_ps(acc[t][r]));
+        if (AFFINE) a = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * groups + g]), a);
+        _mm512_store_ps(acc[t][r], a);
+      }
+    }
+  }
+  for (int t = 0; t < T; t++) {
+    const int64_t first = n0 + t * LANES;
+    const int64_t valid = N - first < LANES ? N - first : LANES;
+    if (valid <= 0) break;
+    const __mmask16 mask = (__mmask16)((1u << valid) - 1);
+    for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * N + first, mask, _mm512_load_ps(acc[t][r]));
+  }
+#else
+  for (int t = 0; t < T; t++)
+    for (int l = 0; l < LANES; l++) {
+      if (n0 + t * LANES + l >= N) break;
+      for (int r = 0; r < R; r++) {
+        float acc = 0.0f;
+        for (int64_t g = 0; g < groups; g++) {
+          const uint8_t* p = rec + t * tile_bytes + g * REC;
+          const uint8_t* xg = xq + r * K + g * GROUP;
+          int32_t s = 0;
+          for (int k = 0; k < GROUP; k++) {
+            int q;
+            if (BITS == 4) {
+              const uint8_t byte = p[16 * (k / 2) + l];
+              q = k % 2 ? byte >> 4 : byte & 0x0f;
+            } else {
+              q = (int8_t)p[16 * k + l];
+            }
+            const int a = BITS == 4 ? (int)(int8_t)xg[act8_slot<BITS>(k)] : (int)xg[k] - 128;
+            s += q * a;
+          }
+          float d, m = 0.0f;
+          if (F32) {
+            std::memcpy(&d, p + QB + 4 * l, 4);
+            if (AFFINE) std::memcpy(&m, p + QB + SB + 4 * l, 4);
+          } else {
+            uint16_t h;
+            std::memcpy(&h, p + QB + 2 * l, 2);
+            d = half_to_float(h);
+            if (AFFINE) {
+              std::memcpy(&h, p + QB + SB + 2 * l, 2);
+              m = half_to_float(h);
+            }
+          }
+          const float dx = d * xs[r * groups + g];
+          acc = std::fma(dx, (float)s, acc);
+          if (AFFINE) acc = std::fma(m, sx[r * groups + g], acc);
+        }
+        y[r * N + n0 + t * LANES + l] = acc;
+      }
+    }
+#endif
+}
+
 // The tiles split between threads in tasks of 8: with one row a thread's tiles go 8 at a time (independent sums
 // to overlap), with more rows fewer at a time; rows in blocks of 8, then the rest. op.template tiles<R, T>(r, t)
 // computes T tiles from tile t for R rows from row r.
 template <class Op>
 void run_tasks(int64_t M, int64_t tiles, const Op& op) {
-  constexpr int64_t BLOCK = 8;
+  const int64_t BLOCK = M >= 4 ? 4 : 8;
   const int64_t tasks = (tiles + BLOCK - 1) / BLOCK;
   at::parallel_for(0, tasks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; b++) {
@@ -287,6 +484,22 @@ struct GroupedTiles {
   }
 };
 
+template <int BITS, int GROUP, bool AFFINE, bool F32>
+struct Act8Tiles {
+  const uint8_t* packed;
+  int64_t tile_bytes, groups;
+  const uint8_t* xq;
+  const float *xs, *sums;
+  int64_t K;
+  float* y;
+  int64_t N;
+  template <int R, int T>
+  void tiles(int64_t r, int64_t t) const {
+    act8_tiles_rows<BITS, GROUP, AFFINE, F32, R, T>(packed + t * tile_bytes, tile_bytes, groups, xq + r * K,
+                                                    xs + r * groups, sums + r * groups, K, y + r * N, N, t * LANES);
+  }
+};
+
 struct Bf16Tiles {
   const uint8_t* packed;
   int64_t tile_bytes;
@@ -301,10 +514,18 @@ struct Bf16Tiles {
 };
 
 template <int BITS, int GROUP, bool AFFINE, bool F32>
-void run(const uint8_t* packed, int64_t M, int64_t N, int64_t K, const float* x, float* y) {
+void run(const uint8_t* packed, int64_t M, int64_t N, int64_t K, const float* x, float* y, bool act8) {
   constexpr int REC = LANES * GROUP * BITS / 8 + (AFFINE ? 2 : 1) * LANES * (F32 ? 4 : 2);
   const int64_t groups = K / GROUP, tiles = (N + LANES - 1) / LANES, tile_bytes = groups * REC;
   // each row's sum over each group (in order), for the offsets' term
+  if (act8) {
+    std::vector<uint8_t> xq(M * K);
+    std::vector<float> xs(M * groups), sq(M * groups);
+    act8_rows<BITS, GROUP>(x, M, K, xq.data(), xs.data(), sq.data());
+    run_tasks(M, tiles, Act8Tiles<BITS, GROUP, AFFINE, F32>{packed, tile_bytes, groups, xq.data(), xs.data(),
+                                                          sq.data(), K, y, N});
+    return;
+  }
   std::vector<float> sums(AFFINE ? M * groups : 0);
   for (int64_t r = 0; AFFINE && r < M; r++)
     for (int64_t g = 0; g < groups; g++) {
@@ -324,7 +545,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
                   int64_t kind) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "clover_quant::linear runs on the CPU");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "packed weights must be contiguous uint8");
-  const Kind k(kind);
+  const bool act8 = kind != BF16 && (kind & ACT8) && !float_only.load(std::memory_order_relaxed);
+  TORCH_CHECK(kind == BF16 || (kind >= 0 && (kind & ~(ACT8 | 15)) == 0), "unknown packed weight kind ", kind);
+  const Kind k(kind & ~ACT8);
   TORCH_CHECK(x.size(-1) <= in_features && in_features % k.group == 0, "input features do not fit the packed weights");
   const int64_t tiles = (out_features + LANES - 1) / LANES, groups = in_features / k.group;
   TORCH_CHECK(packed.numel() == tiles * groups * k.record(), "packed weights of the wrong size");
@@ -342,9 +565,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
     const int64_t N = out_features, K = in_features;
 #define CLOVER_KIND(code, B, G, A, F) \
   case code:                          \
-    run<B, G, A, F>(p, M, N, K, xp, out); \
+    run<B, G, A, F>(p, M, N, K, xp, out, act8); \
     break;
-    switch (kind) {
+    switch (kind == BF16 ? kind : kind & ~ACT8) {
       CLOVER_KIND(0, 4, 32, false, false) CLOVER_KIND(1, 8, 32, false, false) CLOVER_KIND(2, 4, 16, false, false)
       CLOVER_KIND(3, 8, 16, false, false) CLOVER_KIND(4, 4, 32, true, false) CLOVER_KIND(5, 8, 32, true, false)
       CLOVER_KIND(6, 4, 16, true, false) CLOVER_KIND(7, 8, 16, true, false) CLOVER_KIND(8, 4, 32, false, true)
@@ -371,3 +594,5 @@ TORCH_LIBRARY(clover_quant, m) {
 TORCH_LIBRARY_IMPL(clover_quant, CPU, m) { m.impl("linear", &linear); }
 
 extern "C" int clover_quant_avx512() { return CLOVER_AVX512; }
+
+extern "C" int clover_quant_float_activations(int on) { return float_only.exchange(on != 0) ? 1 : 0; }

@@ -1,0 +1,288 @@
+// Attention on the CPU whose every query row is computed the same way whatever else is in the batch: a row's
+// output depends only on its query and on the keys and values it may see, taken in buffer order (the committed
+// tokens, then its ancestors in the draft tree, then itself). A verify over a tree therefore gives each node, bit
+// for bit, what a one-token step gives the same token after the same accepted path; with activations rounded to
+// int8 before every product (quant_cpu.cpp's ACT8) the float32 noise of a row-dependent attention (torch's SDPA)
+// would otherwise grow into different tokens.
+//
+// For each batch b, query head h (key/value head h / (Hq / Hkv)) and query row i, over the visible keys j in order:
+//   s_j = scale * dot(q, k_j)    dot: 16 lanes, lane l = fma over d = l, l + 16, ... in order, then summed in
+//                                halves (lane l + lane l + 8, then + 4, + 2, + 1)
+//   s_j = cap * tanh(s_j / cap)  only with a soft cap (cap > 0)
+//   p_j = exp(s_j - max s)       exp_nonpositive: a fixed polynomial, elementwise
+//   out = acc / total            acc = fma(p_j, v_j, acc) over j in order; total: 16 lanes (lane j % 16, in order),
+//                                summed in halves
+// The AVX-512 path computes 16 keys' dots at once and the portable C++ one key at a time, with the same operations
+// in the same order; neither reorders a sum (built with -ffp-contract=off, no fast-math), so a row's result is the
+// same bits for every batch and every place of the row in it.
+// The reference (kernels/attention.py, attention_ref) is softmax attention in float64.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int LANES = 16;
+
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && !defined(CLOVER_GENERIC)
+#include <immintrin.h>
+#define CLOVER_ATTN_AVX512 1
+#else
+#define CLOVER_ATTN_AVX512 0
+#endif
+
+// exp(x) for x <= 0 (scores less their maximum): x = n ln2 + r, |r| <= ln2 / 2, e^r by a degree-6 polynomial
+// (Cephes' expf coefficients), times 2^n built in the exponent bits; 0 below -87. Separate multiplies and adds.
+inline float exp_nonpositive(float x) {
+  const bool under = !(x >= -87.0f);
+  x = under ? -87.0f : x;
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = (p * (r * r) + r) + 1.0f;
+  const int32_t bits = ((int32_t)n + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return under ? 0.0f : p * scale;
+}
+
+// A sum of 16 lanes, in halves: lane l + lane l + 8, then + 4, + 2, + 1.
+inline float halving(float* lane) {
+  for (int half = LANES / 2; half > 0; half /= 2)
+    for (int l = 0; l < half; l++) lane[l] = lane[l] + lane[l + half];
+  return lane[0];
+}
+
+// q . k: lane l = fma over d = l, l + 16, ... in order, then halving.
+template <int64_t D>
+inline float dot(const float* q, const float* k) {
+  float lane[LANES] = {0.0f};
+  for (int64_t d = 0; d < D; d += LANES)
+    for (int l = 0; l < LANES; l++) lane[l] = std::fma(q[d + l], k[d + l], lane[l]);
+  return halving(lane);
+}
+
+#if CLOVER_ATTN_AVX512
+inline __m512 exp16(__m512 x) {
+  const __mmask16 ok = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+  x = _mm512_mask_blend_ps(ok, _mm512_set1_ps(-87.0f), x);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
+                                 _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(ok, p, _mm512_castsi512_ps(bits));
+}
+
+inline float halving16(__m512 v) {
+  const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
+}
+
+// The halving sums of 16 keys' lanes at once, key j's in lane j: the same pairs as halving(), four folds.
+inline __m512 halving_16x16(__m512* a) {
+  __m512 s1[8], s2[4], s3[2];
+  for (int m = 0; m < 8; m++)  // lane l + l + 8: [key 2m's 8 | key 2m+1's 8]
+    s1[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0x44),
+                          _mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0xEE));
+  for (int p = 0; p < 4; p++)  // + 4: a 128-bit block per key (4p .. 4p + 3)
+    s2[p] = _mm512_add_ps(_mm512_shuffle_f32x4(s1[2 * p], s1[2 * p + 1], 0x88),
+                          _mm512_shuffle_f32x4(s1[2 * p], s1[2 * p + 1], 0xDD));
+  for (int u = 0; u < 2; u++)  // + 2: block b holds keys 8u + b and 8u + 4 + b, two lanes each
+    s3[u] = _mm512_add_ps(_mm512_shuffle_ps(s2[2 * u], s2[2 * u + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                          _mm512_shuffle_ps(s2[2 * u], s2[2 * u + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // + 1: block b holds keys b, b + 4, b + 8, b + 12
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(s3[0], s3[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(s3[0], s3[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, r);
+}
+#endif
+
+// q [B, Hq, n, D] (any strides), k/v [B, Hkv, L, D] (unit stride in D), visible: for each row the indices of the keys
+// it sees, in order (shared by the batch and the heads). out [B, n, Hq, D] contiguous.
+template <int64_t D>
+void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::vector<std::vector<int64_t>>& visible,
+            double scale, double softcap, at::Tensor& out) {
+  const int64_t B = q.size(0), Hq = q.size(1), n = q.size(2), Hkv = k.size(1);
+  const int64_t group = Hq / Hkv;
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2), qs3 = q.stride(3);
+  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
+  const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
+  const float sc = (float)scale, cap = (float)softcap;
+  at::parallel_for(0, B * Hq * n, 1, [&](int64_t w0, int64_t w1) {
+    std::vector<float> s;
+    alignas(64) float qrow[D], acc[D];
+    for (int64_t w = w0; w < w1; w++) {
+      const int64_t b = w / (Hq * n), h = (w / n) % Hq, i = w % n, hk = h / group;
+      const std::vector<int64_t>& keys = visible[i];
+      const int64_t V = (int64_t)keys.size();
+      float* o = op + ((b * n + i) * Hq + h) * D;
+      if (V == 0) {
+        for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+        continue;
+      }
+      for (int64_t d = 0; d < D; d++) qrow[d] = qp[b * qs0 + h * qs1 + i * qs2 + d * qs3];
+      s.resize((V + LANES - 1) / LANES * LANES);
+      const float* kb = kp + b * ks0 + hk * ks1;
+      const float* vb = vp + b * vs0 + hk * vs1;
+      float top = -INFINITY;
+      float total;
+#if CLOVER_ATTN_AVX512
+      {
+        __m512 qv[D / LANES];
+        for (int c = 0; c < D / LANES; c++) qv[c] = _mm512_load_ps(qrow + LANES * c);
+        __m512 best = _mm512_set1_ps(-INFINITY);
+        for (int64_t j0 = 0; j0 < V; j0 += LANES) {
+          __m512 a[LANES];
+          for (int j = 0; j < LANES; j++) {
+            a[j] = _mm512_setzero_ps();
+            if (j0 + j < V) {
+              const float* kj = kb + keys[j0 + j] * ks2;
+              for (int c = 0; c < D / LANES; c++) a[j] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kj + LANES * c), a[j]);
+            }
+          }
+          __m512 x = _mm512_mul_ps(_mm512_set1_ps(sc), halving_16x16(a));
+          _mm512_storeu_ps(s.data() + j0, x);
+          const __mmask16 live = V - j0 >= LANES ? (__mmask16)0xffff : (__mmask16)((1u << (V - j0)) - 1);
+          if (cap <= 0.0f) best = _mm512_mask_max_ps(best, live, best, x);
+        }
+        if (cap > 0.0f) {
+          for (int64_t j = 0; j < V; j++) {
+            s[j] = cap * std::tanh(s[j] / cap);
+            top = std::fmax(top, s[j]);
+          }
+        } else {
+          top = _mm512_reduce_max_ps(best);
+        }
+        __m512 sum = _mm512_setzero_ps();
+        const __m512 t = _mm512_set1_ps(top);
+        for (int64_t j0 = 0; j0 < V; j0 += LANES) {
+          const __mmask16 live = V - j0 >= LANES ? (__mmask16)0xffff : (__mmask16)((1u << (V - j0)) - 1);
+          const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_loadu_ps(s.data() + j0), t)));
+          _mm512_storeu_ps(s.data() + j0, e);
+          sum = _mm512_add_ps(sum, e);
+        }
+        total = halving16(sum);
+        __m512 av[D / LANES];
+        for (int c = 0; c < D / LANES; c++) av[c] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < V; j++) {
+          const float* vj = vb + keys[j] * vs2;
+          const __m512 p = _mm512_set1_ps(s[j]);
+          for (int c = 0; c < D / LANES; c++) av[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vj + LANES * c), av[c]);
+        }
+        const __m512 tv = _mm512_set1_ps(total);
+        for (int c = 0; c < D / LANES; c++) _mm512_storeu_ps(o + LANES * c, _mm512_div_ps(av[c], tv));
+      }
+#else
+      for (int64_t j = 0; j < V; j++) {
+        float x = sc * dot<D>(qrow, kb + keys[j] * ks2);
+        if (cap > 0.0f) x = cap * std::tanh(x / cap);
+        s[j] = x;
+        top = std::fmax(top, x);
+      }
+      float lane[LANES] = {0.0f};
+      for (int64_t j = 0; j < V; j++) {
+        s[j] = exp_nonpositive(s[j] - top);
+        lane[j % LANES] = lane[j % LANES] + s[j];
+      }
+      total = halving(lane);
+      for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
+      for (int64_t j = 0; j < V; j++) {
+        const float* vj = vb + keys[j] * vs2;
+        for (int64_t d = 0; d < D; d++) acc[d] = std::fma(s[j], vj[d], acc[d]);
+      }
+      for (int64_t d = 0; d < D; d++) o[d] = acc[d] / total;
+#endif
+    }
+  });
+}
+
+// The keys each row sees, in order: row i of a bool mask [n, L] (read 8 bytes at a time: long stretches of false
+// past the committed tokens), or causal after the L - n committed keys.
+std::vector<std::vector<int64_t>> visible_keys(const c10::optional<at::Tensor>& mask, int64_t n, int64_t L) {
+  std::vector<std::vector<int64_t>> visible(n);
+  if (mask.has_value() && mask->defined()) {
+    const at::Tensor m = mask->to(at::kBool).reshape({-1, mask->size(-2), mask->size(-1)})[0].contiguous();
+    TORCH_CHECK(m.size(0) == n && m.size(1) == L, "exact_rows: the mask is not [n, L]");
+    const uint8_t* mp = (const uint8_t*)m.data_ptr<bool>();
+    for (int64_t i = 0; i < n; i++) {
+      const uint8_t* row = mp + i * L;
+      int64_t j = 0;
+      for (; j + 8 <= L; j += 8) {
+        uint64_t word;
+        std::memcpy(&word, row + j, 8);
+        if (!word) continue;
+        for (int e = 0; e < 8; e++)
+          if (row[j + e]) visible[i].push_back(j + e);
+      }
+      for (; j < L; j++)
+        if (row[j]) visible[i].push_back(j);
+    }
+  } else {
+    TORCH_CHECK(L >= n, "exact_rows: fewer keys than queries");
+    for (int64_t i = 0; i < n; i++)
+      for (int64_t j = 0; j <= L - n + i; j++) visible[i].push_back(j);
+  }
+  return visible;
+}
+
+// query [B, Hq, n, D]; key, value [B, Hkv, L, D], float32, unit stride along D. mask: bool [B or 1, 1, n, L]
+// (true = visible; the same for the whole batch: its first entry is read) or, when undefined, causal after the
+// L - n committed keys. Returns [B, n, Hq, D].
+at::Tensor exact_rows(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                      const c10::optional<at::Tensor>& mask, double scale, double softcap) {
+  TORCH_CHECK(query.device().is_cpu() && query.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat &&
+                  value.scalar_type() == at::kFloat, "clover_attention::exact_rows: float32 tensors on the CPU");
+  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4, "exact_rows: 4-d query, key and value");
+  TORCH_CHECK(key.size(3) == query.size(3) && value.size(3) == query.size(3) && key.stride(3) == 1 &&
+                  value.stride(3) == 1 && key.size(2) == value.size(2) && query.size(1) % key.size(1) == 0,
+              "exact_rows: shapes do not fit");
+  const int64_t n = query.size(2), L = key.size(2);
+  const std::vector<std::vector<int64_t>> visible = visible_keys(mask, n, L);
+  at::Tensor out = at::empty({query.size(0), n, query.size(1), query.size(3)}, query.options());
+  if (out.numel() == 0) return out;
+  switch (query.size(3)) {
+#define CLOVER_D(d) \
+  case d:           \
+    attend<d>(query, key, value, visible, scale, softcap, out); \
+    break;
+    CLOVER_D(16) CLOVER_D(32) CLOVER_D(48) CLOVER_D(64) CLOVER_D(80) CLOVER_D(96) CLOVER_D(112) CLOVER_D(128)
+    CLOVER_D(160) CLOVER_D(192) CLOVER_D(256)
+#undef CLOVER_D
+    default: TORCH_CHECK(false, "exact_rows: head size ", query.size(3), " (a multiple of 16 up to 256 but 144, 176, 208, 224, 240)");
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(clover_attention, m) {
+  m.def("exact_rows(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale, float softcap) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(clover_attention, CPU, m) { m.impl("exact_rows", &exact_rows); }
