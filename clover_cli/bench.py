@@ -28,6 +28,7 @@ from . import atomic, families
 from .bench_report import plot, plot_format, print_table
 from .errors import CloverError
 from .families import by_architecture, spec as family_spec
+from .target import EXACT_ROWS
 
 LLAMA_METHODS = ("llama.cpp", "llama.cpp-lookup", "llama.cpp-draft")  # -draft: the model rows' draft model's chain
 MODEL_METHODS = ("model-chain", "model")  # a draft model's top-1 chain, and its MCSD tree (--draft model)
@@ -390,7 +391,11 @@ class BenchSession:
             return new, decode_s, total_s, None
         if method.startswith("hf"):
             model = s.model
-            model.set_attn_implementation("sdpa")
+            # transformers' own attention, except for a model whose activations are rounded to int8: with it, the
+            # attention that runs is clover's (rows independent of the batch), and float32 noise would change tokens
+            stock = not getattr(model, EXACT_ROWS, False)
+            if stock:
+                model.set_attn_implementation("sdpa")
             kwargs = dict(max_new_tokens=n, eos_token_id=sorted(s.eos_ids) or None,
                           pad_token_id=s.tokenizer.pad_token_id or (sorted(s.eos_ids) or [0])[0])
             if cfg.temperature > 0:
@@ -413,7 +418,8 @@ class BenchSession:
                 _sync(s.device)
                 t1 = time.perf_counter()
             finally:
-                model.set_attn_implementation("clover_tree")
+                if stock:
+                    model.set_attn_implementation("clover_tree")
             new = out[0, len(ids):].tolist()
             return new, t1 - (stamps.first or t0), t1 - t0, None
         eng = self.engine(method)
@@ -531,9 +537,13 @@ def make_report(cfg, bs, methods, rows, prompts) -> dict:
     out = []
     for m in methods:
         row = rows[m]
-        mismatches = []
+        mismatches, unlike_plain = [], []
         if greedy and hf is not None and m != "hf":
             mismatches = [prompts[i]["id"] for i in row.outputs if row.outputs[i] != hf.outputs.get(i)]
+        # the speculative promise itself: the same tokens as clover's own plain decoding on the same step
+        speculative = m not in ("hf", "plain") and m not in LLAMA_METHODS and not m.startswith("hf")
+        if greedy and plain is not None and speculative:
+            unlike_plain = [prompts[i]["id"] for i in row.outputs if row.outputs[i] != plain.outputs.get(i)]
         out.append({
             "method": m,
             "tokens_per_s": round(row.tokens_per_s, 2),
@@ -545,6 +555,8 @@ def make_report(cfg, bs, methods, rows, prompts) -> dict:
                                  if plain and plain.tokens_per_s else None),
             "identical": (not mismatches) if (greedy and hf is not None) else None,
             "mismatches": mismatches,
+            "same_as_plain": (not unlike_plain) if (greedy and plain is not None and speculative) else None,
+            "unlike_plain": unlike_plain,
             "new_tokens": row.new_tokens,
         })
     report = {

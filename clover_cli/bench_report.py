@@ -17,15 +17,16 @@ def print_table(report: dict):
     t = Table(title=f"clover bench · {report['model']} · {report['device']} {report['dtype']} · "
                     f"{report['prompts']} prompts x {report['max_new_tokens']} tokens · "
                     f"{'compiled' if report['compiled'] else 'eager'} step")
-    for col in ("method", "tok/s", "tok/s e2e", "τ", "accept by depth", "vs hf", "vs plain", "identical"):
+    for col in ("method", "tok/s", "tok/s e2e", "τ", "accept by depth", "vs hf", "vs plain", "= hf", "= plain"):
         t.add_column(col, justify="right" if col not in ("method", "accept by depth") else "left")
     for r in report["methods"]:
         ident = {True: "yes", False: f"NO ({len(r['mismatches'])})", None: "-"}[r["identical"]]
+        plain = {True: "yes", False: f"NO ({len(r.get('unlike_plain', []))})", None: "-"}[r.get("same_as_plain")]
         t.add_row(r["method"], f"{r['tokens_per_s']:.1f}", f"{r['tokens_per_s_e2e']:.1f}",
                   "-" if r["tau"] is None else f"{r['tau']:.2f}",
                   " ".join(f"{a:.2f}" for a in r["accept_by_depth"][:6]) or "-",
                   "-" if r["speedup_vs_hf"] is None else f"{r['speedup_vs_hf']:.2f}x",
-                  "-" if r["speedup_vs_plain"] is None else f"{r['speedup_vs_plain']:.2f}x", ident)
+                  "-" if r["speedup_vs_plain"] is None else f"{r['speedup_vs_plain']:.2f}x", ident, plain)
     console = Console() if sys.stdout.isatty() else Console(width=150)
     console.print(t)
     if "llama_cpp" in report:

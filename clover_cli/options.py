@@ -253,7 +253,7 @@ class Common:
                          "multiplied in float32 by clover's kernels: half float32's bytes).")
     quantize = typer.Option(None, "--quantize", **choices(*QUANTIZE), help="CPU: run the linears "
                             "quantized in groups of 32, int8 or int4 (the output embedding int8), on clover's own "
-                            "kernels, which multiply them by the float32 activations as they are.", show_default=False)
+                            "kernels, which round the activations to int8 as llama.cpp does.", show_default=False)
     trust_remote_code = typer.Option(False, "--trust-remote-code", help="Run model code from its repository.")
     allow_pickle = typer.Option(False, "--allow-pickle", help="Allow pickled .bin weights (unsafe from strangers).")
     max_new_tokens = typer.Option(256, "--max-new-tokens", "-n", help="Most tokens to generate.")

@@ -4,11 +4,15 @@ bfloat16 (--dtype bfloat16), run by the kernels of clover_kernels.quant (C++, AV
 the eager forward and the compiled step.
 
 The weights a step streams are what bounds it on a CPU: SmolLM2-135M's Q4_1 file holds 98 MB where its float32
-weights take 538 MB (bfloat16: 269 MB). Each QuantLinear multiplies the float32 activations as they are by the
-weights' integers and scales (or the bfloat16 weights widened): the product with the dequantized weights up to the
-order of float32 sums. A row's result does not depend on the other rows, so a draft tree's verify gives each row what
-a one-row step gives, and speculative decoding stays exact with respect to the quantized target that runs (its own
-greedy decoding, or transformers' generate on the same model).
+weights take 538 MB (bfloat16: 269 MB). A QuantLinear of integers rounds its activations to int8 per group of the
+weights' scales and multiplies integers by integers exactly, as llama.cpp runs a GGUF's blocks (AVX-512 VNNI: 2-3x
+cheaper than float32 activations from 8 rows up); bfloat16 weights are widened and multiply the float32
+activations as they are. A row's result does not depend on the other rows. The int8 rounding turns float32 noise
+into different numbers, so with it every attention of the model runs clover's attention whose rows do not depend
+on the batch either (clover_kernels.attention.exact_rows; EXACT_ROWS): a draft tree's verify then gives each node
+bit for bit what a one-token step gives, and speculative decoding stays exact with respect to the quantized target
+that runs (its own greedy decoding; transformers' generate on the same model, eager). `--dtype float32` runs the
+dequantized weights as floats instead.
 
 A GGUF's blocks are decoded when the file is converted (gguf_model.py) and written beside the converted model
 (BLOCKS_FILE), each tensor only after its blocks were checked to hold exactly the float weights transformers made of
@@ -30,10 +34,12 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn as nn
+from clover_kernels.attention import HEAD_SIZES
 
 from .errors import CloverError, one_line
 from .loading import DTYPES
 from .options import check_quantize
+from .target import EXACT_ROWS
 
 BLOCKS_FILE = "clover-gguf-blocks.safetensors"  # in a converted GGUF directory: its tensors' blocks, repacked
 BLOCKS_VERSION = 1  # bump when the packed records change: older files are not used (the model runs float)
@@ -69,15 +75,20 @@ def _say(text: str) -> None:
 
 
 class QuantLinear(nn.Module):
-    """A linear layer whose weight is packed records of integers and scales (clover_kernels.quant.Packed). `weight`
-    gives the float weight it holds (dequantized when first asked, or the float tensor it was made from, as a tied
-    embedding is): the drafters project through the target's lm_head weight."""
+    """A linear layer whose weight is packed records of integers and scales (clover_kernels.quant.Packed), its
+    activations rounded to int8 per group with `act8` (the kernel's ACT8; or the packed kind's flag), else multiplied
+    as they are; or bfloat16 records, multiplied by the float32 activations. `weight` gives the float weight it holds (dequantized when first asked, or the float tensor it was
+    made from, as a tied embedding is): the drafters project through the target's lm_head weight."""
 
-    def __init__(self, packed, in_features: int, bias: torch.Tensor | None = None, weight=None, fmt: str = ""):
+    def __init__(self, packed, in_features: int, bias: torch.Tensor | None = None, weight=None, fmt: str = "",
+                 act8: bool = False):
+        from clover_kernels.quant import ACT8, BF16
+
         super().__init__()
         self.register_buffer("packed", packed.data, persistent=False)
         self.out_features, self.in_features = packed.out_features, in_features
-        self.padded, self.kind, self.format = packed.in_features, packed.kind, fmt
+        kind = packed.kind | ACT8 if act8 and packed.kind != BF16 else packed.kind
+        self.padded, self.kind, self.format = packed.in_features, kind, fmt
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self._weight = weight
 
@@ -161,28 +172,44 @@ def apply(model, model_dir: Path, weights: str, warn=None) -> str | None:
         blocks = bf16_model(model)
     else:
         blocks = quantize_model(model, 8 if weights == "int8" else 4)
-    replace_linears(model, blocks)
+    # integers take int8 activations where every attention can run rows independent of the batch (EXACT_ROWS)
+    act8 = weights != "bf16" and head_size(model.config) in HEAD_SIZES
+    replace_linears(model, blocks, act8)
+    if act8:
+        for module in model.modules():
+            setattr(module, EXACT_ROWS, True)
     return describe(model)
 
 
+def head_size(config) -> int | None:
+    size = getattr(config, "head_dim", None)
+    heads = getattr(config, "num_attention_heads", None)
+    return size or (config.hidden_size // heads if heads else None)
+
+
 def describe(model) -> str:
-    """The weight formats of the model's linears and their bytes, in words ("Q4_1 x210, Q8_0 x1: 96 MiB")."""
+    """The weight formats of the model's linears and their bytes, in words ("Q4_1 x210, Q8_0 x1: 96 MiB of linear
+    weights, int8 activations")."""
+    from clover_kernels.quant import ACT8, BF16
+
     kinds: dict[str, int] = {}
-    size = 0
+    size, act8 = 0, False
     for module in model.modules():
         if isinstance(module, QuantLinear):
+            act8 = act8 or (module.kind != BF16 and bool(module.kind & ACT8))
             kinds[module.format] = kinds.get(module.format, 0) + 1
             size += module.packed.numel()
         elif isinstance(module, nn.Linear):
             kinds["float"] = kinds.get("float", 0) + 1
             size += module.weight.numel() * module.weight.element_size()
     parts = ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1]))
-    return f"{parts}: {size / 2**20:.0f} MiB of linear weights"
+    return f"{parts}: {size / 2**20:.0f} MiB of linear weights" + (", int8 activations" if act8 else "")
 
 
-def replace_linears(model, blocks: dict) -> int:
-    """Swap each nn.Linear named in `blocks` (module name -> (Packed, format)) for a QuantLinear. The output
-    embedding keeps its float weight for the drafters (a tied one: the input embedding's). Returns how many."""
+def replace_linears(model, blocks: dict, act8: bool = False) -> int:
+    """Swap each nn.Linear named in `blocks` (module name -> (Packed, format)) for a QuantLinear (int8 activations
+    with `act8`). The output embedding keeps its float weight for the drafters (a tied one: the input embedding's).
+    Returns how many."""
     out_embed = model.get_output_embeddings()
     tied = out_embed is not None and out_embed.weight is model.get_input_embeddings().weight
     done = 0
@@ -194,7 +221,7 @@ def replace_linears(model, blocks: dict) -> int:
             raise CloverError(f"the quantized weights of {name} are {packed.out_features}x{packed.in_features}, "
                               f"the model's {module.out_features}x{module.in_features}")
         keep = module.weight.detach() if module is out_embed and tied else None
-        quant = QuantLinear(packed, module.in_features, module.bias, keep, fmt)
+        quant = QuantLinear(packed, module.in_features, module.bias, keep, fmt, act8)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, quant)
         done += 1

@@ -24,7 +24,7 @@ from .packed import finish_packing
 from .quantized import apply, load_dtype, weights_for
 from .step.costs import StepCosts
 from .step.manager import StepCompiler
-from .target import Target, check_exact
+from .target import EXACT_ROWS, Target, check_exact
 from .templates import STOP_STRINGS, chat_template, render
 
 
@@ -258,11 +258,17 @@ class Session:
                          self.decode)
         if not self.compiler.building_beside() and self.threads.settle():
             self.engine.policy.cost_model = None  # the step costs of the new count: stored, or measured again
+        # a compiled step built in the background comes in between two steps; with activations rounded to int8 only
+        # between replies: the eager and the compiled step are each exact, but not the same bits as each other
+        between_steps = not getattr(self.model, EXACT_ROWS, False)
+        if not between_steps:
+            self.compiler.poll()
         stored = self._stored_choices(sampling.temperature, sampling.repetition_penalty)
         try:
             for ev in self.engine.generate(prompt, stop, sampling):
                 yield ev
-                self.compiler.poll()  # a compiled step built in the background comes in between two steps
+                if between_steps:
+                    self.compiler.poll()
         except torch.cuda.OutOfMemoryError:
             raise CloverError("out of GPU memory while generating; try a smaller --tree-budget, --load-in-8bit "
                               "or a shorter conversation")

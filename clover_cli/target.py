@@ -31,6 +31,9 @@ TREE_BITS_KWARG = "clover_tree_bits"  # packed tree mask that Target.forward han
 # Given by the static step (step/graphs.py): the mask is whole, over a fixed span of the buffers; the value is
 # (query positions, key positions, committed + new keys), for layers with a sliding window
 STATIC_KWARG = "clover_static"
+# set on the modules of a model whose linears round their activations to int8 (quantized.apply): its attention then
+# runs clover_kernels.attention.exact_rows on the CPU, each row the same bits whatever the batch
+EXACT_ROWS = "clover_exact_rows"
 _kernels = None
 
 
@@ -79,11 +82,15 @@ def tree_attention(module, query, key, value, attention_mask, scaling=None, drop
     past = total - n
     bits = kwargs.get(TREE_BITS_KWARG)
     softcap = kwargs.get("softcap")
+    exact = (getattr(module, EXACT_ROWS, False) and query.device.type == "cpu" and query.dtype == torch.float32
+             and not (module.training and dropout))
     if STATIC_KWARG in kwargs:  # a static step: the mask says everything, up to a sliding window
         mask, (query_positions, key_positions, end) = attention_mask, kwargs[STATIC_KWARG]
         if sliding_window is not None:  # as below: only once there are more keys than the window
             mask = mask & (((query_positions[:, None] - key_positions[None, :]) < sliding_window)
                            | (end <= sliding_window))
+        if exact:
+            return _exact_rows(query, key, value, mask, scaling, softcap), None
         if softcap is not None:
             return _softcapped_attention(query, key, value, mask, scaling, softcap).transpose(1, 2).contiguous(), None
         out = sdpa(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
@@ -105,6 +112,8 @@ def tree_attention(module, query, key, value, attention_mask, scaling=None, drop
             mask = (qpos[:, None] >= kpos[None, :]) & window
         else:
             mask = mask & window
+    if exact:  # None: causal after the committed keys, as below
+        return _exact_rows(query, key, value, mask, scaling, softcap), None
     is_causal = False
     if mask is None:
         if n > 1 and past == 0:
@@ -120,6 +129,14 @@ def tree_attention(module, query, key, value, attention_mask, scaling=None, drop
         dropout_p=dropout if module.training else 0.0, enable_gqa=query.shape[1] != key.shape[1],
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _exact_rows(query, key, value, mask, scaling, softcap):
+    """clover_kernels.attention.exact_rows ([B, n, Hq, D]): each row's attention the same bits whatever the batch, for
+    models whose activations are rounded to int8 (quantized.EXACT_ROWS)."""
+    from clover_kernels.attention import exact_rows
+
+    return exact_rows(query, key, value, mask, scaling, softcap or 0.0)
 
 
 def _softcapped_attention(query, key, value, mask, scaling, softcap):
@@ -532,25 +549,30 @@ def check_exact(target: "Target", tolerance: float | None = None) -> None:
     paths = [[0], [0, 1], [0, 2], [0, 1, 3]]
     dev = target.device
     program, target.program = target.program, None  # the eager step is checked (the compiled one against it)
-    try:
-        target.reset(0)
-        with stock_linears():  # what is checked is the attention and cache: no packing for it (it may be lazy)
-            target.forward(torch.tensor(prefix, device=dev))
-            target.cache.append(len(prefix))
-            from .tree import DraftTree
+    from clover_kernels.quant import float_activations
 
-            tokens, depths, mask = DraftTree(tree, parents).tensors(dev)
-            _, ours = target.forward(tokens, len(prefix) + depths, mask)
-        batch = torch.tensor([prefix + [tree[i] for i in path] + [0] * (3 - len(path)) for path in paths],
-                             device=dev)
-        own = config._attn_implementation
-        try:
-            if own == ATTN_NAME:
-                model.set_attn_implementation("eager")
-            reference = model(input_ids=batch, use_cache=False).logits.float()
-        finally:
-            if own == ATTN_NAME:
-                model.set_attn_implementation(ATTN_NAME)
+    # linears that round their activations to int8 multiply floats here: the rounding would turn the reference's
+    # float32 noise into real differences; what is checked is the attention and the cache
+    try:
+        with float_activations():
+            target.reset(0)
+            with stock_linears():  # what is checked is the attention and cache: no packing for it (it may be lazy)
+                target.forward(torch.tensor(prefix, device=dev))
+                target.cache.append(len(prefix))
+                from .tree import DraftTree
+
+                tokens, depths, mask = DraftTree(tree, parents).tensors(dev)
+                _, ours = target.forward(tokens, len(prefix) + depths, mask)
+            batch = torch.tensor([prefix + [tree[i] for i in path] + [0] * (3 - len(path)) for path in paths],
+                                 device=dev)
+            own = config._attn_implementation
+            try:
+                if own == ATTN_NAME:
+                    model.set_attn_implementation("eager")
+                reference = model(input_ids=batch, use_cache=False).logits.float()
+            finally:
+                if own == ATTN_NAME:
+                    model.set_attn_implementation(ATTN_NAME)
     except (CloverError, MemoryError, torch.cuda.OutOfMemoryError):
         raise
     except Exception as e:

@@ -1,12 +1,13 @@
 """How often a model's greedy reply on its quantized weights (a GGUF's own blocks, or --quantize) is the reply on
-its float32 weights, on `clover bench`'s prompts: the quantized kernels compute the dequantized weights' products up
-to the order of float32 sums, so where two tokens are nearly tied the choice may differ, and from there the reply.
+its float32 weights, on `clover bench`'s prompts: the quantized kernels round the activations to int8 per group (as
+llama.cpp does), so where two tokens are within that rounding of each other the choice may differ, and from there
+the reply.
 
     python scripts/weights_agreement.py smollm2 --limit 27 -n 128           # the GGUF's blocks against float32
     python scripts/weights_agreement.py tiny --weights int4                 # --quantize int4 against float32
 
-Both runs are clover's own plain greedy decoding (`--draft none`, the compiled step where it is built; exactly
-transformers' greedy generate on the same weights, which the tests check). Prints one JSON object: prompts whose
+Both runs are clover's own plain greedy decoding (`--draft none`, the compiled step where it is built; on float32
+weights transformers' greedy generate on them, up to float32 noise). Prints one JSON object: prompts whose
 replies are identical, and for the others the token where they part and how far the two logits were apart there
 in the float32 model.
 """

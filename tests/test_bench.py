@@ -53,6 +53,8 @@ def test_bench_json_all_methods_identical(model_with_heads, prompts_file, run_cl
     assert list(rows) == ["hf", "hf-lookup", "plain", "ngram", "medusa", "eagle", "clover", "clover+ngram"] + peers
     for name, r in rows.items():
         assert r["identical"] is True and r["mismatches"] == [], name
+        speculative = name not in ("hf", "hf-lookup", "plain") and name not in peers
+        assert r["same_as_plain"] is (True if speculative else None) and r["unlike_plain"] == [], name
         assert r["tokens_per_s"] > 0 and r["new_tokens"] == 3 * 24
         assert {"method", "tokens_per_s", "tau", "speedup_vs_hf", "identical"} <= set(r)
     assert rows["hf"]["speedup_vs_hf"] == 1.0 and rows["plain"]["tau"] == 1.0

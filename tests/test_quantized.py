@@ -115,6 +115,49 @@ def test_kernel_is_the_dequantized_product_up_to_rounding():
         assert (got - want).abs().max() <= 2e-5 * want.abs().max(), layout
 
 
+def with_act8(packed):
+    """The same records with int8 activations (the kind QuantLinear runs integers with)."""
+    return quant.Packed(packed.data, packed.out_features, packed.in_features, packed.kind | quant.ACT8)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_int8_activations_kernel_equals_its_reference_row_by_row(layout):
+    """ACT8: the kernel (VNNI where the CPU has it) equals its reference (each group's integer sum exact, then the
+    same float32 steps), and each row alone gives the same bits as in any batch of rows."""
+    for n, k in SHAPES:
+        packed = with_act8(random_packed(n, k, *layout)[0])
+        x = torch.randn(17, k) * torch.rand(17, 1) * 4
+        x[3, :16] = 0.0  # a group of zeros (scale 0)
+        y = quant.qlinear(x, packed)
+        ref = quant.qlinear_ref(x, packed)
+        assert y.shape == (17, n) and ulps(y, ref) <= 1 and (y == ref).float().mean() > 0.99
+        for rows in (1, 2, 3, 5, 8, 13, 16):
+            assert torch.equal(quant.qlinear(x[:rows], packed), y[:rows])
+        assert torch.equal(quant.qlinear(x[4:17], packed), y[4:17])
+
+
+def test_int8_activations_are_the_product_with_the_rounded_activations():
+    """ACT8 computes the dequantized weights' product with each row rounded per group to int8 (xs = max|x| / 127):
+    float32 rounding apart from F.linear on the rounded activations, and visibly apart from the float product (the
+    rounding, within int8's bound). Inside float_activations() the same records multiply the floats as they are."""
+    for layout in LAYOUTS:
+        plain, *_ = random_packed(96, 256, *layout, seed=3)
+        packed = with_act8(plain)
+        x = torch.randn(8, 256)
+        xq, xs = quant.act8(x, packed.group)
+        assert xq.abs().max() == 127 and torch.equal(xq, xq.round())
+        rounded = (xq.view(8, -1, packed.group) * xs[..., None]).view(8, 256)
+        w = packed.dequantize().double()
+        got = quant.qlinear(x, packed)
+        want = torch.nn.functional.linear(rounded.double(), w).float()
+        assert (got - want).abs().max() <= 2e-5 * want.abs().max(), layout
+        exact = torch.nn.functional.linear(x.double(), w).float()
+        assert 1e-4 < float((got - exact).abs().max() / exact.abs().max()) < 3e-2, layout
+        with quant.float_activations():
+            assert torch.equal(quant.qlinear(x, packed), quant.qlinear(x, plain))
+        assert torch.equal(quant.qlinear(x, packed), got)  # and back
+
+
 def test_kernel_takes_any_leading_shape_and_pads_inputs():
     packed, *_ = random_packed(40, 96, 4, 32, True, False)
     x = torch.randn(2, 3, 96)
@@ -135,7 +178,9 @@ from clover_kernels import quant
 from test_quantized import LAYOUTS, random_bf16, random_packed, ulps
 quant.load({str(tmp_path)!r}, generic=True)
 assert not quant.avx512()
-for packed in [random_packed(37, 96, *layout)[0] for layout in LAYOUTS] + [random_bf16(37, 70)[0]]:
+from test_quantized import with_act8
+plain = [random_packed(37, 96, *layout)[0] for layout in LAYOUTS]
+for packed in plain + [with_act8(p) for p in plain] + [random_bf16(37, 70)[0]]:
     x = torch.randn(11, packed.in_features)
     y = quant.qlinear(x, packed)
     assert ulps(y, quant.qlinear_ref(x, packed)) <= 1, packed.kind
@@ -237,6 +282,34 @@ def test_a_float_gguf_has_no_blocks(written, cache):
     resolved = hub.resolve_model(str(written[("llama", "F16")]), quiet=True)
     assert not (resolved.path / quantized.BLOCKS_FILE).exists()
     assert quantized.weights_for(None, "auto", torch.device("cpu"), resolved.path) == "float"
+
+
+def test_a_tree_verify_gives_each_node_the_bits_of_one_token_steps(written, cache):
+    """int8 activations (a GGUF's blocks): the model's attention runs clover's exact_rows, so a verify over a tree
+    gives every node exactly the logits one-token steps give it along its path, bit for bit (without it, SDPA's
+    float32 noise, rounded to int8 at the next linear, made the two ~2% apart on SmolLM2)."""
+    from clover_cli.target import EXACT_ROWS, Target
+    from clover_cli.tree import DraftTree
+
+    model, *_ = quantized_model(written[("llama", "Q4_1")])
+    assert getattr(model, EXACT_ROWS, False) and getattr(model.model.layers[0].self_attn, EXACT_ROWS, False)
+    target = Target(model)
+    prefix = list(range(5, 25))
+    tokens, parents = [7, 8, 9, 10, 11, 12, 13], [-1, 0, 0, 1, 3, 2, 4]
+    target.reset(0)
+    target.forward(torch.tensor(prefix))
+    target.cache.append(len(prefix))
+    ids, depths, mask = DraftTree(tokens, parents).tensors(torch.device("cpu"))
+    _, together = target.forward(ids, len(prefix) + depths, mask)
+    for node in range(len(tokens)):
+        path = [node]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        target.cache.truncate(len(prefix))
+        for j in reversed(path):
+            _, alone = target.forward(torch.tensor([tokens[j]]))
+            target.cache.append(1)
+        assert torch.equal(alone[0], together[node]), node
 
 
 def make(kind: str, model, target, seed: int):
@@ -396,8 +469,9 @@ def test_fused_products_equal_the_ones_they_replace(written, cache):
 @pytest.mark.parametrize("weights", ["int4", "bf16"])
 def test_the_compiled_step_runs_quantized_weights_losslessly(weights, tmp_path):
     """A quantized (or bfloat16) model's compiled step (its kernel called from the AOTInductor program, q/k/v and
-    gate/up fused) passes the build's check against the eager step, and decoding on it gives transformers' greedy
-    generate on the same model, for plain decoding, n-gram lookup and Clover-2 heads merged with it."""
+    gate/up fused) passes the build's checks against the eager step (and, with int8 activations, that every program
+    gives a row the same bits), and decoding on it is exact: n-gram lookup and Clover-2 heads merged with it give
+    plain decoding's tokens (bfloat16: transformers' greedy generate on the same model)."""
     from clover_cli.decode.engine import Engine
     from clover_cli.decode.verify import StopCheck
     from clover_cli.step.aot import Package
@@ -415,8 +489,12 @@ def test_the_compiled_step_runs_quantized_weights_losslessly(weights, tmp_path):
     target = Target(model)
     target.attach_program(Package.find(tmp_path / "pkg").load())
     prompt = list(range(5, 30))
-    reference = hf_greedy(model, prompt, 24)
+    # bfloat16 weights multiply floats: transformers' generate (eager) is the reference. int8 activations: the
+    # compiled step is exact with respect to itself (its build checked every program gives a row the same bits),
+    # not to the eager step's bits, so the reference is its own plain decoding
+    reference = hf_greedy(model, prompt, 24) if weights == "bf16" else None
     for kind in ("none", "ngram", "merged"):
         drafter = drafter_for(kind, model, target, random.Random(0), prompt, 0)
         out, events = run_engine(Engine(target, drafter, budget=8, auto_budget=False), prompt, StopCheck(24))
+        reference = reference or out
         assert out == reference, kind

@@ -329,11 +329,18 @@ def check(step: "CompiledStep", target, tolerance: float = 1e-3):
     """The package must compute what the eager forward computes: logits, hidden states and the keys and values it
     writes, on random trees of a few sizes after the keys and values of random committed tokens (the model's own:
     random values in the cache make a deep model's attention chaotic, and two correct programs 1e-3 apart)."""
+    from clover_kernels.quant import float_activations
+
+    from ..target import EXACT_ROWS
+
     keys, values = target.cache.buffers()
     g = torch.Generator().manual_seed(1)
     attached, target.program = target.program, None  # the reference is the eager forward
     try:
-        _compare(step, target, keys, values, g, tolerance)
+        with float_activations():  # int8 rounding would turn the two programs' float32 noise into differences
+            _compare(step, target, keys, values, g, tolerance)
+        if getattr(target.model, EXACT_ROWS, False):
+            _same_rows(step, target, keys, values, g)
     finally:
         target.program = attached
         target.cache.truncate(0)
@@ -366,6 +373,30 @@ def _compare(step, target, keys, values, g, tolerance):
                               f"with {n} new tokens after {past})")
     if served < 5:
         raise CloverError("the compiled step takes too few of the step sizes it was built for")
+
+
+def _same_rows(step, target, keys, values, g):
+    """Activations rounded to int8: exactness rests on every program giving a row the same bits, so a chain of new
+    tokens in one forward must give each of them exactly the logits of one-token forwards, one after the other."""
+    from ..target import TreeKVCache
+
+    for n, past in ((5, 40), (16, 300), (40, 100)):
+        past = min(past, step.capacity - n - 1)
+        if step._route(n, past) is None or step._route(1, past) is None:
+            continue
+        target.cache.truncate(0)
+        target.forward(torch.randint(0, target.config.vocab_size, (past,), generator=g, device=target.device))
+        tokens = torch.randint(0, target.config.vocab_size, (n,), generator=g, device=target.device)
+        positions = torch.arange(past, past + n, device=target.device)
+        chain = TreeKVCache.over([k.clone() for k in keys], [v.clone() for v in values], past)
+        _, together = step(chain, tokens, positions, torch.ones(n, n, dtype=torch.bool).tril(), None)
+        alone = TreeKVCache.over([k.clone() for k in keys], [v.clone() for v in values], past)
+        for i in range(n):
+            _, logits = step(alone, tokens[i:i + 1], positions[i:i + 1], None, None)
+            alone.append(1)
+            if not torch.equal(logits[0], together[i]):
+                raise CloverError(f"the compiled step gives token {i + 1} of {n} after {past} other logits alone than "
+                                  f"in one forward with the others (int8 activations need the same bits)")
 
 
 @torch.inference_mode()
