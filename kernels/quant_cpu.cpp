@@ -100,6 +100,50 @@ inline float half_to_float(uint16_t h) {
   return out;
 }
 
+// Output l's integer for k in a group's record at p (4-bit: nibbles of k and k + 1 in one byte; 8-bit: signed).
+template <int BITS>
+inline int q_at(const uint8_t* p, int k, int l) {
+  if (BITS == 4) {
+    const uint8_t byte = p[16 * (k / 2) + l];
+    return k % 2 ? byte >> 4 : byte & 0x0f;
+  }
+  return (int8_t)p[16 * k + l];
+}
+
+// Output l's scale (or offset) in a record's 16 float16 or float32 values at p.
+template <bool F32>
+inline float scale_at(const uint8_t* p, int l) {
+  float v;
+  if (F32) {
+    std::memcpy(&v, p + 4 * l, 4);
+  } else {
+    uint16_t h;
+    std::memcpy(&h, p + 2 * l, 2);
+    v = half_to_float(h);
+  }
+  return v;
+}
+
+#if CLOVER_AVX512
+// The 16 scales (or offsets) at p, as float32.
+template <bool F32>
+inline __m512 scales16(const uint8_t* p) {
+  return F32 ? _mm512_loadu_ps((const float*)p) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+}
+
+// The running totals of T tiles for R rows into y (the last tile's outputs past N left out).
+template <int R, int T>
+inline void store_tiles(float (*acc)[R][LANES], float* y, int64_t N, int64_t n0) {
+  for (int t = 0; t < T; t++) {
+    const int64_t first = n0 + t * LANES;
+    const int64_t valid = N - first < LANES ? N - first : LANES;
+    if (valid <= 0) break;
+    const __mmask16 mask = (__mmask16)((1u << valid) - 1);
+    for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * N + first, mask, _mm512_load_ps(acc[t][r]));
+  }
+}
+#endif
+
 // T tiles (consecutive, 16 outputs each) for R rows of x, group by group: s = sum over the group's k, in order, of
 // q[k] * x[k]; acc = d * s + acc; acc = m * sx + acc (sx: the sum of x over the group, in order; affine formats).
 // T > 1 only gives the core independent sums to overlap (few rows); a row's arithmetic is the same for any R and T.
@@ -149,9 +193,8 @@ void tiles_rows(const uint8_t* rec, int64_t tile_bytes, int64_t groups, const fl
     }
     for (int t = 0; t < T; t++) {
       const uint8_t* p = rec + t * tile_bytes + g * REC + QB;
-      const __m512 d = F32 ? _mm512_loadu_ps((const float*)p) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
-      __m512 m;
-      if (AFFINE) m = F32 ? _mm512_loadu_ps((const float*)(p + SB)) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p + SB)));
+      const __m512 d = scales16<F32>(p);
+      const __m512 m = AFFINE ? scales16<F32>(p + SB) : _mm512_setzero_ps();
       for (int r = 0; r < R; r++) {
         __m512 a = _mm512_fmadd_ps(d, s[t][r], _mm512_load_ps(acc[t][r]));
         if (AFFINE) a = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * groups + g]), a);
@@ -159,13 +202,7 @@ void tiles_rows(const uint8_t* rec, int64_t tile_bytes, int64_t groups, const fl
       }
     }
   }
-  for (int t = 0; t < T; t++) {
-    const int64_t first = n0 + t * LANES;
-    const int64_t valid = N - first < LANES ? N - first : LANES;
-    if (valid <= 0) break;
-    const __mmask16 mask = (__mmask16)((1u << valid) - 1);
-    for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * N + first, mask, _mm512_load_ps(acc[t][r]));
-  }
+  store_tiles<R, T>(acc, y, N, n0);
 #else
   for (int t = 0; t < T; t++) {
     float acc[R][LANES];
@@ -175,31 +212,10 @@ void tiles_rows(const uint8_t* rec, int64_t tile_bytes, int64_t groups, const fl
       const uint8_t* p = rec + t * tile_bytes + g * REC;
       const float* xg = x + g * GROUP;
       for (int l = 0; l < LANES; l++) {
-        float d, m = 0.0f;
-        if (F32) {
-          std::memcpy(&d, p + QB + 4 * l, 4);
-          if (AFFINE) std::memcpy(&m, p + QB + SB + 4 * l, 4);
-        } else {
-          uint16_t h;
-          std::memcpy(&h, p + QB + 2 * l, 2);
-          d = half_to_float(h);
-          if (AFFINE) {
-            std::memcpy(&h, p + QB + SB + 2 * l, 2);
-            m = half_to_float(h);
-          }
-        }
+        const float d = scale_at<F32>(p + QB, l), m = AFFINE ? scale_at<F32>(p + QB + SB, l) : 0.0f;
         for (int r = 0; r < R; r++) {
           float s = 0.0f;
-          for (int k = 0; k < GROUP; k++) {
-            int q;
-            if (BITS == 4) {
-              const uint8_t byte = p[16 * (k / 2) + l];
-              q = k % 2 ? byte >> 4 : byte & 0x0f;
-            } else {
-              q = (int8_t)p[16 * k + l];
-            }
-            s = std::fma((float)q, xg[r * K + k], s);
-          }
+          for (int k = 0; k < GROUP; k++) s = std::fma((float)q_at<BITS>(p, k, l), xg[r * K + k], s);
           acc[r][l] = std::fma(d, s, acc[r][l]);
           if (AFFINE) acc[r][l] = std::fma(m, sx[r * groups + g], acc[r][l]);
         }
@@ -373,9 +389,8 @@ void act8_tiles_rows(const uint8_t* rec, int64_t tile_bytes, int64_t groups, con
     }
     for (int t = 0; t < T; t++) {
       const uint8_t* p = rec + t * tile_bytes + g * REC + QB;
-      const __m512 d = F32 ? _mm512_loadu_ps((const float*)p) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
-      __m512 m;
-      if (AFFINE) m = F32 ? _mm512_loadu_ps((const float*)(p + SB)) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p + SB)));
+      const __m512 d = scales16<F32>(p);
+      const __m512 m = AFFINE ? scales16<F32>(p + SB) : _mm512_setzero_ps();
       const __m512i shift = _mm512_slli_epi32(sq[t], 7);
       for (int r = 0; r < R; r++) {
         const __m512i si = BITS == 4 ? s[t][r] : _mm512_sub_epi32(s[t][r], shift);
@@ -386,13 +401,7 @@ void act8_tiles_rows(const uint8_t* rec, int64_t tile_bytes, int64_t groups, con
       }
     }
   }
-  for (int t = 0; t < T; t++) {
-    const int64_t first = n0 + t * LANES;
-    const int64_t valid = N - first < LANES ? N - first : LANES;
-    if (valid <= 0) break;
-    const __mmask16 mask = (__mmask16)((1u << valid) - 1);
-    for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * N + first, mask, _mm512_load_ps(acc[t][r]));
-  }
+  store_tiles<R, T>(acc, y, N, n0);
 #else
   for (int t = 0; t < T; t++)
     for (int l = 0; l < LANES; l++) {
@@ -404,29 +413,10 @@ void act8_tiles_rows(const uint8_t* rec, int64_t tile_bytes, int64_t groups, con
           const uint8_t* xg = xq + r * K + g * GROUP;
           int32_t s = 0;
           for (int k = 0; k < GROUP; k++) {
-            int q;
-            if (BITS == 4) {
-              const uint8_t byte = p[16 * (k / 2) + l];
-              q = k % 2 ? byte >> 4 : byte & 0x0f;
-            } else {
-              q = (int8_t)p[16 * k + l];
-            }
             const int a = BITS == 4 ? (int)(int8_t)xg[act8_slot<BITS>(k)] : (int)xg[k] - 128;
-            s += q * a;
+            s += q_at<BITS>(p, k, l) * a;
           }
-          float d, m = 0.0f;
-          if (F32) {
-            std::memcpy(&d, p + QB + 4 * l, 4);
-            if (AFFINE) std::memcpy(&m, p + QB + SB + 4 * l, 4);
-          } else {
-            uint16_t h;
-            std::memcpy(&h, p + QB + 2 * l, 2);
-            d = half_to_float(h);
-            if (AFFINE) {
-              std::memcpy(&h, p + QB + SB + 2 * l, 2);
-              m = half_to_float(h);
-            }
-          }
+          const float d = scale_at<F32>(p + QB, l), m = AFFINE ? scale_at<F32>(p + QB + SB, l) : 0.0f;
           const float dx = d * xs[r * groups + g];
           acc = std::fma(dx, (float)s, acc);
           if (AFFINE) acc = std::fma(m, sx[r * groups + g], acc);

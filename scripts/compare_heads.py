@@ -2,13 +2,15 @@
 
     python scripts/compare_heads.py runs/cmp/clover runs/cmp/medusa [--model tiny] [--prompts question.jsonl]
                                     [-n 128] [--tree own|eagle2|clover] [--window default|none|N] [--limit N]
-                                    [--acceptance learned|raw] [--json out.json]
+                                    [--acceptance learned|raw] [--dtype auto|float32] [--temperature T --top-p P]
+                                    [--json out.json]
 
 Each heads directory (any layout clover reads) drives its own drafter alone (no n-gram lookup merged in), greedy,
 through clover's engine with a fixed tree budget, on the same prompts (clover bench's built-in 30 held-out
 ShareGPT prompts in six categories by default, or --prompts in bench's formats), interleaved prompt by prompt after
-a warm-up. Every output is checked token for token against plain decoding (the drafters are lossless). τ = tokens
-per target forward after prefill. `--tree eagle2` gives every drafter the same tree rule (EAGLE-2's), so that the
+a warm-up. Every greedy output is checked token for token against plain decoding (the drafters are lossless); with
+--temperature each run samples (seeded per prompt; exact samples, not the plain run's tokens). τ = tokens per target
+forward after prefill. `--tree eagle2` gives every drafter the same tree rule (EAGLE-2's), so that the
 heads are compared rather than their families' tree policies. `--acceptance raw` scores tree nodes by the drafters'
 own probabilities (as before 2026-11-26); `learned` (the engine's default) by the chance of acceptance each engine
 learns from its verifications (decode.budget.AcceptanceCurve), kept from prompt to prompt as in a chat session.
@@ -31,7 +33,7 @@ def main():
     from clover_cli.drafters.base import NoDrafter
     from clover_cli.drafters.registry import drafter_for, load
     from clover_cli.decode.engine import Engine
-    from clover_cli.decode.verify import StopCheck
+    from clover_cli.decode.verify import Sampling, StopCheck
     from clover_cli.session import Options, Session
     from clover_cli.stats import Stats
 
@@ -53,6 +55,9 @@ def main():
     ap.add_argument("--acceptance", choices=("learned", "raw"), default="learned",
                     help="tree scores: the engine's learned chance of acceptance (default) or the drafters' own "
                          "probabilities")
+    ap.add_argument("--dtype", default="auto", help="the target's --dtype (auto: a GGUF's own blocks on a CPU)")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-p", type=float, default=0.9, help="with --temperature")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     if args.window not in ("default", "none") and not args.window.isdigit():
@@ -60,7 +65,8 @@ def main():
     window = {} if args.window == "default" else {"window": None if args.window == "none" else int(args.window)}
     torch.set_num_threads(args.threads)
 
-    s = Session(Options(model=args.model, draft="none", compile="off"), quiet=True)
+    s = Session(Options(model=args.model, draft="none", compile="off", dtype=args.dtype), quiet=True)
+    sampled = args.temperature > 0
     prompts = load_prompts(args.prompts, args.limit)
     encoded = [s.encode_chat(p["messages"]) for p in prompts]
     methods = {"plain": None}
@@ -91,7 +97,8 @@ def main():
                 eng.drafter = make(methods[name])
                 eng.reset()  # the engines share the target's cache: each run starts from a clean one
                 stats, new = Stats(), []
-                for ev in eng.generate(ids, StopCheck(args.max_new_tokens, s.eos_ids)):
+                sampling = Sampling(args.temperature, args.top_p, seed=i) if sampled else Sampling()
+                for ev in eng.generate(ids, StopCheck(args.max_new_tokens, s.eos_ids), sampling):
                     stats.add(ev)
                     new += ev.tokens
                 f = figures[name].setdefault(prompts[i]["category"], [0, 0, 0.0, 0])
@@ -107,15 +114,16 @@ def main():
         return {"tau": round((tokens - runs) / steps, 3) if steps else None,
                 "tokens_per_s": round((tokens - runs) / secs, 1) if secs else None, "prompts": runs}
 
-    report = {"model": s.resolved.name, "budget": args.budget, "tree": args.tree, "window": args.window,
-              "acceptance": args.acceptance,
+    report = {"model": s.resolved.name, "weights": s.weights_text, "budget": args.budget, "tree": args.tree,
+              "window": args.window, "acceptance": args.acceptance, "temperature": args.temperature,
+              "top_p": args.top_p if sampled else None,
               "max_new_tokens": args.max_new_tokens,
               "threads": args.threads, "date": time.strftime("%Y-%m-%d"), "methods": {}}
     for name in methods:
         report["methods"][name] = {
             "all": summary(figures[name].values()),
             "by_category": {c: summary([r]) for c, r in figures[name].items()},
-            "identical_to_plain": outputs[name] == outputs["plain"],
+            "identical_to_plain": None if sampled else outputs[name] == outputs["plain"],
             "training": getattr(methods[name], "cfg", None) and methods[name].cfg.training,
         }
     cats = list(dict.fromkeys(p["category"] for p in prompts))

@@ -5,6 +5,7 @@ alternation (ABBA: the side that runs first alternates) in one process: each ver
 
     python scripts/quant_kernel_ab.py HEAD~1 HEAD                 # two commits' kernels
     python scripts/quant_kernel_ab.py old.cpp kernels/quant_cpu.cpp --rows 1,8,16 --rounds 6
+    python scripts/quant_kernel_ab.py HEAD HEAD --act8 b           # float32 against int8 activations, one kernel
 
 A version is a file or a git revision (its kernels/quant_cpu.cpp). Both must pack weights as kernels/quant.py does.
 Prints the median ms of each side per row count and B/A.
@@ -59,6 +60,8 @@ def main():
     ap.add_argument("--rows", default="1,4,8,16,32,64")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--act8", choices=("a", "b", "both"), default=None,
+                    help="that side rounds the activations to int8 (the kernel's ACT8 kinds)")
     args = ap.parse_args()
 
     import numpy as np
@@ -88,17 +91,21 @@ def main():
 
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
     packed = [made(n, k, 4, True) for _ in range(30) for n, k in shapes] + [made(49152, 576, 8, False)]
-    lists = ([p.data for p in packed], [p.out_features for p in packed], [p.in_features for p in packed],
-             [p.kind for p in packed])
+    def lists(side):
+        act8 = args.act8 in ("both", "ab"[side])
+        return ([p.data for p in packed], [p.out_features for p in packed], [p.in_features for p in packed],
+                [p.kind | (quant.ACT8 if act8 else 0) for p in packed])
     rows = [int(r) for r in args.rows.split(",")]
     times = {(side, r): [] for side in range(2) for r in rows}
     for n in range(args.rounds):
         for r in rows:
             x576, x1536 = torch.randn(r, 576), torch.randn(r, 1536)
             for side in ((0, 1) if n % 2 == 0 else (1, 0)):
-                ops[side].ab_model(x576, x1536, *lists, 1)
-                times[(side, r)].append(ops[side].ab_model(x576, x1536, *lists, 8 if r <= 16 else 3))
-    print(f"A = {args.a}, B = {args.b}; {args.threads} threads, {args.rounds} rounds; median ms per step's linears")
+                ops[side].ab_model(x576, x1536, *lists(side), 1)
+                times[(side, r)].append(ops[side].ab_model(x576, x1536, *lists(side), 8 if r <= 16 else 3))
+    act8 = f"; int8 activations: {args.act8}" if args.act8 else ""
+    print(f"A = {args.a}, B = {args.b}; {args.threads} threads, {args.rounds} rounds{act8}; median ms per step's "
+          f"linears")
     for r in rows:
         a, b = statistics.median(times[(0, r)]), statistics.median(times[(1, r)])
         print(f"rows {r:2d}: A {a * 1e3:7.2f}  B {b * 1e3:7.2f}  B/A {b / a:.3f}")
