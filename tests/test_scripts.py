@@ -44,6 +44,21 @@ def test_compare_heads_on_one_tree_rule(tmp_path):
     assert row["identical_to_plain"] and row["all"]["prompts"] == 2 and row["all"]["tau"] > 1
 
 
+def test_compare_heads_samples_at_a_temperature(tmp_path):
+    """--temperature: each run samples (no identity with plain decoding to check); τ still counted."""
+    out = tmp_path / "cmp.json"
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_heads.py"),
+                        str(ROOT / "clover_cli" / "bundled" / "tiny" / "heads"), "--limit", "2", "-n", "12",
+                        "--threads", "1", "--temperature", "0.7", "--top-p", "0.9", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    report = json.loads(out.read_text())
+    assert report["temperature"] == 0.7 and report["top_p"] == 0.9
+    (name,) = [m for m in report["methods"] if m != "plain"]
+    row = report["methods"][name]
+    assert row["identical_to_plain"] is None and row["all"]["prompts"] == 2 and row["all"]["tau"] >= 1
+
+
 def test_verify_cost_compares_the_eager_and_compiled_steps(tmp_path, llama_dir):
     """On a small random model (the bundled one's compiled step takes minutes to build; the script is the same)."""
     from clover_cli import packed
@@ -175,7 +190,8 @@ def test_quant_kernel_ab_times_two_versions(tmp_path):
     copy = tmp_path / "copy.cpp"
     copy.write_text((ROOT / "kernels" / "quant_cpu.cpp").read_text())
     p = subprocess.run([sys.executable, str(ROOT / "scripts" / "quant_kernel_ab.py"), str(copy),
-                        str(ROOT / "kernels" / "quant_cpu.cpp"), "--rows", "1", "--rounds", "1", "--threads", "1"],
+                        str(ROOT / "kernels" / "quant_cpu.cpp"), "--rows", "1", "--rounds", "1", "--threads", "1", "--act8", "b"],
                        capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert p.returncode == 0, p.stderr
     assert re.search(r"rows  1: A +[\d.]+  B +[\d.]+  B/A [\d.]+", p.stdout), p.stdout
+    assert "int8 activations: b" in p.stdout
