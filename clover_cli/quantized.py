@@ -4,9 +4,9 @@ bfloat16 (--dtype bfloat16), run by the kernels of clover_kernels.quant (C++, AV
 the eager forward and the compiled step.
 
 The weights a step streams are what bounds it on a CPU: SmolLM2-135M's Q4_1 file holds 98 MB where its float32
-weights take 538 MB (bfloat16: 269 MB). A QuantLinear of integers rounds its activations to int8 per group of the
-weights' scales and multiplies integers by integers exactly, as llama.cpp runs a GGUF's blocks (AVX-512 VNNI: 2-3x
-cheaper than float32 activations from 8 rows up); bfloat16 weights are widened and multiply the float32
+weights take 538 MB (bfloat16: 269 MB). Where the kernel has AVX-512 VNNI, a QuantLinear of integers rounds its
+activations to int8 per group of the weights' scales and multiplies integers by integers exactly, as llama.cpp runs a
+GGUF's blocks (2-3x cheaper than float32 activations from 8 rows up; elsewhere the float32 activations as they are); bfloat16 weights are widened and multiply the float32
 activations as they are. A row's result does not depend on the other rows. The int8 rounding turns float32 noise
 into different numbers, so with it every attention of the model runs clover's attention whose rows do not depend
 on the batch either (clover_kernels.attention.exact_rows; EXACT_ROWS): a draft tree's verify then gives each node
@@ -172,8 +172,11 @@ def apply(model, model_dir: Path, weights: str, warn=None) -> str | None:
         blocks = bf16_model(model)
     else:
         blocks = quantize_model(model, 8 if weights == "int8" else 4)
-    # integers take int8 activations where every attention can run rows independent of the batch (EXACT_ROWS)
-    act8 = weights != "bf16" and head_size(model.config) in HEAD_SIZES
+    # integers take int8 activations where the kernel has VNNI for them and every attention can run rows independent
+    # of the batch (EXACT_ROWS); elsewhere the float32 activations as they are
+    from clover_kernels.quant import vnni
+
+    act8 = weights != "bf16" and vnni() and head_size(model.config) in HEAD_SIZES
     replace_linears(model, blocks, act8)
     if act8:
         for module in model.modules():

@@ -328,6 +328,14 @@ def avx512() -> bool:
     return _library is not None and bool(ctypes.CDLL(str(_library)).clover_quant_avx512())
 
 
+def vnni() -> bool:
+    """Whether the loaded kernel multiplies int8 activations with AVX-512 VNNI (else in portable C++, far slower
+    than its float32 activations' AVX-512 path)."""
+    import ctypes
+
+    return _library is not None and bool(ctypes.CDLL(str(_library)).clover_quant_vnni())
+
+
 def _register_fake() -> None:
     """The op's output shape for torch.export (the compiled step traces it)."""
 

@@ -585,4 +585,6 @@ TORCH_LIBRARY_IMPL(clover_quant, CPU, m) { m.impl("linear", &linear); }
 
 extern "C" int clover_quant_avx512() { return CLOVER_AVX512; }
 
+extern "C" int clover_quant_vnni() { return CLOVER_VNNI; }
+
 extern "C" int clover_quant_float_activations(int on) { return float_only.exchange(on != 0) ? 1 : 0; }
