@@ -6,13 +6,13 @@ the eager forward and the compiled step.
 The weights a step streams are what bounds it on a CPU: SmolLM2-135M's Q4_1 file holds 98 MB where its float32
 weights take 538 MB (bfloat16: 269 MB). Where the kernel has AVX-512 VNNI, a QuantLinear of integers rounds its
 activations to int8 per group of the weights' scales and multiplies integers by integers exactly, as llama.cpp runs a
-GGUF's blocks (2-3x cheaper than float32 activations from 8 rows up; elsewhere the float32 activations as they are); bfloat16 weights are widened and multiply the float32
-activations as they are. A row's result does not depend on the other rows. The int8 rounding turns float32 noise
-into different numbers, so with it every attention of the model runs clover's attention whose rows do not depend
-on the batch either (clover_kernels.attention.exact_rows; EXACT_ROWS): a draft tree's verify then gives each node
-bit for bit what a one-token step gives, and speculative decoding stays exact with respect to the quantized target
-that runs (its own greedy decoding; transformers' generate on the same model, eager). `--dtype float32` runs the
-dequantized weights as floats instead.
+GGUF's blocks (2-3x cheaper than float32 activations from 8 rows up; elsewhere the float32 activations as they are);
+bfloat16 weights are widened and multiply the float32 activations as they are. A row's result does not depend on the
+other rows. The int8 rounding turns float32 noise into different numbers, so with it every attention of the model
+runs clover's attention whose rows do not depend on the batch either (clover_kernels.attention.exact_rows;
+EXACT_ROWS): a draft tree's verify then gives each node bit for bit what a one-token step gives, and speculative
+decoding stays exact with respect to the quantized target that runs (its own greedy decoding; transformers' generate
+on the same model, eager). `--dtype float32` runs the dequantized weights as floats instead.
 
 A GGUF's blocks are decoded when the file is converted (gguf_model.py) and written beside the converted model
 (BLOCKS_FILE), each tensor only after its blocks were checked to hold exactly the float weights transformers made of
@@ -77,8 +77,9 @@ def _say(text: str) -> None:
 class QuantLinear(nn.Module):
     """A linear layer whose weight is packed records of integers and scales (clover_kernels.quant.Packed), its
     activations rounded to int8 per group with `act8` (the kernel's ACT8; or the packed kind's flag), else multiplied
-    as they are; or bfloat16 records, multiplied by the float32 activations. `weight` gives the float weight it holds (dequantized when first asked, or the float tensor it was
-    made from, as a tied embedding is): the drafters project through the target's lm_head weight."""
+    as they are; or bfloat16 records, multiplied by the float32 activations. `weight` gives the float weight it holds
+    (dequantized when first asked, or the float tensor it was made from, as a tied embedding is): the drafters
+    project through the target's lm_head weight."""
 
     def __init__(self, packed, in_features: int, bias: torch.Tensor | None = None, weight=None, fmt: str = "",
                  act8: bool = False):

@@ -82,8 +82,9 @@ def tree_attention(module, query, key, value, attention_mask, scaling=None, drop
     past = total - n
     bits = kwargs.get(TREE_BITS_KWARG)
     softcap = kwargs.get("softcap")
+    # exact_rows reads one mask for the whole batch: a batch with masks of its own (padding) runs SDPA
     exact = (getattr(module, EXACT_ROWS, False) and query.device.type == "cpu" and query.dtype == torch.float32
-             and not (module.training and dropout))
+             and not (module.training and dropout) and (attention_mask is None or attention_mask.shape[0] == 1))
     if STATIC_KWARG in kwargs:  # a static step: the mask says everything, up to a sliding window
         mask, (query_positions, key_positions, end) = attention_mask, kwargs[STATIC_KWARG]
         if sliding_window is not None:  # as below: only once there are more keys than the window

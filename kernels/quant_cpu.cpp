@@ -24,14 +24,14 @@
 // acc = fma(w[k], x[k], acc) for k in order. Half float32's bytes; the float32 product of the same weights up to the
 // order of the sums.
 //
-// int8 activations (the flag ACT8 on a kind of integers, as llama.cpp runs a GGUF's blocks): each row's activations
-// are rounded per group to int8 with a scale, xs = max|x| / 127, xq = rint(x * (127 / max|x|)), and the integers
-// multiply the integers exactly (AVX-512 VNNI: 64 byte products per instruction against 16 float32 ones); then per
-// group acc = fma(d * xs, s, acc) with s = sum of q[k] * xq[k] (an exact integer) and, for affine formats,
-// acc = fma(m, xs * sum(xq), acc). The product is then the dequantized weights' with the rounded activations,
-// each group's exactly, up to the float32 accumulation over groups; a row still does not depend on the others. The weights' records are the same as above: a 64-byte line of them is reordered in
-// registers (one byte permutation) so that each 32-bit lane holds four k's of one output, and the activations are
-// stored in the matching k order (act8_rows).
+// int8 activations (the flag ACT8 on a kind of integers, as llama.cpp runs a GGUF's blocks): each row's activations are
+// rounded per group to int8 with a scale, xs = max|x| / 127, xq = rint(x * (127 / max|x|)), and the integers multiply
+// the integers exactly (AVX-512 VNNI: 64 byte products per instruction against 16 float32 ones); then per group acc =
+// fma(d * xs, s, acc) with s = sum of q[k] * xq[k] (an exact integer) and, for affine formats, acc = fma(m, xs *
+// sum(xq), acc). The product is then the dequantized weights' with the rounded activations, each group's exactly, up to
+// the float32 accumulation over groups; a row still does not depend on the others. The weights' records are the same as
+// above: a 64-byte line of them is reordered in registers (one byte permutation) so that each 32-bit lane holds four
+// k's of one output, and the activations are stored in the matching k order (act8_rows).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

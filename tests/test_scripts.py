@@ -190,7 +190,8 @@ def test_quant_kernel_ab_times_two_versions(tmp_path):
     copy = tmp_path / "copy.cpp"
     copy.write_text((ROOT / "kernels" / "quant_cpu.cpp").read_text())
     p = subprocess.run([sys.executable, str(ROOT / "scripts" / "quant_kernel_ab.py"), str(copy),
-                        str(ROOT / "kernels" / "quant_cpu.cpp"), "--rows", "1", "--rounds", "1", "--threads", "1", "--act8", "b"],
+                        str(ROOT / "kernels" / "quant_cpu.cpp"), "--rows", "1", "--rounds", "1", "--threads", "1",
+                        "--act8", "b"],
                        capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert p.returncode == 0, p.stderr
     assert re.search(r"rows  1: A +[\d.]+  B +[\d.]+  B/A [\d.]+", p.stdout), p.stdout
