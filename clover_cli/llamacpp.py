@@ -103,8 +103,10 @@ def write_gguf(model, tokenizer, path: Path, name: str):
     """Write the model (float32) and its tokenizer as a llama.cpp "llama" GGUF at `path`, atomically."""
     import gguf
 
+    from .target import head_size
+
     cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    head_dim = head_size(cfg)
     n_kv = cfg.num_key_value_heads or cfg.num_attention_heads
     rope = getattr(cfg, "rope_parameters", None) or {}
 

@@ -39,7 +39,7 @@ from clover_kernels.attention import HEAD_SIZES
 from .errors import CloverError, one_line
 from .loading import DTYPES
 from .options import check_quantize
-from .target import EXACT_ROWS
+from .target import EXACT_ROWS, head_size
 
 BLOCKS_FILE = "clover-gguf-blocks.safetensors"  # in a converted GGUF directory: its tensors' blocks, repacked
 BLOCKS_VERSION = 1  # bump when the packed records change: older files are not used (the model runs float)
@@ -185,22 +185,16 @@ def apply(model, model_dir: Path, weights: str, warn=None) -> str | None:
     return describe(model)
 
 
-def head_size(config) -> int | None:
-    size = getattr(config, "head_dim", None)
-    heads = getattr(config, "num_attention_heads", None)
-    return size or (config.hidden_size // heads if heads else None)
-
-
 def describe(model) -> str:
     """The weight formats of the model's linears and their bytes, in words ("Q4_1 x210, Q8_0 x1: 96 MiB of linear
     weights, int8 activations")."""
-    from clover_kernels.quant import ACT8, BF16
+    from clover_kernels.quant import ACT8
 
     kinds: dict[str, int] = {}
     size, act8 = 0, False
     for module in model.modules():
         if isinstance(module, QuantLinear):
-            act8 = act8 or (module.kind != BF16 and bool(module.kind & ACT8))
+            act8 = act8 or bool(module.kind & ACT8)
             kinds[module.format] = kinds.get(module.format, 0) + 1
             size += module.packed.numel()
         elif isinstance(module, nn.Linear):

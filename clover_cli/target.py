@@ -66,6 +66,13 @@ def sdpa(query, key, value, **kwargs):
         return F.scaled_dot_product_attention(query, key, value, **kwargs)
 
 
+def head_size(config) -> int | None:
+    """The model's attention head size: its config's head_dim, else hidden size / heads."""
+    size = getattr(config, "head_dim", None)
+    heads = getattr(config, "num_attention_heads", None)
+    return size or (config.hidden_size // heads if heads else None)
+
+
 def tree_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
                    position_ids=None, **kwargs):
     """query [B, Hq, n, D]; key/value [B, Hkv, L+n, D], the last n being the new tokens.

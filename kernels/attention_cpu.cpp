@@ -26,16 +26,16 @@
 #include <cstring>
 #include <vector>
 
-namespace {
-
-constexpr int LANES = 16;
-
 #if defined(__AVX512F__) && defined(__AVX512DQ__) && !defined(CLOVER_GENERIC)
 #include <immintrin.h>
 #define CLOVER_ATTN_AVX512 1
 #else
 #define CLOVER_ATTN_AVX512 0
 #endif
+
+namespace {
+
+constexpr int LANES = 16;
 
 // exp(x) for x <= 0 (scores less their maximum): x = n ln2 + r, |r| <= ln2 / 2, e^r by a degree-6 polynomial
 // (Cephes' expf coefficients), times 2^n built in the exponent bits; 0 below -87. Separate multiplies and adds.

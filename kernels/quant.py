@@ -34,9 +34,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-SOURCE = Path(__file__).with_name("quant_cpu.cpp")
-# built into the same library: attention whose rows do not depend on the batch (kernels/attention.py)
-SOURCES = [SOURCE, Path(__file__).with_name("attention_cpu.cpp")]
+# the kernel, and built into the same library attention whose rows do not depend on the batch (kernels/attention.py)
+SOURCES = [Path(__file__).with_name("quant_cpu.cpp"), Path(__file__).with_name("attention_cpu.cpp")]
 LANES = 16  # outputs per tile (one 512-bit register of float32)
 
 
@@ -52,7 +51,7 @@ def kind_code(bits: int, group: int, affine: bool, f32: bool) -> int:
 
 def kind_of(code: int) -> tuple[int, int, bool, bool]:
     """(bits, group, affine, float32 scales) of a kind (ACT8 aside: it changes the activations, not the records)."""
-    code = code if code == BF16 else code & ~ACT8
+    code &= ~ACT8  # never set on BF16
     if code == BF16:
         return 16, 32, False, False
     return (8 if code & 1 else 4), (16 if code & 2 else 32), bool(code & 4), bool(code & 8)
@@ -303,37 +302,40 @@ def load(build_dir: Path, generic: bool = False, verbose: bool = False) -> Path:
     return so
 
 
+def _native():
+    """The loaded kernel library's C functions (ctypes), or None before load()."""
+    import ctypes
+
+    return None if _library is None else ctypes.CDLL(str(_library))
+
+
 @contextmanager
 def float_activations():
     """While inside, kinds with ACT8 multiply the float32 activations as they are (no int8 rounding), in eager code and
     compiled programs alike: for checks against a reference that computes in floats. Nothing when no kernel library
     is loaded."""
-    import ctypes
-
-    if _library is None:
+    native = _native()
+    if native is None:
         yield
         return
-    flip = ctypes.CDLL(str(_library)).clover_quant_float_activations
-    before = flip(1)
+    before = native.clover_quant_float_activations(1)
     try:
         yield
     finally:
-        flip(before)
+        native.clover_quant_float_activations(before)
 
 
 def avx512() -> bool:
     """Whether the loaded kernel runs its AVX-512 path (else its portable C++)."""
-    import ctypes
-
-    return _library is not None and bool(ctypes.CDLL(str(_library)).clover_quant_avx512())
+    native = _native()
+    return native is not None and bool(native.clover_quant_avx512())
 
 
 def vnni() -> bool:
     """Whether the loaded kernel multiplies int8 activations with AVX-512 VNNI (else in portable C++, far slower
     than its float32 activations' AVX-512 path)."""
-    import ctypes
-
-    return _library is not None and bool(ctypes.CDLL(str(_library)).clover_quant_vnni())
+    native = _native()
+    return native is not None and bool(native.clover_quant_vnni())
 
 
 def _register_fake() -> None:

@@ -335,7 +335,7 @@ void act8_rows(const float* x, int64_t M, int64_t K, uint8_t* xq, float* xs, flo
 // acc = fma(d * xs, s, acc) and, affine, acc = fma(m, sq, acc) (sq: xs * the sum of xq over the group).
 template <int BITS, int GROUP, bool AFFINE, bool F32, int R, int T>
 void act8_tiles_rows(const uint8_t* rec, int64_t tile_bytes, int64_t groups, const uint8_t* xq, const float* xs,
-                     const float* sx, int64_t K, float* y, int64_t N, int64_t n0) {
+                     const float* sq, int64_t K, float* y, int64_t N, int64_t n0) {
   constexpr int QB = LANES * GROUP * BITS / 8;
   constexpr int SB = LANES * (F32 ? 4 : 2);
   constexpr int REC = QB + (AFFINE ? 2 : 1) * SB;
@@ -344,16 +344,18 @@ void act8_tiles_rows(const uint8_t* rec, int64_t tile_bytes, int64_t groups, con
   for (int t = 0; t < T; t++)
     for (int r = 0; r < R; r++) _mm512_store_ps(acc[t][r], _mm512_setzero_ps());
   // a 64-byte line holds 16 bytes (one per output) for each of 4 positions: output l's 4 bytes to lane l
-  alignas(64) uint8_t order[64];
-  for (int l = 0; l < LANES; l++)
-    for (int i = 0; i < 4; i++) order[4 * l + i] = (uint8_t)(16 * i + l);
-  const __m512i perm = _mm512_load_si512((const void*)order);
+  static const __m512i perm = [] {
+    alignas(64) uint8_t order[64];
+    for (int l = 0; l < LANES; l++)
+      for (int i = 0; i < 4; i++) order[4 * l + i] = (uint8_t)(16 * i + l);
+    return _mm512_load_si512((const void*)order);
+  }();
   const __m512i low = _mm512_set1_epi8(0x0f), ones = _mm512_set1_epi8(1);
   constexpr int LINES = QB / 64;  // 4-bit: 8 k's per line (two nibbles of 4 pairs); 8-bit: 4 k's
   for (int64_t g = 0; g < groups; g++) {
-    __m512i s[T][R], sq[T];
+    __m512i s[T][R], qsum[T];
     for (int t = 0; t < T; t++) {
-      sq[t] = _mm512_setzero_si512();
+      qsum[t] = _mm512_setzero_si512();
       for (int r = 0; r < R; r++) s[t][r] = _mm512_setzero_si512();
     }
     const uint8_t* xg = xq + g * GROUP;
@@ -366,7 +368,7 @@ void act8_tiles_rows(const uint8_t* rec, int64_t tile_bytes, int64_t groups, con
           w1[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);   // k = 8c + 1, ... 8c + 7
         } else {
           w0[t] = v;                                                // k = 4c ... 4c + 3, signed
-          sq[t] = _mm512_dpbusd_epi32(sq[t], ones, v);              // their sum, for the + 128 of the activations
+          qsum[t] = _mm512_dpbusd_epi32(qsum[t], ones, v);              // their sum, for the + 128 of the activations
         }
       }
       for (int r = 0; r < R; r++) {
@@ -391,12 +393,12 @@ void act8_tiles_rows(const uint8_t* rec, int64_t tile_bytes, int64_t groups, con
       const uint8_t* p = rec + t * tile_bytes + g * REC + QB;
       const __m512 d = scales16<F32>(p);
       const __m512 m = AFFINE ? scales16<F32>(p + SB) : _mm512_setzero_ps();
-      const __m512i shift = _mm512_slli_epi32(sq[t], 7);
+      const __m512i shift = _mm512_slli_epi32(qsum[t], 7);
       for (int r = 0; r < R; r++) {
         const __m512i si = BITS == 4 ? s[t][r] : _mm512_sub_epi32(s[t][r], shift);
         const __m512 dx = _mm512_mul_ps(d, _mm512_set1_ps(xs[r * groups + g]));
         __m512 a = _mm512_fmadd_ps(dx, _mm512_cvtepi32_ps(si), _mm512_load_ps(acc[t][r]));
-        if (AFFINE) a = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * groups + g]), a);
+        if (AFFINE) a = _mm512_fmadd_ps(m, _mm512_set1_ps(sq[r * groups + g]), a);
         _mm512_store_ps(acc[t][r], a);
       }
     }
@@ -419,7 +421,7 @@ void act8_tiles_rows(const uint8_t* rec, int64_t tile_bytes, int64_t groups, con
           const float d = scale_at<F32>(p + QB, l), m = AFFINE ? scale_at<F32>(p + QB + SB, l) : 0.0f;
           const float dx = d * xs[r * groups + g];
           acc = std::fma(dx, (float)s, acc);
-          if (AFFINE) acc = std::fma(m, sx[r * groups + g], acc);
+          if (AFFINE) acc = std::fma(m, sq[r * groups + g], acc);
         }
         y[r * N + n0 + t * LANES + l] = acc;
       }
@@ -535,8 +537,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
                   int64_t kind) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "clover_quant::linear runs on the CPU");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "packed weights must be contiguous uint8");
-  const bool act8 = kind != BF16 && (kind & ACT8) && !float_only.load(std::memory_order_relaxed);
   TORCH_CHECK(kind == BF16 || (kind >= 0 && (kind & ~(ACT8 | 15)) == 0), "unknown packed weight kind ", kind);
+  const bool act8 = (kind & ACT8) && !float_only.load(std::memory_order_relaxed);
   const Kind k(kind & ~ACT8);
   TORCH_CHECK(x.size(-1) <= in_features && in_features % k.group == 0, "input features do not fit the packed weights");
   const int64_t tiles = (out_features + LANES - 1) / LANES, groups = in_features / k.group;
@@ -557,7 +559,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
   case code:                          \
     run<B, G, A, F>(p, M, N, K, xp, out, act8); \
     break;
-    switch (kind == BF16 ? kind : kind & ~ACT8) {
+    switch (kind & ~ACT8) {
       CLOVER_KIND(0, 4, 32, false, false) CLOVER_KIND(1, 8, 32, false, false) CLOVER_KIND(2, 4, 16, false, false)
       CLOVER_KIND(3, 8, 16, false, false) CLOVER_KIND(4, 4, 32, true, false) CLOVER_KIND(5, 8, 32, true, false)
       CLOVER_KIND(6, 4, 16, true, false) CLOVER_KIND(7, 8, 16, true, false) CLOVER_KIND(8, 4, 32, false, true)

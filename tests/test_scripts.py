@@ -30,14 +30,19 @@ def test_gpu_bench_dry_run_on_cpu():
     assert report["bundled_outputs_identical_float32"] is True
 
 
-def test_compare_heads_on_one_tree_rule(tmp_path):
+def compare_heads(tmp_path, *options) -> dict:
+    """scripts/compare_heads.py on the bundled model's heads, 2 prompts of 12 tokens, one thread: its JSON report."""
     out = tmp_path / "cmp.json"
     p = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_heads.py"),
-                        str(ROOT / "clover_cli" / "bundled" / "tiny" / "heads"), "--tree", "eagle2", "--limit", "2",
-                        "-n", "12", "--threads", "1", "--window", "none", "--json", str(out)],
+                        str(ROOT / "clover_cli" / "bundled" / "tiny" / "heads"), "--limit", "2", "-n", "12",
+                        "--threads", "1", *options, "--json", str(out)],
                        capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert p.returncode == 0, p.stderr
-    report = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_compare_heads_on_one_tree_rule(tmp_path):
+    report = compare_heads(tmp_path, "--tree", "eagle2", "--window", "none")
     assert report["tree"] == "eagle2" and report["window"] == "none"
     (name,) = [m for m in report["methods"] if m != "plain"]
     row = report["methods"][name]
@@ -46,13 +51,7 @@ def test_compare_heads_on_one_tree_rule(tmp_path):
 
 def test_compare_heads_samples_at_a_temperature(tmp_path):
     """--temperature: each run samples (no identity with plain decoding to check); τ still counted."""
-    out = tmp_path / "cmp.json"
-    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_heads.py"),
-                        str(ROOT / "clover_cli" / "bundled" / "tiny" / "heads"), "--limit", "2", "-n", "12",
-                        "--threads", "1", "--temperature", "0.7", "--top-p", "0.9", "--json", str(out)],
-                       capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert p.returncode == 0, p.stderr
-    report = json.loads(out.read_text())
+    report = compare_heads(tmp_path, "--temperature", "0.7", "--top-p", "0.9")
     assert report["temperature"] == 0.7 and report["top_p"] == 0.9
     (name,) = [m for m in report["methods"] if m != "plain"]
     row = report["methods"][name]

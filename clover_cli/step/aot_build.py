@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from .. import atomic
-from ..quantized import WEIGHTS
 from ..errors import CloverError, one_line
+from ..quantized import WEIGHTS
 from . import unsupported
 from .aot import Package, find_heads
 from .aot_export import build_for, build_heads_for
