@@ -12,7 +12,9 @@ other rows. The int8 rounding turns float32 noise into different numbers, so wit
 runs clover's attention whose rows do not depend on the batch either (clover_kernels.attention.exact_rows;
 EXACT_ROWS): a draft tree's verify then gives each node bit for bit what a one-token step gives, and speculative
 decoding stays exact with respect to the quantized target that runs (its own greedy decoding; transformers' generate
-on the same model, eager). `--dtype float32` runs the dequantized weights as floats instead.
+on the same model, eager). A bfloat16 model runs it too where it has its AVX-512 path (its rows then match one-token
+steps bit for bit as well, and it is cheaper than SDPA at a few rows). `--dtype float32` runs the dequantized weights
+as floats instead.
 
 A GGUF's blocks are decoded when the file is converted (gguf_model.py) and written beside the converted model
 (BLOCKS_FILE), each tensor only after its blocks were checked to hold exactly the float weights transformers made of
@@ -174,12 +176,15 @@ def apply(model, model_dir: Path, weights: str, warn=None) -> str | None:
     else:
         blocks = quantize_model(model, 8 if weights == "int8" else 4)
     # integers take int8 activations where the kernel has VNNI for them and every attention can run rows independent
-    # of the batch (EXACT_ROWS); elsewhere the float32 activations as they are
+    # of the batch (EXACT_ROWS); elsewhere the float32 activations as they are. The kernel's rows never depend on the
+    # batch, so with exact_rows (AVX-512) a bfloat16 model's verify gives every node a one-token step's bits too
+    from clover_kernels import attention
     from clover_kernels.quant import vnni
 
-    act8 = weights != "bf16" and vnni() and head_size(model.config) in HEAD_SIZES
+    exact = head_size(model.config) in HEAD_SIZES
+    act8 = weights != "bf16" and vnni() and exact
     replace_linears(model, blocks, act8)
-    if act8:
+    if act8 or (weights == "bf16" and exact and attention.avx512()):
         for module in model.modules():
             setattr(module, EXACT_ROWS, True)
     return describe(model)

@@ -18,6 +18,14 @@ import torch
 HEAD_SIZES = (16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 256)  # those attention_cpu.cpp is built for
 
 
+def avx512() -> bool:
+    """Whether the loaded kernel library runs exact_rows' AVX-512 path (else its portable C++, ~10x slower)."""
+    from .quant import _native
+
+    native = _native()
+    return native is not None and bool(native.clover_attention_avx512())
+
+
 def exact_rows(query, key, value, mask=None, scale: float | None = None, softcap: float = 0.0) -> torch.Tensor:
     """mask: bool [B|1, 1, n, L] (True = may attend; the first batch entry's is used for all) or None (causal after
     the L - n committed keys). Grouped-query attention when Hq is a multiple of Hkv. Returns [B, n, Hq, D]."""

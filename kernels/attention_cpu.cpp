@@ -286,3 +286,5 @@ TORCH_LIBRARY(clover_attention, m) {
 }
 
 TORCH_LIBRARY_IMPL(clover_attention, CPU, m) { m.impl("exact_rows", &exact_rows); }
+
+extern "C" int clover_attention_avx512() { return CLOVER_ATTN_AVX512; }
