@@ -572,10 +572,25 @@ def test_a_killed_conversions_leftovers_are_removed_and_a_damaged_one_rebuilt(gg
 # ------------------------------------------------------------------------------------------------- the real model
 
 
+@pytest.fixture(scope="module")
+def real_smollm2(tmp_path_factory):
+    """The real file converted once for the tests below, into a private offline cache: (its converted directory, the
+    cache root, the conversions found there)."""
+    if not REAL_SMOLLM2.is_file():
+        pytest.skip("SmolLM2's GGUF is not on this machine (set CLOVER_SMOLLM2_GGUF to a copy)")
+    if store.content_hash(REAL_SMOLLM2) != SMOLLM2_PACKAGE.sha256:
+        pytest.skip(f"{REAL_SMOLLM2} is not the pinned SmolLM2 file (a partial or other copy)")
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        offline(tmp_path_factory.mktemp("real-smollm2"), monkeypatch)
+        monkeypatch.delenv("CLOVER_GGUF_CACHE", raising=False)
+        root = store.gguf_cache_root()
+        resolved = hub.resolve_model(str(REAL_SMOLLM2), quiet=True)
+        assert resolved.gguf == REAL_SMOLLM2
+        return resolved.path, root, converted_dirs(root)
+
+
 @pytest.mark.slow
-@pytest.mark.skipif(not REAL_SMOLLM2.is_file(),
-                    reason="SmolLM2's GGUF is not on this machine (set CLOVER_SMOLLM2_GGUF to a copy)")
-def test_real_smollm2_gguf_is_lossless(cache):
+def test_real_smollm2_gguf_is_lossless(real_smollm2, cache):
     """The real SmolLM2-135M-Instruct Q4_1 file: converted, its chat template applied, n-gram and plain decoding and
     the Clover-2 heads the package ships for it (found for the alias offline; alone and as the default drafter,
     merged with n-gram) give exactly transformers' greedy output over 32 tokens of two chat prompts, the heads'
@@ -588,13 +603,11 @@ def test_real_smollm2_gguf_is_lossless(cache):
     from clover_cli.decode.verify import StopCheck
     from clover_cli.target import Target
 
-    if store.content_hash(REAL_SMOLLM2) != SMOLLM2_PACKAGE.sha256:
-        pytest.skip(f"{REAL_SMOLLM2} is not the pinned SmolLM2 file (a partial or other copy)")
-    resolved = hub.resolve_model(str(REAL_SMOLLM2), quiet=True)
-    assert resolved.gguf == REAL_SMOLLM2 and converted_dirs(cache) == [resolved.path]
-    record = gguf_model.source_of(resolved.path)
+    path, _, converted = real_smollm2
+    assert converted == [path]
+    record = gguf_model.source_of(path)
     assert record["architecture"] == "llama" and "Q4_1" in record["tensor_types"]
-    model, tok = load_converted(resolved.path)
+    model, tok = load_converted(path)
     target = Target(model)
     for text in ("What is the capital of France?", "Write a Python function that adds two numbers."):
         prompt = chat_ids(tok, text)
@@ -603,7 +616,7 @@ def test_real_smollm2_gguf_is_lossless(cache):
         for drafter in (NoDrafter(), NgramDrafter()):
             out, _ = run_engine(Engine(target, drafter, budget=16, auto_budget=False), prompt, StopCheck(32))
             assert out == reference, (drafter, text)
-        alias = hub.ResolvedModel("smollm2", resolved.path, aliases.ALIASES["smollm2"])
+        alias = hub.ResolvedModel("smollm2", path, aliases.ALIASES["smollm2"])
         shipped = registry.resolve_heads(None, alias)
         assert shipped == aliases.bundled_heads("smollm2")
         heads = registry.load(shipped, model)
@@ -616,9 +629,7 @@ def test_real_smollm2_gguf_is_lossless(cache):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not REAL_SMOLLM2.is_file(),
-                    reason="SmolLM2's GGUF is not on this machine (set CLOVER_SMOLLM2_GGUF to a copy)")
-def test_real_smollm2_heads_sample_the_targets_distribution(cache):
+def test_real_smollm2_heads_sample_the_targets_distribution(real_smollm2, cache):
     """Sampling at temperature 0.7, top-p 0.9 and the model's repetition penalty 1.1 with the Clover-2 heads the
     package ships for smollm2, on a real chat prompt: the first two tokens' joint distribution equals the target's own, computed exactly
     (every first token of the top-p set, then every second token after it), within a TV bound that exact sampling
@@ -632,10 +643,8 @@ def test_real_smollm2_heads_sample_the_targets_distribution(cache):
     from clover_cli.target import Target
     from test_engine import _null_tv_bound, _tv
 
-    if store.content_hash(REAL_SMOLLM2) != SMOLLM2_PACKAGE.sha256:
-        pytest.skip(f"{REAL_SMOLLM2} is not the pinned SmolLM2 file (a partial or other copy)")
-    resolved = hub.resolve_model(str(REAL_SMOLLM2), quiet=True)
-    model, tok = load_converted(resolved.path)
+    path = real_smollm2[0]
+    model, tok = load_converted(path)
     s = Sampling(0.7, 0.9, repetition_penalty=1.1)
     # the reply begun as "My favourite colour": its next token is all but certain (" is"), the colour after it open
     # (dozens of tokens above top-p's cut): the position where the heads' drafts are taken or refused
@@ -658,7 +667,7 @@ def test_real_smollm2_heads_sample_the_targets_distribution(cache):
     assert 4 <= len(pairs) <= 5000  # a real spread of continuations, few enough to count
     index = {p: i for i, p in enumerate(pairs)}
 
-    alias = hub.ResolvedModel("smollm2", resolved.path, aliases.ALIASES["smollm2"])
+    alias = hub.ResolvedModel("smollm2", path, aliases.ALIASES["smollm2"])
     target = Target(model)
     drafter = make_drafter("clover", target, heads=registry.load(registry.resolve_heads(None, alias), model))
     engine = Engine(target, drafter, budget=8, auto_budget=False)
