@@ -85,13 +85,14 @@ class QuantLinear(nn.Module):
 
     def __init__(self, packed, in_features: int, bias: torch.Tensor | None = None, weight=None, fmt: str = "",
                  act8: bool = False):
-        from clover_kernels.quant import ACT8, BF16
+        from clover_kernels.quant import ACT8, BF16, act8_records
 
         super().__init__()
+        if act8 and packed.kind != BF16 and not packed.kind & ACT8:
+            packed = act8_records(packed)
         self.register_buffer("packed", packed.data, persistent=False)
         self.out_features, self.in_features = packed.out_features, in_features
-        kind = packed.kind | ACT8 if act8 and packed.kind != BF16 else packed.kind
-        self.padded, self.kind, self.format = packed.in_features, kind, fmt
+        self.padded, self.kind, self.format = packed.in_features, packed.kind, fmt
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self._weight = weight
 

@@ -11,11 +11,13 @@ Two ways to multiply, chosen by the kind's ACT8 flag:
   - ACT8: each row's activations rounded per group to int8 (xs = max|x| / 127, act8()), s = sum of q * xq exactly
     in integers (VNNI: 64 byte products per instruction), y += (d * xs) * s + m * (xs * sum of xq): the dequantized
     weights' product with the rounded activations, as llama.cpp runs a GGUF's blocks; 2-3x cheaper from 8 rows up.
+    Its records hold each 64-byte line of integers in VNNI order (act8_records: one output's bytes per 32-bit lane).
     float_activations() turns the rounding off for a while (checks against float references).
 Either way a row's result does not depend on the other rows: a draft tree's verify gives each row what a one-row
 step gives.
 
     pack(q, d, m)                  -> Packed (the kernel's records; float16 scales where they hold d and m exactly)
+    act8_records(packed)           -> the same weights with int8 activations (ACT8: lines in VNNI order)
     pack_bf16(w)                   -> Packed (bfloat16 weights, no scales: multiplied widened to float32, exactly)
     Packed.unpack() / dequantize() -> q, d, m / the float32 weight the kernel multiplies by
     qlinear(x, packed)             the kernel (torch.ops.clover_quant.linear); load(build_dir) builds and loads it
@@ -79,7 +81,10 @@ class Packed:
         sbytes = LANES * (4 if f32 else 2)
         record = qbytes + (2 if affine else 1) * sbytes
         raw = self.data.view(tiles, groups, record)
-        qs = raw[:, :, :qbytes].reshape(tiles, groups, -1, LANES)  # per k (8-bit) or pair of k (4-bit), the lanes
+        lines = raw[:, :, :qbytes].reshape(tiles, groups, -1, 4, LANES)  # line, i, lane l: byte 16 i + l
+        if self.kind & ACT8:  # VNNI order: byte 4 l + i
+            lines = raw[:, :, :qbytes].reshape(tiles, groups, -1, LANES, 4).transpose(3, 4)
+        qs = lines.reshape(tiles, groups, -1, LANES)  # per k (8-bit) or pair of k (4-bit), the lanes
         if bits == 4:
             qs = qs.to(torch.int32)
             q = torch.stack([qs & 15, qs >> 4], dim=3)  # tiles, groups, pair, lo/hi, lane
@@ -164,6 +169,19 @@ def pack(q, d, m=None, bits: int = 4) -> Packed:
     parts = [qbytes, side(d)] + ([side(m)] if m is not None else [])
     data = np.ascontiguousarray(np.concatenate(parts, axis=2)).reshape(-1)
     return Packed(torch.from_numpy(data.copy()), n, kp, kind_code(bits, group, m is not None, f32))
+
+
+def act8_records(packed: Packed) -> Packed:
+    """The same weights for int8 activations (kind | ACT8): each 64-byte line of a record's integers reordered so
+    that byte 4 l + i holds byte 16 i + l (output l's four bytes in one 32-bit lane, as VNNI multiplies them)."""
+    if packed.kind & ACT8 or packed.kind == BF16:
+        raise ValueError("act8_records: integer records without ACT8 only")
+    bits, group, affine, f32 = kind_of(packed.kind)
+    qbytes = LANES * group * bits // 8
+    record = qbytes + (2 if affine else 1) * LANES * (4 if f32 else 2)
+    raw = packed.data.view(-1, record).clone()
+    raw[:, :qbytes] = raw[:, :qbytes].reshape(-1, qbytes // 64, 4, LANES).transpose(2, 3).reshape(-1, qbytes)
+    return Packed(raw.view(-1), packed.out_features, packed.in_features, packed.kind | ACT8)
 
 
 def pack_bf16(w: torch.Tensor) -> Packed:

@@ -29,9 +29,11 @@
 // the integers exactly (AVX-512 VNNI: 64 byte products per instruction against 16 float32 ones); then per group acc =
 // fma(d * xs, s, acc) with s = sum of q[k] * xq[k] (an exact integer) and, for affine formats, acc = fma(m, xs *
 // sum(xq), acc). The product is then the dequantized weights' with the rounded activations, each group's exactly, up to
-// the float32 accumulation over groups; a row still does not depend on the others. The weights' records are the same as
-// above: a 64-byte line of them is reordered in registers (one byte permutation) so that each 32-bit lane holds four
-// k's of one output, and the activations are stored in the matching k order (act8_rows).
+// the float32 accumulation over groups; a row still does not depend on the others. Their records are those above with
+// each 64-byte line of integers in VNNI order (kernels/quant.py, act8_records): byte 4 l + i holds what byte 16 i + l
+// holds above, so that each 32-bit lane is four bytes of one output (4-bit: eight k's, as nibbles), and the activations
+// are stored in the matching k order (act8_rows). With float_only set, such records are put back in the order above
+// for the float32 path (a copy per call: for checks).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -108,6 +110,15 @@ inline int q_at(const uint8_t* p, int k, int l) {
     return k % 2 ? byte >> 4 : byte & 0x0f;
   }
   return (int8_t)p[16 * k + l];
+}
+
+// The same integer in a record of ACT8 kinds, whose lines hold byte 16 i + l at 4 l + i.
+template <int BITS>
+inline int q_at_act8(const uint8_t* p, int k, int l) {
+  const int b = BITS == 4 ? 16 * (k / 2) + l : 16 * k + l;
+  const uint8_t byte = p[64 * (b / 64) + 4 * l + (b % 64) / 16];
+  if (BITS == 4) return k % 2 ? byte >> 4 : byte & 0x0f;
+  return (int8_t)byte;
 }
 
 // Output l's scale (or offset) in a record's 16 float16 or float32 values at p.
@@ -343,13 +354,6 @@ void act8_tiles_rows(const uint8_t* rec, int64_t tile_bytes, int64_t groups, con
   alignas(64) float acc[T][R][LANES];
   for (int t = 0; t < T; t++)
     for (int r = 0; r < R; r++) _mm512_store_ps(acc[t][r], _mm512_setzero_ps());
-  // a 64-byte line holds 16 bytes (one per output) for each of 4 positions: output l's 4 bytes to lane l
-  static const __m512i perm = [] {
-    alignas(64) uint8_t order[64];
-    for (int l = 0; l < LANES; l++)
-      for (int i = 0; i < 4; i++) order[4 * l + i] = (uint8_t)(16 * i + l);
-    return _mm512_load_si512((const void*)order);
-  }();
   const __m512i low = _mm512_set1_epi8(0x0f), ones = _mm512_set1_epi8(1);
   constexpr int LINES = QB / 64;  // 4-bit: 8 k's per line (two nibbles of 4 pairs); 8-bit: 4 k's
   for (int64_t g = 0; g < groups; g++) {
@@ -362,7 +366,7 @@ void act8_tiles_rows(const uint8_t* rec, int64_t tile_bytes, int64_t groups, con
     for (int c = 0; c < LINES; c++) {
       __m512i w0[T], w1[T];
       for (int t = 0; t < T; t++) {
-        const __m512i v = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512((const void*)(rec + t * tile_bytes + g * REC + 64 * c)));
+        const __m512i v = _mm512_loadu_si512((const void*)(rec + t * tile_bytes + g * REC + 64 * c));  // lane l: output l
         if (BITS == 4) {
           w0[t] = _mm512_and_si512(v, low);                         // k = 8c, 8c + 2, 8c + 4, 8c + 6
           w1[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);   // k = 8c + 1, ... 8c + 7
@@ -416,7 +420,7 @@ void act8_tiles_rows(const uint8_t* rec, int64_t tile_bytes, int64_t groups, con
           int32_t s = 0;
           for (int k = 0; k < GROUP; k++) {
             const int a = BITS == 4 ? (int)(int8_t)xg[act8_slot<BITS>(k)] : (int)xg[k] - 128;
-            s += q_at<BITS>(p, k, l) * a;
+            s += q_at_act8<BITS>(p, k, l) * a;
           }
           const float d = scale_at<F32>(p + QB, l), m = AFFINE ? scale_at<F32>(p + QB + SB, l) : 0.0f;
           const float dx = d * xs[r * groups + g];
@@ -429,19 +433,18 @@ void act8_tiles_rows(const uint8_t* rec, int64_t tile_bytes, int64_t groups, con
 #endif
 }
 
-// The tiles split between threads in tasks of 8: with one row a thread's tiles go 8 at a time (independent sums
-// to overlap), with more rows fewer at a time; rows in blocks of 8, then the rest. op.template tiles<R, T>(r, t)
-// computes T tiles from tile t for R rows from row r.
+// The tiles split evenly between threads (one contiguous range each); a thread's tiles go in blocks of 8 (with one
+// row: independent sums to overlap) or 4 (more rows), each block for all rows: 8 at a time, then the rest.
+// op.template tiles<R, T>(r, t) computes T tiles from tile t for R rows from row r.
 template <class Op>
 void run_tasks(int64_t M, int64_t tiles, const Op& op) {
   const int64_t BLOCK = M >= 4 ? 4 : 8;
-  const int64_t tasks = (tiles + BLOCK - 1) / BLOCK;
-  at::parallel_for(0, tasks, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; b++) {
-      const int64_t t_end = (b + 1) * BLOCK < tiles ? (b + 1) * BLOCK : tiles;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t b = t0; b < t1; b += BLOCK) {
+      const int64_t t_end = b + BLOCK < t1 ? b + BLOCK : t1;
       for (int64_t r = 0; r < M;) {
         const int64_t left = M - r;
-        int64_t t = b * BLOCK;
+        int64_t t = b;
 #define CLOVER_RT(RR, TT)                                          \
   for (; t + TT <= t_end; t += TT) op.template tiles<RR, TT>(r, t); \
   for (; t < t_end; t++) op.template tiles<RR, 1>(r, t);            \
@@ -533,6 +536,19 @@ void run_bf16(const uint8_t* packed, int64_t M, int64_t N, int64_t K, const floa
   run_tasks(M, tiles, Bf16Tiles{packed, 2 * LANES * K, x, K, y, N});
 }
 
+// ACT8 records (lines in VNNI order: byte 4 l + i from 16 i + l) back in the plain order, a copy.
+at::Tensor plain_order(const at::Tensor& packed, const Kind& k) {
+  at::Tensor out = packed.clone();
+  const int64_t rec = k.record(), qb = LANES * k.group * k.bits / 8;
+  const uint8_t* src = packed.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  for (int64_t r = 0; r < packed.numel() / rec; r++)
+    for (int64_t line = 0; line < qb; line += 64)
+      for (int l = 0; l < LANES; l++)
+        for (int i = 0; i < 4; i++) dst[r * rec + line + 16 * i + l] = src[r * rec + line + 4 * l + i];
+  return out;
+}
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features, int64_t in_features,
                   int64_t kind) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "clover_quant::linear runs on the CPU");
@@ -540,6 +556,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
   TORCH_CHECK(kind == BF16 || (kind >= 0 && (kind & ~(ACT8 | 15)) == 0), "unknown packed weight kind ", kind);
   const bool act8 = (kind & ACT8) && !float_only.load(std::memory_order_relaxed);
   const Kind k(kind & ~ACT8);
+  at::Tensor records = packed;
+  if ((kind & ACT8) && !act8) records = plain_order(packed, k);  // float32 activations on VNNI-ordered records
   TORCH_CHECK(x.size(-1) <= in_features && in_features % k.group == 0, "input features do not fit the packed weights");
   const int64_t tiles = (out_features + LANES - 1) / LANES, groups = in_features / k.group;
   TORCH_CHECK(packed.numel() == tiles * groups * k.record(), "packed weights of the wrong size");
@@ -551,7 +569,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
   sizes.back() = out_features;
   at::Tensor y = at::empty({M, out_features}, x2.options());
   if (M > 0) {
-    const uint8_t* p = packed.data_ptr<uint8_t>();
+    const uint8_t* p = records.data_ptr<uint8_t>();
     const float* xp = x2.data_ptr<float>();
     float* out = y.data_ptr<float>();
     const int64_t N = out_features, K = in_features;

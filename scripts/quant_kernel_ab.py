@@ -93,16 +93,19 @@ def main():
     packed = [made(n, k, 4, True) for _ in range(30) for n, k in shapes] + [made(49152, 576, 8, False)]
     def lists(side):
         act8 = args.act8 in ("both", "ab"[side])
-        return ([p.data for p in packed], [p.out_features for p in packed], [p.in_features for p in packed],
-                [p.kind | (quant.ACT8 if act8 else 0) for p in packed])
+        records = [quant.act8_records(p) for p in packed] if act8 else packed  # (an older kernel reads them
+        # in its own order: the same work, other sums)
+        return ([p.data for p in records], [p.out_features for p in records], [p.in_features for p in records],
+                [p.kind for p in records])
+    prepared = [lists(0), lists(1)]
     rows = [int(r) for r in args.rows.split(",")]
     times = {(side, r): [] for side in range(2) for r in rows}
     for n in range(args.rounds):
         for r in rows:
             x576, x1536 = torch.randn(r, 576), torch.randn(r, 1536)
             for side in ((0, 1) if n % 2 == 0 else (1, 0)):
-                ops[side].ab_model(x576, x1536, *lists(side), 1)
-                times[(side, r)].append(ops[side].ab_model(x576, x1536, *lists(side), 8 if r <= 16 else 3))
+                ops[side].ab_model(x576, x1536, *prepared[side], 1)
+                times[(side, r)].append(ops[side].ab_model(x576, x1536, *prepared[side], 8 if r <= 16 else 3))
     act8 = f"; int8 activations: {args.act8}" if args.act8 else ""
     print(f"A = {args.a}, B = {args.b}; {args.threads} threads, {args.rounds} rounds{act8}; median ms per step's "
           f"linears")

@@ -116,8 +116,12 @@ def test_kernel_is_the_dequantized_product_up_to_rounding():
 
 
 def with_act8(packed):
-    """The same records with int8 activations (the kind QuantLinear runs integers with)."""
-    return quant.Packed(packed.data, packed.out_features, packed.in_features, packed.kind | quant.ACT8)
+    """The same weights with int8 activations (the kind QuantLinear runs integers with; its lines in VNNI order)."""
+    out = quant.act8_records(packed)
+    assert out.kind == packed.kind | quant.ACT8 and not torch.equal(out.data, packed.data)
+    for a, b in zip(out.unpack(), packed.unpack()):
+        assert (a is None and b is None) or torch.equal(a, b)
+    return out
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
