@@ -72,16 +72,22 @@ class Logprobs:
         self.rows += ev.logprobs or []
 
 
-def reply_logprobs(session, tokens: list[int], rows: list, text: str) -> list[dict]:
+def reply_logprobs(session, tokens: list[int], rows: list, text: str, chat: bool = False) -> list[dict]:
     """The reply's tokens as the API reports them, each {"id", "token", "logprob", "top": [(token, logprob)]}: those
-    that begin inside its `text` (a stop string and the end-of-sequence token cut off, as from the text)."""
+    whose text lies in the reply's `text` (a stop string and the end-of-sequence token cut off, as from the text) or,
+    `chat`, in its content, the text stripped (a token of whitespace only before or after it left out; one that
+    reaches into it kept)."""
     from .render import Detokenizer
 
+    start, end = (len(text) - len(text.lstrip()), len(text.rstrip())) if chat else (0, len(text))
     detok, shown, out = Detokenizer(session.tokenizer), 0, []
     for tok, (logprob, top) in zip(tokens, rows):
-        if shown >= len(text) or tok in session.eos_ids:
+        if shown >= end or tok in session.eos_ids:
             break
+        begin = shown
         shown += len(detok.push(tok))
+        if shown <= start and not begin == shown >= start:  # wholly before the content (an empty piece: at it)
+            continue
         out.append({"id": tok, "token": session.tokenizer.decode([tok]), "logprob": logprob,
                     "top": [(session.tokenizer.decode([t]), lp) for t, lp in top]})
     return out
@@ -185,4 +191,4 @@ class Worker:
         text = reply.text()
         return {"index": index, "text": text.strip() if p.chat else text, "tail": sink.take(),
                 "finish": reply.stats.finish, "stats": reply.stats,
-                "logprobs": None if logprobs is None else reply_logprobs(s, reply.tokens, logprobs.rows, text)}
+                "logprobs": None if logprobs is None else reply_logprobs(s, reply.tokens, logprobs.rows, text, p.chat)}

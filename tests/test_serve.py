@@ -570,6 +570,30 @@ def test_logprobs_are_the_targets(recorded, llama_dir):
     assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
 
 
+def test_chat_logprobs_cover_the_content_not_the_whitespace_stripped_from_it(tmp_path):
+    """A chat reply's content is its text stripped: its logprobs leave out the tokens of whitespace before and after
+    it (they keep a token that reaches into it); a completion's keep every token of the text."""
+    from types import SimpleNamespace
+
+    from clover_cli.worker import reply_logprobs
+    from conftest import build_tokenizer
+
+    tok = build_tokenizer(tmp_path)
+    session = SimpleNamespace(tokenizer=tok, eos_ids={tok.eos_token_id})
+    text = "\n\n the quick brown fox.\n\n \n"
+    ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    rows = [(-0.1 * i, [(i, -0.1 * i)]) for i in range(len(ids))]
+    pieces = [tok.decode([i]) for i in ids]
+    assert pieces[0].strip() == "" and pieces[-2].strip() == ""  # whitespace-only tokens at both ends
+    everything = reply_logprobs(session, ids, rows, text)
+    assert "".join(e["token"] for e in everything) == text  # the end-of-sequence token left out
+    content = reply_logprobs(session, ids, rows, text, chat=True)
+    assert "".join(e["token"] for e in content).strip() == text.strip()
+    assert content[0]["token"].strip() and content[-1]["token"].strip()
+    first = pieces.index(content[0]["token"])
+    assert [e["logprob"] for e in content] == [r[0] for r in rows[first:first + len(content)]]
+
+
 # --- tools ----------------------------------------------------------------------------------------------------
 
 TOOL_TEMPLATE = """{%- if tools %}<|tools|>
