@@ -293,6 +293,13 @@ class BenchSession:
             self.assistant = load(assistant_path, device=str(s.device),
                                   dtype=str(s.dtype).replace("torch.", "")).model
             self.assistant.set_attn_implementation("sdpa")
+        from types import SimpleNamespace
+
+        from .running import register
+
+        # in `clover ps`, and what it runs safe from `clover rm` while it runs
+        register("bench", SimpleNamespace(resolved=s.resolved, heads_path=heads_path,
+                                          draft_model_path=self.draft_model_path), None, None)
         from .decode.budget import mode_key, mode_parts
         from .session import parse_budget
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -161,12 +162,20 @@ def test_bench_spec_bench_questions_by_category(model_with_heads, tmp_path, run_
     assert "by category" in out and "math_reasoning" in out
 
 
-def test_bench_table(model_with_heads, prompts_file, run_cli):
-    model, _ = model_with_heads
+def test_bench_table(model_with_heads, prompts_file, run_cli, monkeypatch):
+    """The table; and bench notes its session in the registry (clover ps; clover rm leaves its model alone)."""
+    from clover_cli import running
+
+    model, paths = model_with_heads
+    heads = paths["clover2"]
+    noted = []
+    monkeypatch.setattr(running, "register", lambda command, session, sid, writer: noted.append(
+        (command, Path(session.resolved.path).resolve(), Path(session.heads_path).resolve())))
     code, out, err = run_cli("bench", str(model), "--prompts", str(prompts_file), "--methods", "hf,plain",
-                             "-n", "6", "--limit", "1")
+                             "-n", "6", "--limit", "1", "--heads", str(heads))
     assert code == 0, err
     assert "clover bench" in out and "plain" in out and "yes" in out
+    assert noted == [("bench", Path(model).resolve(), Path(heads).resolve())]
 
 
 def test_builtin_prompts_are_heldout_and_categorised():

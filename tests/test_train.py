@@ -56,6 +56,20 @@ def test_train_writes_a_loadable_heads_dir(trained):
     assert not any("embed" in k or "lm_head" in k for k in keys)
 
 
+def test_train_notes_its_session(fresh_model, data_file, tmp_path, monkeypatch):
+    """A training run is in the registry of running sessions (clover ps), its model safe from clover rm meanwhile."""
+    from pathlib import Path
+
+    from clover_cli import running
+
+    noted = []
+    monkeypatch.setattr(running, "register", lambda command, session, sid, writer: noted.append(
+        (command, Path(session.resolved.path).resolve())))
+    train_in_process(fresh_model, data_file, tmp_path / "h", "--max-steps", "1", "--heads", "1", "--layers", "1",
+                     "--batch-tokens", "1024", "--max-len", "384", "--eval-every", "1000")
+    assert noted == [("train", Path(fresh_model).resolve())]
+
+
 def test_trained_heads_are_lossless(trained, fresh_model, tmp_path, run_cli):
     prompt = tmp_path / "p.txt"
     texts = {}

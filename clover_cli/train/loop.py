@@ -147,6 +147,12 @@ def run_training(cfg: TrainConfig):
     with accelerator.main_process_first():  # one download; the other processes then find it cached
         resolved = resolve_model(cfg.model, cfg.revision, quiet=not main)
     loaded = load(resolved.path, device=str(device), dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
+    if main:  # in `clover ps`, and its model safe from `clover rm` while it trains
+        from types import SimpleNamespace
+
+        from ..running import register
+
+        register("train", SimpleNamespace(resolved=resolved), None, None)
     model, tokenizer = loaded.model, loaded.tokenizer
     model.requires_grad_(False)
     spec = resolved.spec
