@@ -28,10 +28,12 @@ def reply(run_cli, model, prompt, *extra):
                                        ["--device-map", "auto", "--max-memory", "cpu=60KB"]],
                          ids=["json-map", "auto-max-memory"])
 def test_disk_offload_gives_the_one_device_reply(run_cli, llama_dir, prompt_path, monkeypatch, draft, placement):
-    """ngram drafts trees of up to 32 tokens: tree verification and the KV commit run over offloaded layers."""
-    plain = reply(run_cli, llama_dir, prompt_path, "--draft", draft, "-n", "48")
+    """ngram drafts trees of up to 32 tokens: tree verification and the KV commit run over offloaded layers. (A fixed
+    budget: the automatic one sizes trees from measured step costs, which a busy machine can make say "draft
+    nothing".)"""
+    plain = reply(run_cli, llama_dir, prompt_path, "--draft", draft, "-n", "48", "--tree-budget", "32")
     monkeypatch.setenv("CLOVER_COMPILE", "auto")  # the compiled step is asked for and refused, not built wrongly
-    mapped = reply(run_cli, llama_dir, prompt_path, "--draft", draft, "-n", "48", *placement)
+    mapped = reply(run_cli, llama_dir, prompt_path, "--draft", draft, "-n", "48", "--tree-budget", "32", *placement)
     assert mapped["text"] == plain["text"] and mapped["new_tokens"] == plain["new_tokens"] == 48
     assert not mapped["compiled"] and "--device-map" in mapped["step"]
     if draft == "ngram":
