@@ -59,6 +59,13 @@ def kind_of(code: int) -> tuple[int, int, bool, bool]:
     return (8 if code & 1 else 4), (16 if code & 2 else 32), bool(code & 4), bool(code & 8)
 
 
+def _record_bytes(code: int) -> tuple[int, int]:
+    """(the bytes of its integers, of the whole record) of a record of integers of this kind (quant_cpu.cpp's Kind)."""
+    bits, group, affine, f32 = kind_of(code)
+    qbytes = LANES * group * bits // 8
+    return qbytes, qbytes + (2 if affine else 1) * LANES * (4 if f32 else 2)
+
+
 @dataclass
 class Packed:
     """A linear's weight in the kernel's records: `data` (uint8), out_features x in_features (padded to 32)."""
@@ -77,9 +84,8 @@ class Packed:
         bits, group, affine, f32 = kind_of(self.kind)
         n, k = self.out_features, self.in_features
         tiles, groups = -(-n // LANES), k // group
-        qbytes = LANES * group * bits // 8
+        qbytes, record = _record_bytes(self.kind)
         sbytes = LANES * (4 if f32 else 2)
-        record = qbytes + (2 if affine else 1) * sbytes
         raw = self.data.view(tiles, groups, record)
         lines = raw[:, :, :qbytes].reshape(tiles, groups, -1, 4, LANES)  # line, i, lane l: byte 16 i + l
         if self.kind & ACT8:  # VNNI order: byte 4 l + i
@@ -176,9 +182,7 @@ def act8_records(packed: Packed) -> Packed:
     that byte 4 l + i holds byte 16 i + l (output l's four bytes in one 32-bit lane, as VNNI multiplies them)."""
     if packed.kind & ACT8 or packed.kind == BF16:
         raise ValueError("act8_records: integer records without ACT8 only")
-    bits, group, affine, f32 = kind_of(packed.kind)
-    qbytes = LANES * group * bits // 8
-    record = qbytes + (2 if affine else 1) * LANES * (4 if f32 else 2)
+    qbytes, record = _record_bytes(packed.kind)
     raw = packed.data.view(-1, record).clone()
     raw[:, :qbytes] = raw[:, :qbytes].reshape(-1, qbytes // 64, 4, LANES).transpose(2, 3).reshape(-1, qbytes)
     return Packed(raw.view(-1), packed.out_features, packed.in_features, packed.kind | ACT8)

@@ -76,9 +76,8 @@ struct Kind {
   explicit Kind(int64_t code)
       : bits(code == BF16 ? 16 : code & 1 ? 8 : 4), group(code == BF16 ? 32 : code & 2 ? 16 : 32),
         affine(code != BF16 && (code & 4)), f32(code != BF16 && (code & 8)) {}
-  int record() const {
-    return LANES * group * bits / 8 + (bits == 16 ? 0 : (affine ? 2 : 1) * LANES * (f32 ? 4 : 2));
-  }
+  int qbytes() const { return LANES * group * bits / 8; }  // a record's integers (or bfloat16 words)
+  int record() const { return qbytes() + (bits == 16 ? 0 : (affine ? 2 : 1) * LANES * (f32 ? 4 : 2)); }
 };
 
 inline float half_to_float(uint16_t h) {
@@ -102,23 +101,30 @@ inline float half_to_float(uint16_t h) {
   return out;
 }
 
-// Output l's integer for k in a group's record at p (4-bit: nibbles of k and k + 1 in one byte; 8-bit: signed).
+// Output l's integer for k from its byte (4-bit: nibbles of k and k + 1 in one byte; 8-bit: signed).
+template <int BITS>
+inline int q_of(uint8_t byte, int k) {
+  if (BITS == 4) return k % 2 ? byte >> 4 : byte & 0x0f;
+  return (int8_t)byte;
+}
+
+// That byte's place in a group's record: 16 bytes (one per output) per k, or per pair of k (4-bit).
+template <int BITS>
+inline int q_byte(int k, int l) {
+  return BITS == 4 ? 16 * (k / 2) + l : 16 * k + l;
+}
+
+// Output l's integer for k in a group's record at p.
 template <int BITS>
 inline int q_at(const uint8_t* p, int k, int l) {
-  if (BITS == 4) {
-    const uint8_t byte = p[16 * (k / 2) + l];
-    return k % 2 ? byte >> 4 : byte & 0x0f;
-  }
-  return (int8_t)p[16 * k + l];
+  return q_of<BITS>(p[q_byte<BITS>(k, l)], k);
 }
 
 // The same integer in a record of ACT8 kinds, whose lines hold byte 16 i + l at 4 l + i.
 template <int BITS>
 inline int q_at_act8(const uint8_t* p, int k, int l) {
-  const int b = BITS == 4 ? 16 * (k / 2) + l : 16 * k + l;
-  const uint8_t byte = p[64 * (b / 64) + 4 * l + (b % 64) / 16];
-  if (BITS == 4) return k % 2 ? byte >> 4 : byte & 0x0f;
-  return (int8_t)byte;
+  const int b = q_byte<BITS>(k, l);
+  return q_of<BITS>(p[64 * (b / 64) + 4 * l + (b % 64) / 16], k);
 }
 
 // Output l's scale (or offset) in a record's 16 float16 or float32 values at p.
@@ -366,7 +372,8 @@ void act8_tiles_rows(const uint8_t* rec, int64_t tile_bytes, int64_t groups, con
     for (int c = 0; c < LINES; c++) {
       __m512i w0[T], w1[T];
       for (int t = 0; t < T; t++) {
-        const __m512i v = _mm512_loadu_si512((const void*)(rec + t * tile_bytes + g * REC + 64 * c));  // lane l: output l
+        // VNNI order: lane l holds output l's four bytes
+        const __m512i v = _mm512_loadu_si512((const void*)(rec + t * tile_bytes + g * REC + 64 * c));
         if (BITS == 4) {
           w0[t] = _mm512_and_si512(v, low);                         // k = 8c, 8c + 2, 8c + 4, 8c + 6
           w1[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);   // k = 8c + 1, ... 8c + 7
@@ -539,7 +546,7 @@ void run_bf16(const uint8_t* packed, int64_t M, int64_t N, int64_t K, const floa
 // ACT8 records (lines in VNNI order: byte 4 l + i from 16 i + l) back in the plain order, a copy.
 at::Tensor plain_order(const at::Tensor& packed, const Kind& k) {
   at::Tensor out = packed.clone();
-  const int64_t rec = k.record(), qb = LANES * k.group * k.bits / 8;
+  const int64_t rec = k.record(), qb = k.qbytes();
   const uint8_t* src = packed.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   for (int64_t r = 0; r < packed.numel() / rec; r++)
@@ -556,8 +563,6 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
   TORCH_CHECK(kind == BF16 || (kind >= 0 && (kind & ~(ACT8 | 15)) == 0), "unknown packed weight kind ", kind);
   const bool act8 = (kind & ACT8) && !float_only.load(std::memory_order_relaxed);
   const Kind k(kind & ~ACT8);
-  at::Tensor records = packed;
-  if ((kind & ACT8) && !act8) records = plain_order(packed, k);  // float32 activations on VNNI-ordered records
   TORCH_CHECK(x.size(-1) <= in_features && in_features % k.group == 0, "input features do not fit the packed weights");
   const int64_t tiles = (out_features + LANES - 1) / LANES, groups = in_features / k.group;
   TORCH_CHECK(packed.numel() == tiles * groups * k.record(), "packed weights of the wrong size");
@@ -569,6 +574,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
   sizes.back() = out_features;
   at::Tensor y = at::empty({M, out_features}, x2.options());
   if (M > 0) {
+    // float32 activations on VNNI-ordered records (checks): those records in the plain order, a copy
+    const at::Tensor records = (kind & ACT8) && !act8 ? plain_order(packed, k) : packed;
     const uint8_t* p = records.data_ptr<uint8_t>();
     const float* xp = x2.data_ptr<float>();
     float* out = y.data_ptr<float>();
