@@ -39,6 +39,7 @@ ENV = {
     "CLOVER_PACKAGE_INDEX": "the package index model packages come from (else PIP_INDEX_URL, else pypi.org)",
     "CLOVER_PACKED": "packed CPU linears: 0 off, 1 at every row count (no timing), else timed",
     "CLOVER_TRITON": "0: no Triton kernels",
+    "CLOVER_KV16": "0: a GGUF's (or --quantize's) KV cache in float32, not float16",
     "CLOVER_DEBUG": "1: an error prints its traceback too (as --debug)",
     "CLOVER_SLOW_EXIT": "1: the interpreter's own exit, not the fast one (process.py)",
 }

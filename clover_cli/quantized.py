@@ -41,7 +41,7 @@ from clover_kernels.attention import HEAD_SIZES
 from .errors import CloverError, one_line
 from .loading import DTYPES
 from .options import check_quantize
-from .target import EXACT_ROWS, head_size
+from .target import EXACT_ROWS, KV_FLOAT16, head_size
 
 BLOCKS_FILE = "clover-gguf-blocks.safetensors"  # in a converted GGUF directory: its tensors' blocks, repacked
 BLOCKS_VERSION = 1  # bump when the packed records change: older files are not used (the model runs float)
@@ -188,6 +188,9 @@ def apply(model, model_dir: Path, weights: str, warn=None) -> str | None:
     if act8 or (weights == "bf16" and exact and attention.avx512()):
         for module in model.modules():
             setattr(module, EXACT_ROWS, True)
+    # with int8 activations the target is llama.cpp's kind of computation already: its KV cache in float16, as
+    # llama.cpp keeps it (a bfloat16 model keeps float32 keys and values: it matches transformers' generate)
+    setattr(model, KV_FLOAT16, act8)
     return describe(model)
 
 

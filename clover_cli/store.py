@@ -128,6 +128,7 @@ def package_key(model_path: Path, dtype: torch.dtype, capacity: int, weights: st
 
         parts["weights"] = weights
         parts["kernels"] = build_key()
+        parts["kv16"] = env("CLOVER_KV16", "1") != "0"  # target.kv_dtype: the cache buffers the programs take
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
     return f"{Path(model_path).name[:40]}-{digest}"
 

@@ -34,6 +34,10 @@ STATIC_KWARG = "clover_static"
 # set on the modules of a model whose linears round their activations to int8 (quantized.apply): its attention then
 # runs clover_kernels.attention.exact_rows on the CPU, each row the same bits whatever the batch
 EXACT_ROWS = "clover_exact_rows"
+# set on a model (quantized.apply: a GGUF's or --quantize's integers with int8 activations) whose KV cache holds
+# float16 keys and values, as llama.cpp keeps them: half the bytes a step's attention reads. Its attention widens
+# them exactly (exact_rows), so a verify and a one-token step still see the same numbers. CLOVER_KV16=0: float32.
+KV_FLOAT16 = "clover_kv_float16"
 _kernels = None
 
 
@@ -92,6 +96,8 @@ def tree_attention(module, query, key, value, attention_mask, scaling=None, drop
     # exact_rows reads one mask for the whole batch: a batch with masks of its own (padding) runs SDPA
     exact = (getattr(module, EXACT_ROWS, False) and query.device.type == "cpu" and query.dtype == torch.float32
              and not (module.training and dropout) and (attention_mask is None or attention_mask.shape[0] == 1))
+    if not exact and key.dtype != query.dtype:  # a float16 cache (KV_FLOAT16) read by another attention
+        key, value = key.to(query.dtype), value.to(query.dtype)
     if STATIC_KWARG in kwargs:  # a static step: the mask says everything, up to a sliding window
         mask, (query_positions, key_positions, end) = attention_mask, kwargs[STATIC_KWARG]
         if sliding_window is not None:  # as below: only once there are more keys than the window
@@ -174,8 +180,8 @@ class TreeKVLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states, value_states):
         shape = (1, key_states.shape[1], self.owner.capacity, key_states.shape[3])
-        self.keys = torch.zeros(shape, dtype=key_states.dtype, device=key_states.device)
-        self.values = torch.zeros(shape, dtype=value_states.dtype, device=value_states.device)
+        self.keys = torch.zeros(shape, dtype=self.owner.kv_dtype or key_states.dtype, device=key_states.device)
+        self.values = torch.zeros(shape, dtype=self.owner.kv_dtype or value_states.dtype, device=value_states.device)
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -217,8 +223,9 @@ class TreeKVLayer(CacheLayerMixin):
 class TreeKVCache(Cache):
     """KV cache for tree verification: `length` committed tokens, new tokens written after them per forward."""
 
-    def __init__(self, num_layers: int, capacity: int, max_capacity: int):
+    def __init__(self, num_layers: int, capacity: int, max_capacity: int, kv_dtype: torch.dtype | None = None):
         super().__init__(layers=[TreeKVLayer(self) for _ in range(num_layers)])
+        self.kv_dtype = kv_dtype  # what the buffers hold (None: the dtype of the first keys and values written)
         self.length = 0
         self.capacity = capacity
         self.max_capacity = max_capacity
@@ -230,7 +237,7 @@ class TreeKVCache(Cache):
         """A cache over existing buffers (one [1, Hkv, capacity, D] pair per layer) holding `length` tokens: what
         the compiled program (clover_cli/step/aot.py) writes into, the live cache's own buffers."""
         capacity = keys[0].shape[2]
-        cache = cls(len(keys), capacity, capacity)
+        cache = cls(len(keys), capacity, capacity, keys[0].dtype)
         for layer, k, v in zip(cache.layers, keys, values):
             layer.keys, layer.values, layer.is_initialized = k, v, True
         cache.length = length
@@ -318,6 +325,14 @@ class TreeKVCache(Cache):
         self.length = min(self.length, length)
 
 
+def kv_dtype(model) -> torch.dtype | None:
+    """The dtype of the model's KV cache: float16 where the model says so (KV_FLOAT16) and CLOVER_KV16 is not 0,
+    else None (the model's own: what its attention computes)."""
+    if getattr(model, KV_FLOAT16, False) and env("CLOVER_KV16", "1") != "0":
+        return torch.float16
+    return None
+
+
 def context_limit(config, max_context: int | None = None) -> int:
     """The longest conversation in tokens: the model's position limit (4096 when it states none), or less."""
     limit = getattr(config, "max_position_embeddings", None) or 4096
@@ -399,7 +414,7 @@ class Target:
             pack_linears(model, lazy=pack == "lazy")  # "lazy": when an eager forward first needs them
         self.max_context = context_limit(self.config, max_context)
         self.cache = TreeKVCache(self.config.num_hidden_layers, min(initial_capacity, self.max_context),
-                                 self.max_context)
+                                 self.max_context, kv_dtype(model))
         self.program = None  # the compiled step, once attached
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._cache_kwarg = cache_kwarg(model)
@@ -595,8 +610,9 @@ def check_exact(target: "Target", tolerance: float | None = None) -> None:
     scale = max(1.0, float(want.abs().max()))
     error = float((got - want).abs().max()) / scale
     quantized = getattr(model, "hf_quantizer", None) is not None  # 8-/4-bit: its products depend on the row count
-    limit = tolerance if tolerance is not None else (1e-3 if ours.dtype == torch.float32 and not quantized and
-                                                     next(model.parameters()).dtype == torch.float32 else 5e-2)
+    full = target.cache.kv_dtype in (None, torch.float32)  # a float16 cache rounds keys and values (KV_FLOAT16)
+    limit = tolerance if tolerance is not None else (1e-3 if ours.dtype == torch.float32 and not quantized and full
+                                                     and next(model.parameters()).dtype == torch.float32 else 5e-2)
     if not error <= limit:
         if quantized:  # the quantization is to blame, not the architecture
             how = "quantized" if not getattr(config, "quantization_config", None) else \

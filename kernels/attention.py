@@ -7,6 +7,7 @@ after the same accepted path. torch's SDPA does not (its sums depend on the numb
 relative); with activations rounded to int8 before every product that noise grows into other tokens.
 
     exact_rows(query, key, value, mask, scale, softcap=0.0)   [B, Hq, n, D] x [B, Hkv, L, D] -> [B, n, Hq, D]
+                                                              (query float32; keys and values float32 or float16)
     attention_ref(...)                                        the same attention in float64 (torch)
 """
 

@@ -15,6 +15,8 @@
 // The AVX-512 path computes 16 keys' dots at once and the portable C++ one key at a time, with the same operations
 // in the same order; neither reorders a sum (built with -ffp-contract=off, no fast-math), so a row's result is the
 // same bits for every batch and every place of the row in it.
+// Keys and values may be float16 (a float16 KV cache, as llama.cpp keeps by default): each is widened exactly to
+// float32 as it is read, and everything after runs as above.
 // The reference (kernels/attention.py, attention_ref) is softmax attention in float64.
 
 #include <ATen/ATen.h>
@@ -64,16 +66,25 @@ inline float halving(float* lane) {
   return lane[0];
 }
 
+// A cached key or value element as float32: a float16 cache's widen exactly, so both caches run the same arithmetic
+// on the numbers they hold.
+inline float widen(float x) { return x; }
+inline float widen(at::Half x) { return static_cast<float>(x); }
+
 // q . k: lane l = fma over d = l, l + 16, ... in order, then halving.
-template <int64_t D>
-inline float dot(const float* q, const float* k) {
+template <int64_t D, typename KV>
+inline float dot(const float* q, const KV* k) {
   float lane[LANES] = {0.0f};
   for (int64_t d = 0; d < D; d += LANES)
-    for (int l = 0; l < LANES; l++) lane[l] = std::fma(q[d + l], k[d + l], lane[l]);
+    for (int l = 0; l < LANES; l++) lane[l] = std::fma(q[d + l], widen(k[d + l]), lane[l]);
   return halving(lane);
 }
 
 #if CLOVER_ATTN_AVX512
+// 16 cached elements as float32 (float16: widened exactly by VCVTPH2PS)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+
 inline __m512 exp16(__m512 x) {
   const __mmask16 ok = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
   x = _mm512_mask_blend_ps(ok, _mm512_set1_ps(-87.0f), x);
@@ -119,16 +130,16 @@ inline __m512 halving_16x16(__m512* a) {
 }
 #endif
 
-// q [B, Hq, n, D] (any strides), k/v [B, Hkv, L, D] (unit stride in D), visible: for each row the indices of the keys
+// q [B, Hq, n, D] (any strides), k/v [B, Hkv, L, D] of KV (float or at::Half; unit stride in D), visible: for each row the indices of the keys
 // it sees, in order (shared by the batch and the heads). out [B, n, Hq, D] contiguous.
-template <int64_t D>
+template <int64_t D, typename KV>
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::vector<std::vector<int64_t>>& visible,
             double scale, double softcap, at::Tensor& out) {
   const int64_t B = q.size(0), Hq = q.size(1), n = q.size(2), Hkv = k.size(1);
   const int64_t group = Hq / Hkv;
   const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
+  const KV* kp = k.data_ptr<KV>();
+  const KV* vp = v.data_ptr<KV>();
   float* op = out.data_ptr<float>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2), qs3 = q.stride(3);
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
@@ -148,8 +159,8 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
       }
       for (int64_t d = 0; d < D; d++) qrow[d] = qp[b * qs0 + h * qs1 + i * qs2 + d * qs3];
       s.resize((V + LANES - 1) / LANES * LANES);
-      const float* kb = kp + b * ks0 + hk * ks1;
-      const float* vb = vp + b * vs0 + hk * vs1;
+      const KV* kb = kp + b * ks0 + hk * ks1;
+      const KV* vb = vp + b * vs0 + hk * vs1;
       float top = -INFINITY;
       float total;
 #if CLOVER_ATTN_AVX512
@@ -162,8 +173,8 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
           for (int j = 0; j < LANES; j++) {
             a[j] = _mm512_setzero_ps();
             if (j0 + j < V) {
-              const float* kj = kb + keys[j0 + j] * ks2;
-              for (int c = 0; c < D / LANES; c++) a[j] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kj + LANES * c), a[j]);
+              const KV* kj = kb + keys[j0 + j] * ks2;
+              for (int c = 0; c < D / LANES; c++) a[j] = _mm512_fmadd_ps(qv[c], load16(kj + LANES * c), a[j]);
             }
           }
           __m512 x = _mm512_mul_ps(_mm512_set1_ps(sc), halving_16x16(a));
@@ -191,9 +202,9 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
         __m512 av[D / LANES];
         for (int c = 0; c < D / LANES; c++) av[c] = _mm512_setzero_ps();
         for (int64_t j = 0; j < V; j++) {
-          const float* vj = vb + keys[j] * vs2;
+          const KV* vj = vb + keys[j] * vs2;
           const __m512 p = _mm512_set1_ps(s[j]);
-          for (int c = 0; c < D / LANES; c++) av[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vj + LANES * c), av[c]);
+          for (int c = 0; c < D / LANES; c++) av[c] = _mm512_fmadd_ps(p, load16(vj + LANES * c), av[c]);
         }
         const __m512 tv = _mm512_set1_ps(total);
         for (int c = 0; c < D / LANES; c++) _mm512_storeu_ps(o + LANES * c, _mm512_div_ps(av[c], tv));
@@ -213,8 +224,8 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
       total = halving(lane);
       for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
       for (int64_t j = 0; j < V; j++) {
-        const float* vj = vb + keys[j] * vs2;
-        for (int64_t d = 0; d < D; d++) acc[d] = std::fma(s[j], vj[d], acc[d]);
+        const KV* vj = vb + keys[j] * vs2;
+        for (int64_t d = 0; d < D; d++) acc[d] = std::fma(s[j], widen(vj[d]), acc[d]);
       }
       for (int64_t d = 0; d < D; d++) o[d] = acc[d] / total;
 #endif
@@ -251,13 +262,17 @@ std::vector<std::vector<int64_t>> visible_keys(const c10::optional<at::Tensor>& 
   return visible;
 }
 
-// query [B, Hq, n, D]; key, value [B, Hkv, L, D], float32, unit stride along D. mask: bool [B or 1, 1, n, L]
+// query [B, Hq, n, D] float32; key, value [B, Hkv, L, D], both float32 or both float16 (a float16 KV cache: half
+// the bytes a step reads; each element widened exactly), unit stride along D. mask: bool [B or 1, 1, n, L]
 // (true = visible; the same for the whole batch: its first entry is read) or, when undefined, causal after the
 // L - n committed keys. Returns [B, n, Hq, D].
 at::Tensor exact_rows(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                       const c10::optional<at::Tensor>& mask, double scale, double softcap) {
-  TORCH_CHECK(query.device().is_cpu() && query.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat &&
-                  value.scalar_type() == at::kFloat, "clover_attention::exact_rows: float32 tensors on the CPU");
+  const bool half = key.scalar_type() == at::kHalf;
+  TORCH_CHECK(query.device().is_cpu() && key.device().is_cpu() && value.device().is_cpu() &&
+                  query.scalar_type() == at::kFloat && (half || key.scalar_type() == at::kFloat) &&
+                  value.scalar_type() == key.scalar_type(),
+              "clover_attention::exact_rows: a float32 query, float32 or float16 keys and values, on the CPU");
   TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4, "exact_rows: 4-d query, key and value");
   TORCH_CHECK(key.size(3) == query.size(3) && value.size(3) == query.size(3) && key.stride(3) == 1 &&
                   value.stride(3) == 1 && key.size(2) == value.size(2) && query.size(1) % key.size(1) == 0,
@@ -269,7 +284,10 @@ at::Tensor exact_rows(const at::Tensor& query, const at::Tensor& key, const at::
   switch (query.size(3)) {
 #define CLOVER_D(d) \
   case d:           \
-    attend<d>(query, key, value, visible, scale, softcap, out); \
+    if (half)                                                          \
+      attend<d, at::Half>(query, key, value, visible, scale, softcap, out); \
+    else                                                               \
+      attend<d, float>(query, key, value, visible, scale, softcap, out);   \
     break;
     CLOVER_D(16) CLOVER_D(32) CLOVER_D(48) CLOVER_D(64) CLOVER_D(80) CLOVER_D(96) CLOVER_D(112) CLOVER_D(128)
     CLOVER_D(160) CLOVER_D(192) CLOVER_D(256)

@@ -4,6 +4,8 @@ ratios and how many rounds each side won.
 
     git worktree add /tmp/old HEAD~1
     python scripts/ab_bench.py /tmp/old . --rounds 8 -- --methods plain,ngram,clover+ngram --limit 10
+    python scripts/ab_bench.py . . --old-env CLOVER_KV16=0 --model smollm2 -- --methods plain   (one checkout, two
+                                                                                            environments)
 
 Everything after `--` goes to `clover bench` as it is (--json is added). Both sides run the same model directory
 (default: the new side's bundled `tiny`, or --model), so they share its compiled package and stored costs. On the
@@ -49,8 +51,19 @@ def summarize(runs: list[dict]) -> dict:
     return out
 
 
-def bench(checkout: Path, model: str, args: list[str]) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(checkout))
+def env_pairs(items: list[str]) -> dict:
+    """NAME=VALUE strings (--old-env, --new-env) as a dict; a malformed one stops the script in one line."""
+    out = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        if not eq or not name:
+            raise SystemExit(f"ab_bench: {item!r} is not NAME=VALUE")
+        out[name] = value
+    return out
+
+
+def bench(checkout: Path, model: str, args: list[str], extra_env: dict | None = None) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(checkout), **(extra_env or {}))
     # python -m clover_cli where the checkout has clover_cli/__main__.py; older ones ran as clover_cli.cli
     module = "clover_cli" if (checkout / "clover_cli" / "__main__.py").is_file() else "clover_cli.cli"
     cmd = [sys.executable, "-m", module, "bench", model, "--json", *args]
@@ -67,6 +80,10 @@ def main():
     ap.add_argument("new", type=Path, help="The new checkout.")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--model", default=None, help="Model for both sides (default: the new side's bundled tiny).")
+    ap.add_argument("--old-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="An environment variable the old side runs with (repeatable).")
+    ap.add_argument("--new-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="An environment variable the new side runs with (repeatable).")
     ap.add_argument("--json", action="store_true")
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)  # after it: clover bench's own options
@@ -75,11 +92,12 @@ def main():
     for side, path in checkouts.items():
         if not (path / "clover_cli" / "__init__.py").is_file():
             raise SystemExit(f"ab_bench: {path} is not a clover checkout (no clover_cli/ in it)")
+    envs = {"old": env_pairs(a.old_env), "new": env_pairs(a.new_env)}
     model = a.model or str(checkouts["new"] / "clover_cli" / "bundled" / "tiny")
     runs = []
     for r in range(a.rounds):
         for side in first_side(r):
-            rows = bench(checkouts[side], model, rest)
+            rows = bench(checkouts[side], model, rest, envs[side])
             runs.append({"side": side, "round": r, "rows": rows})
             if not a.json:
                 print(f"round {r + 1} {side}: " + ", ".join(f"{m} {v:.1f}" for m, v in rows.items()), flush=True)

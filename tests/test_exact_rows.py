@@ -4,7 +4,8 @@ activations of a GGUF's blocks need every row of a verify to be the bits of a on
   - it is softmax attention (against attention_ref in float64): grouped-query heads, a tree mask, the causal default,
     a soft cap, rows that see nothing;
   - each row gives the same bits as that row alone over only the keys it sees (what a one-token step computes);
-  - the portable C++ path gives the same bits as the AVX-512 one (the same operations in the same order).
+  - the portable C++ path gives the same bits as the AVX-512 one (the same operations in the same order);
+  - float16 keys and values (a float16 KV cache) give the bits of their float32 widening, rows still alone.
 """
 
 from __future__ import annotations
@@ -66,11 +67,13 @@ def test_a_row_that_sees_nothing_gives_zeros_and_batches_share_the_mask():
     assert torch.equal(got[:, 2], torch.zeros_like(got[:, 2])) and torch.equal(got[0], got[1])
 
 
+@pytest.mark.parametrize("kv", [torch.float32, torch.float16])
 @pytest.mark.parametrize("n,past", [(16, 300), (33, 129), (6, 0)])
-def test_each_row_is_the_bits_of_that_row_alone(n, past):
+def test_each_row_is_the_bits_of_that_row_alone(n, past, kv):
     """A row of a tree verify against the same query alone over only the keys it sees, as a one-token step after the
     same accepted path would compute it (the keys gathered into a buffer of their own): the same bits."""
     q, k, v, mask = inputs(n, past, (9, 3), seed=n)
+    k, v = k.to(kv), v.to(kv)
     together = exact_rows(q, k, v, mask)
     for i in range(n):
         seen = mask[0, 0, i].nonzero().flatten()
@@ -82,10 +85,27 @@ def test_each_row_is_the_bits_of_that_row_alone(n, past):
         assert torch.equal(alone[:, 0], causal[:, i])
 
 
+@pytest.mark.parametrize("n,past,D", [(1, 300, 64), (9, 50, 64), (5, 20, 128)])
+def test_float16_keys_and_values_are_widened_exactly(n, past, D):
+    """A float16 cache: the same bits as float32 keys and values holding the same numbers (each element widened
+    exactly, then the same arithmetic), for a tree mask and the causal default, with a soft cap too; keys and values
+    of different dtypes are refused in one line."""
+    q, k, v, mask = inputs(n, past, (9, 3), D, seed=D + n)
+    k16, v16 = k.half(), v.half()
+    assert not torch.equal(k16.float(), k)  # the rounding is real: float32 keys give other numbers
+    for m in (mask, None):
+        assert torch.equal(exact_rows(q, k16, v16, m), exact_rows(q, k16.float(), v16.float(), m))
+    assert torch.equal(exact_rows(q, k16, v16, mask, scale=0.3, softcap=2.0),
+                       exact_rows(q, k16.float(), v16.float(), mask, scale=0.3, softcap=2.0))
+    with pytest.raises(RuntimeError, match="float32 or float16 keys and values"):
+        exact_rows(q, k16, v, mask)
+
+
 def test_the_portable_path_gives_the_same_bits(tmp_path):
     """The portable C++ (no AVX-512; its own process: one kernel library per process) computes the same operations in
-    the same order as the AVX-512 path: the same outputs, bit for bit."""
+    the same order as the AVX-512 path: the same outputs, bit for bit (float16 keys and values too)."""
     cases = [inputs(n, past, (9, 3), D, seed=n) for n, past, D in ((1, 40, 64), (13, 200, 64), (4, 9, 128))]
+    cases += [(q, k.half(), v.half(), m) for q, k, v, m in cases[:2]]
     outs = [exact_rows(q, k, v, m) for q, k, v, m in cases]
     torch.save({"cases": cases, "outs": outs}, tmp_path / "cases.pt")
     code = f"""

@@ -288,15 +288,18 @@ def test_a_float_gguf_has_no_blocks(written, cache):
     assert quantized.weights_for(None, "auto", torch.device("cpu"), resolved.path) == "float"
 
 
-def test_a_tree_verify_gives_each_node_the_bits_of_one_token_steps(written, cache):
+@pytest.mark.parametrize("kv16", ["1", "0"])
+def test_a_tree_verify_gives_each_node_the_bits_of_one_token_steps(kv16, written, cache, monkeypatch):
     """int8 activations (a GGUF's blocks): the model's attention runs clover's exact_rows, so a verify over a tree
     gives every node exactly the logits one-token steps give it along its path, bit for bit (without it, SDPA's
-    float32 noise, rounded to int8 at the next linear, made the two ~2% apart on SmolLM2)."""
+    float32 noise, rounded to int8 at the next linear, made the two ~2% apart on SmolLM2). Its KV cache holds
+    float16 keys and values, as llama.cpp's does (float32 with CLOVER_KV16=0): bit for bit either way."""
     from clover_cli.target import EXACT_ROWS, Target
     from clover_cli.tree import DraftTree
 
     if not quant.vnni():
         pytest.skip("no AVX-512 VNNI here: the blocks run with float32 activations")
+    monkeypatch.setenv("CLOVER_KV16", kv16)
     model, *_ = quantized_model(written[("llama", "Q4_1")])
     assert getattr(model, EXACT_ROWS, False) and getattr(model.model.layers[0].self_attn, EXACT_ROWS, False)
     target = Target(model)
@@ -305,6 +308,7 @@ def test_a_tree_verify_gives_each_node_the_bits_of_one_token_steps(written, cach
     target.reset(0)
     target.forward(torch.tensor(prefix))
     target.cache.append(len(prefix))
+    assert target.cache.layers[0].keys.dtype == (torch.float16 if kv16 == "1" else torch.float32)
     ids, depths, mask = DraftTree(tokens, parents).tensors(torch.device("cpu"))
     _, together = target.forward(ids, len(prefix) + depths, mask)
     for node in range(len(tokens)):
@@ -416,6 +420,7 @@ def test_bf16_weights_of_any_float_model(llama_dir):
     assert all(torch.equal(b, buffers[name]) for name, b in model.named_buffers() if name in buffers)
     assert any("rotary" in name for name in buffers)
     target = Target(model)
+    assert target.cache.kv_dtype is None  # float32 keys and values: transformers' generate on the same weights
     prompt = list(range(5, 25))
     reference = hf_greedy(model, prompt, 20)
     assert hf_greedy(rounded, prompt, 20) == reference

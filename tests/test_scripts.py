@@ -133,6 +133,10 @@ def test_ab_bench_alternates_the_first_side_and_pairs_rounds():
     s = ab.summarize(runs)
     assert s["plain"] == {"old": 100.0, "new": 120.0, "ratio": 1.2, "paired_median": 1.2, "new_ahead": 2, "rounds": 2}
     assert s["ngram"]["ratio"] == 1.0 and s["ngram"]["new_ahead"] == 1
+    assert ab.env_pairs(["CLOVER_KV16=0", "A=b=c", "EMPTY="]) == {"CLOVER_KV16": "0", "A": "b=c", "EMPTY": ""}
+    for bad in ("CLOVER_KV16", "=1"):
+        with pytest.raises(SystemExit, match="is not NAME=VALUE"):
+            ab.env_pairs([bad])
 
 
 def test_linear_dtypes_prints_a_row_per_row_count():

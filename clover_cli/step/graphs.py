@@ -36,8 +36,8 @@ class SpanLayer(TreeKVLayer):
     `owner.write_at`, attention reads the first `owner.span` positions."""
 
     def update(self, key_states, value_states, *args, **kwargs):
-        self.keys.index_copy_(2, self.owner.write_at, key_states)
-        self.values.index_copy_(2, self.owner.write_at, value_states)
+        self.keys.index_copy_(2, self.owner.write_at, key_states.to(self.keys.dtype))
+        self.values.index_copy_(2, self.owner.write_at, value_states.to(self.values.dtype))
         return self.keys.narrow(2, 0, self.owner.span), self.values.narrow(2, 0, self.owner.span)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -48,7 +48,7 @@ class SpanView(TreeKVCache):
     """The live cache's buffers as one static step sees them (made per call; holds no memory of its own)."""
 
     def __init__(self, cache: TreeKVCache, write_at: torch.Tensor, span: int):
-        super().__init__(len(cache.layers), cache.capacity, cache.capacity)
+        super().__init__(len(cache.layers), cache.capacity, cache.capacity, cache.kv_dtype)
         self.layers = [SpanLayer(self) for _ in cache.layers]
         for mine, live in zip(self.layers, cache.layers):
             mine.keys, mine.values, mine.is_initialized = live.keys, live.values, True
