@@ -25,7 +25,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512DQ__) && !defined(CLOVER_GENERIC)
@@ -130,11 +132,133 @@ inline __m512 halving_16x16(__m512* a) {
 }
 #endif
 
-// q [B, Hq, n, D] (any strides), k/v [B, Hkv, L, D] of KV (float or at::Half; unit stride in D), visible: for each row the indices of the keys
-// it sees, in order (shared by the batch and the heads). out [B, n, Hq, D] contiguous.
+// One query row of one head: out[D] = softmax(scale * q . k_j) . v_j over the keys j = key(0 .. V - 1) in order, where
+// key(j) is keys[j] (DIRECT: j itself), k_j at kb + key(j) * ks and v_j at vb + key(j) * vs. s: scratch.
+template <int64_t D, typename KV, bool DIRECT>
+void attend_row(const float* qrow, const KV* kb, int64_t ks, const KV* vb, int64_t vs, const int64_t* keys, int64_t V,
+                float sc, float cap, std::vector<float>& s, float* o) {
+  if (V == 0) {
+    for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+    return;
+  }
+  s.resize((V + LANES - 1) / LANES * LANES);
+  float top = -INFINITY;
+  float total;
+#if CLOVER_ATTN_AVX512
+  __m512 qv[D / LANES];
+  for (int c = 0; c < D / LANES; c++) qv[c] = _mm512_loadu_ps(qrow + LANES * c);
+  __m512 best = _mm512_set1_ps(-INFINITY);
+  for (int64_t j0 = 0; j0 < V; j0 += LANES) {
+    __m512 a[LANES];
+    for (int j = 0; j < LANES; j++) {
+      a[j] = _mm512_setzero_ps();
+      if (j0 + j < V) {
+        const KV* kj = kb + (DIRECT ? j0 + j : keys[j0 + j]) * ks;
+        for (int c = 0; c < D / LANES; c++) a[j] = _mm512_fmadd_ps(qv[c], load16(kj + LANES * c), a[j]);
+      }
+    }
+    __m512 x = _mm512_mul_ps(_mm512_set1_ps(sc), halving_16x16(a));
+    _mm512_storeu_ps(s.data() + j0, x);
+    const __mmask16 live = V - j0 >= LANES ? (__mmask16)0xffff : (__mmask16)((1u << (V - j0)) - 1);
+    if (cap <= 0.0f) best = _mm512_mask_max_ps(best, live, best, x);
+  }
+  if (cap > 0.0f) {
+    for (int64_t j = 0; j < V; j++) {
+      s[j] = cap * std::tanh(s[j] / cap);
+      top = std::fmax(top, s[j]);
+    }
+  } else {
+    top = _mm512_reduce_max_ps(best);
+  }
+  __m512 sum = _mm512_setzero_ps();
+  const __m512 t = _mm512_set1_ps(top);
+  for (int64_t j0 = 0; j0 < V; j0 += LANES) {
+    const __mmask16 live = V - j0 >= LANES ? (__mmask16)0xffff : (__mmask16)((1u << (V - j0)) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_loadu_ps(s.data() + j0), t)));
+    _mm512_storeu_ps(s.data() + j0, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  total = halving16(sum);
+  __m512 av[D / LANES];
+  for (int c = 0; c < D / LANES; c++) av[c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < V; j++) {
+    const KV* vj = vb + (DIRECT ? j : keys[j]) * vs;
+    const __m512 p = _mm512_set1_ps(s[j]);
+    for (int c = 0; c < D / LANES; c++) av[c] = _mm512_fmadd_ps(p, load16(vj + LANES * c), av[c]);
+  }
+  const __m512 tv = _mm512_set1_ps(total);
+  for (int c = 0; c < D / LANES; c++) _mm512_storeu_ps(o + LANES * c, _mm512_div_ps(av[c], tv));
+#else
+  for (int64_t j = 0; j < V; j++) {
+    float x = sc * dot<D>(qrow, kb + (DIRECT ? j : keys[j]) * ks);
+    if (cap > 0.0f) x = cap * std::tanh(x / cap);
+    s[j] = x;
+    top = std::fmax(top, x);
+  }
+  float lane[LANES] = {0.0f};
+  for (int64_t j = 0; j < V; j++) {
+    s[j] = exp_nonpositive(s[j] - top);
+    lane[j % LANES] = lane[j % LANES] + s[j];
+  }
+  total = halving(lane);
+  float acc[D];
+  for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
+  for (int64_t j = 0; j < V; j++) {
+    const KV* vj = vb + (DIRECT ? j : keys[j]) * vs;
+    for (int64_t d = 0; d < D; d++) acc[d] = std::fma(s[j], widen(vj[d]), acc[d]);
+  }
+  for (int64_t d = 0; d < D; d++) o[d] = acc[d] / total;
+#endif
+}
+
+// q [B, Hq, n, D] (any strides), k/v [B, Hkv, L, D] of KV (float or at::Half; unit stride in D), visible: for each row
+// the indices of the keys it sees, in order (shared by the batch and the heads). out [B, n, Hq, D] contiguous.
+// One task per (batch, head, row), each widening float16 keys and values as it reads them. float16 with several rows:
+// first every key and value some row sees widened once into float32 buffers (the same numbers, so the rows then run the same
+// arithmetic and give the same bits as a one-row call), read by the rows and heads that share them.
 template <int64_t D, typename KV>
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::vector<std::vector<int64_t>>& visible,
             double scale, double softcap, at::Tensor& out) {
+  if constexpr (std::is_same<KV, at::Half>::value) {
+    if (q.size(2) > 1) {
+      int64_t L = 0;  // the keys some row sees: a static step's buffers may reach far past them
+      for (const std::vector<int64_t>& keys : visible)
+        if (!keys.empty() && keys.back() + 1 > L) L = keys.back() + 1;
+      const int64_t B = k.size(0), Hkv = k.size(1);
+      // kept by the calling thread from call to call: a fresh buffer of this size costs its pages' faults each time
+      static thread_local std::vector<float> kbuf, vbuf;
+      kbuf.resize(std::max<size_t>(kbuf.size(), B * Hkv * L * D));
+      vbuf.resize(std::max<size_t>(vbuf.size(), B * Hkv * L * D));
+      float* kwp = kbuf.data();
+      float* vwp = vbuf.data();
+      const at::Tensor kw = at::from_blob(kwp, {B, Hkv, L, D}, q.options());
+      const at::Tensor vw = at::from_blob(vwp, {B, Hkv, L, D}, q.options());
+      const at::Half* kp = k.data_ptr<at::Half>();
+      const at::Half* vp = v.data_ptr<at::Half>();
+      const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
+      const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
+      at::parallel_for(0, B * Hkv * L, 64, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; r++) {
+          const int64_t b = r / (Hkv * L), h = (r / L) % Hkv, j = r % L;
+          const at::Half* kr = kp + b * ks0 + h * ks1 + j * ks2;
+          const at::Half* vr = vp + b * vs0 + h * vs1 + j * vs2;
+#if CLOVER_ATTN_AVX512
+          for (int c = 0; c < D / LANES; c++) {
+            _mm512_storeu_ps(kwp + r * D + LANES * c, load16(kr + LANES * c));
+            _mm512_storeu_ps(vwp + r * D + LANES * c, load16(vr + LANES * c));
+          }
+#else
+          for (int64_t d = 0; d < D; d++) {
+            kwp[r * D + d] = widen(kr[d]);
+            vwp[r * D + d] = widen(vr[d]);
+          }
+#endif
+        }
+      });
+      attend<D, float>(q, kw, vw, visible, scale, softcap, out);
+      return;
+    }
+  }
   const int64_t B = q.size(0), Hq = q.size(1), n = q.size(2), Hkv = k.size(1);
   const int64_t group = Hq / Hkv;
   const float* qp = q.data_ptr<float>();
@@ -147,88 +271,13 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   const float sc = (float)scale, cap = (float)softcap;
   at::parallel_for(0, B * Hq * n, 1, [&](int64_t w0, int64_t w1) {
     std::vector<float> s;
-    alignas(64) float qrow[D], acc[D];
+    alignas(64) float qrow[D];
     for (int64_t w = w0; w < w1; w++) {
       const int64_t b = w / (Hq * n), h = (w / n) % Hq, i = w % n, hk = h / group;
       const std::vector<int64_t>& keys = visible[i];
-      const int64_t V = (int64_t)keys.size();
-      float* o = op + ((b * n + i) * Hq + h) * D;
-      if (V == 0) {
-        for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
-        continue;
-      }
       for (int64_t d = 0; d < D; d++) qrow[d] = qp[b * qs0 + h * qs1 + i * qs2 + d * qs3];
-      s.resize((V + LANES - 1) / LANES * LANES);
-      const KV* kb = kp + b * ks0 + hk * ks1;
-      const KV* vb = vp + b * vs0 + hk * vs1;
-      float top = -INFINITY;
-      float total;
-#if CLOVER_ATTN_AVX512
-      {
-        __m512 qv[D / LANES];
-        for (int c = 0; c < D / LANES; c++) qv[c] = _mm512_load_ps(qrow + LANES * c);
-        __m512 best = _mm512_set1_ps(-INFINITY);
-        for (int64_t j0 = 0; j0 < V; j0 += LANES) {
-          __m512 a[LANES];
-          for (int j = 0; j < LANES; j++) {
-            a[j] = _mm512_setzero_ps();
-            if (j0 + j < V) {
-              const KV* kj = kb + keys[j0 + j] * ks2;
-              for (int c = 0; c < D / LANES; c++) a[j] = _mm512_fmadd_ps(qv[c], load16(kj + LANES * c), a[j]);
-            }
-          }
-          __m512 x = _mm512_mul_ps(_mm512_set1_ps(sc), halving_16x16(a));
-          _mm512_storeu_ps(s.data() + j0, x);
-          const __mmask16 live = V - j0 >= LANES ? (__mmask16)0xffff : (__mmask16)((1u << (V - j0)) - 1);
-          if (cap <= 0.0f) best = _mm512_mask_max_ps(best, live, best, x);
-        }
-        if (cap > 0.0f) {
-          for (int64_t j = 0; j < V; j++) {
-            s[j] = cap * std::tanh(s[j] / cap);
-            top = std::fmax(top, s[j]);
-          }
-        } else {
-          top = _mm512_reduce_max_ps(best);
-        }
-        __m512 sum = _mm512_setzero_ps();
-        const __m512 t = _mm512_set1_ps(top);
-        for (int64_t j0 = 0; j0 < V; j0 += LANES) {
-          const __mmask16 live = V - j0 >= LANES ? (__mmask16)0xffff : (__mmask16)((1u << (V - j0)) - 1);
-          const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_loadu_ps(s.data() + j0), t)));
-          _mm512_storeu_ps(s.data() + j0, e);
-          sum = _mm512_add_ps(sum, e);
-        }
-        total = halving16(sum);
-        __m512 av[D / LANES];
-        for (int c = 0; c < D / LANES; c++) av[c] = _mm512_setzero_ps();
-        for (int64_t j = 0; j < V; j++) {
-          const KV* vj = vb + keys[j] * vs2;
-          const __m512 p = _mm512_set1_ps(s[j]);
-          for (int c = 0; c < D / LANES; c++) av[c] = _mm512_fmadd_ps(p, load16(vj + LANES * c), av[c]);
-        }
-        const __m512 tv = _mm512_set1_ps(total);
-        for (int c = 0; c < D / LANES; c++) _mm512_storeu_ps(o + LANES * c, _mm512_div_ps(av[c], tv));
-      }
-#else
-      for (int64_t j = 0; j < V; j++) {
-        float x = sc * dot<D>(qrow, kb + keys[j] * ks2);
-        if (cap > 0.0f) x = cap * std::tanh(x / cap);
-        s[j] = x;
-        top = std::fmax(top, x);
-      }
-      float lane[LANES] = {0.0f};
-      for (int64_t j = 0; j < V; j++) {
-        s[j] = exp_nonpositive(s[j] - top);
-        lane[j % LANES] = lane[j % LANES] + s[j];
-      }
-      total = halving(lane);
-      for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
-      for (int64_t j = 0; j < V; j++) {
-        const KV* vj = vb + keys[j] * vs2;
-        for (int64_t d = 0; d < D; d++) acc[d] = std::fma(s[j], widen(vj[d]), acc[d]);
-      }
-      for (int64_t d = 0; d < D; d++) o[d] = acc[d] / total;
-#endif
+      attend_row<D, KV, false>(qrow, kp + b * ks0 + hk * ks1, ks2, vp + b * vs0 + hk * vs1, vs2, keys.data(),
+                               (int64_t)keys.size(), sc, cap, s, op + ((b * n + i) * Hq + h) * D);
     }
   });
 }

@@ -97,6 +97,12 @@ def test_float16_keys_and_values_are_widened_exactly(n, past, D):
         assert torch.equal(exact_rows(q, k16, v16, m), exact_rows(q, k16.float(), v16.float(), m))
     assert torch.equal(exact_rows(q, k16, v16, mask, scale=0.3, softcap=2.0),
                        exact_rows(q, k16.float(), v16.float(), mask, scale=0.3, softcap=2.0))
+    # a static step's buffers reach past the keys any row sees: those are never read
+    g = torch.Generator().manual_seed(n)
+    k_span = torch.cat([k16, torch.randn(1, 3, 20, D, generator=g).half()], 2)
+    v_span = torch.cat([v16, torch.randn(1, 3, 20, D, generator=g).half()], 2)
+    span_mask = torch.cat([mask, torch.zeros(1, 1, n, 20, dtype=torch.bool)], -1)
+    assert torch.equal(exact_rows(q, k_span, v_span, span_mask), exact_rows(q, k16, v16, mask))
     with pytest.raises(RuntimeError, match="float32 or float16 keys and values"):
         exact_rows(q, k16, v, mask)
 

@@ -139,6 +139,17 @@ def test_ab_bench_alternates_the_first_side_and_pairs_rounds():
             ab.env_pairs([bad])
 
 
+def test_attention_cost_prints_a_row_per_row_count():
+    """scripts/attention_cost.py: one table row per row count, each with positive times for both KV dtypes and SDPA."""
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "attention_cost.py"), "--context", "40", "--rows", "1,3",
+                        "--rounds", "2", "--repeats", "2", "--threads", "1"],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    rows = [line.strip("| ").split(" | ") for line in p.stdout.splitlines()[3:]]
+    assert [int(r[0]) for r in rows] == [1, 3]
+    assert all(float(v) > 0 for r in rows for v in r[1:])
+
+
 def test_linear_dtypes_prints_a_row_per_row_count():
     """scripts/linear_dtypes.py: what this CPU offers for bfloat16, then one table row per row count, each with a
     positive time and rate for both dtypes."""
