@@ -76,9 +76,9 @@ def hf_greedy(model, prompt: list[int], n: int, eos=None) -> list[int]:
     itself, transformers would mask prompt tokens that happen to equal the pad id. A model whose clover cache holds
     float16 keys and values (kv_dtype) generates with its cache rounded the same way (Float16KV).
     """
-    from clover_cli.target import kv_dtype
+    from clover_cli.target import cache_kwarg, kv_dtype
 
-    cache = {"past_key_values": Float16KV(config=model.config)} if kv_dtype(model) == torch.float16 else {}
+    cache = {cache_kwarg(model): Float16KV(config=model.config)} if kv_dtype(model) == torch.float16 else {}
     # transformers fills every unset generation option from the model's own generation config, so the model's
     # EOS is switched off there for the call.
     saved = model.generation_config.eos_token_id
