@@ -28,7 +28,7 @@ from . import atomic, families
 from .bench_report import plot, plot_format, print_table
 from .errors import CloverError
 from .families import by_architecture, spec as family_spec
-from .target import EXACT_ROWS
+from .target import EXACT_ROWS, generate_cache
 
 LLAMA_METHODS = ("llama.cpp", "llama.cpp-lookup", "llama.cpp-draft")  # -draft: the model rows' draft model's chain
 MODEL_METHODS = ("model-chain", "model")  # a draft model's top-1 chain, and its MCSD tree (--draft model)
@@ -404,7 +404,8 @@ class BenchSession:
             if stock:
                 model.set_attn_implementation("sdpa")
             kwargs = dict(max_new_tokens=n, eos_token_id=sorted(s.eos_ids) or None,
-                          pad_token_id=s.tokenizer.pad_token_id or (sorted(s.eos_ids) or [0])[0])
+                          pad_token_id=s.tokenizer.pad_token_id or (sorted(s.eos_ids) or [0])[0],
+                          **generate_cache(model))  # a float16 KV cache where clover's is
             if cfg.temperature > 0:
                 kwargs.update(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=0)
                 torch.manual_seed(seed)

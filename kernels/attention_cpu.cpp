@@ -25,7 +25,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <algorithm>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -132,9 +131,9 @@ inline __m512 halving_16x16(__m512* a) {
 }
 #endif
 
-// One query row of one head: out[D] = softmax(scale * q . k_j) . v_j over the keys j = key(0 .. V - 1) in order, where
-// key(j) is keys[j] (DIRECT: j itself), k_j at kb + key(j) * ks and v_j at vb + key(j) * vs. s: scratch.
-template <int64_t D, typename KV, bool DIRECT>
+// One query row of one head: out[D] = softmax(scale * q . k_j) . v_j over the keys keys[0 .. V - 1] in order, k_j at
+// kb + keys[j] * ks and v_j at vb + keys[j] * vs. s: scratch.
+template <int64_t D, typename KV>
 void attend_row(const float* qrow, const KV* kb, int64_t ks, const KV* vb, int64_t vs, const int64_t* keys, int64_t V,
                 float sc, float cap, std::vector<float>& s, float* o) {
   if (V == 0) {
@@ -153,7 +152,7 @@ void attend_row(const float* qrow, const KV* kb, int64_t ks, const KV* vb, int64
     for (int j = 0; j < LANES; j++) {
       a[j] = _mm512_setzero_ps();
       if (j0 + j < V) {
-        const KV* kj = kb + (DIRECT ? j0 + j : keys[j0 + j]) * ks;
+        const KV* kj = kb + keys[j0 + j] * ks;
         for (int c = 0; c < D / LANES; c++) a[j] = _mm512_fmadd_ps(qv[c], load16(kj + LANES * c), a[j]);
       }
     }
@@ -182,7 +181,7 @@ void attend_row(const float* qrow, const KV* kb, int64_t ks, const KV* vb, int64
   __m512 av[D / LANES];
   for (int c = 0; c < D / LANES; c++) av[c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < V; j++) {
-    const KV* vj = vb + (DIRECT ? j : keys[j]) * vs;
+    const KV* vj = vb + keys[j] * vs;
     const __m512 p = _mm512_set1_ps(s[j]);
     for (int c = 0; c < D / LANES; c++) av[c] = _mm512_fmadd_ps(p, load16(vj + LANES * c), av[c]);
   }
@@ -190,7 +189,7 @@ void attend_row(const float* qrow, const KV* kb, int64_t ks, const KV* vb, int64
   for (int c = 0; c < D / LANES; c++) _mm512_storeu_ps(o + LANES * c, _mm512_div_ps(av[c], tv));
 #else
   for (int64_t j = 0; j < V; j++) {
-    float x = sc * dot<D>(qrow, kb + (DIRECT ? j : keys[j]) * ks);
+    float x = sc * dot<D>(qrow, kb + keys[j] * ks);
     if (cap > 0.0f) x = cap * std::tanh(x / cap);
     s[j] = x;
     top = std::fmax(top, x);
@@ -204,7 +203,7 @@ void attend_row(const float* qrow, const KV* kb, int64_t ks, const KV* vb, int64
   float acc[D];
   for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
   for (int64_t j = 0; j < V; j++) {
-    const KV* vj = vb + (DIRECT ? j : keys[j]) * vs;
+    const KV* vj = vb + keys[j] * vs;
     for (int64_t d = 0; d < D; d++) acc[d] = std::fma(s[j], widen(vj[d]), acc[d]);
   }
   for (int64_t d = 0; d < D; d++) o[d] = acc[d] / total;
@@ -214,7 +213,7 @@ void attend_row(const float* qrow, const KV* kb, int64_t ks, const KV* vb, int64
 // q [B, Hq, n, D] (any strides), k/v [B, Hkv, L, D] of KV (float or at::Half; unit stride in D), visible: for each row
 // the indices of the keys it sees, in order (shared by the batch and the heads). out [B, n, Hq, D] contiguous.
 // One task per (batch, head, row), each widening float16 keys and values as it reads them. float16 with several rows:
-// first every key and value some row sees widened once into float32 buffers (the same numbers, so the rows then run the same
+// first every key and value up to the last one a row sees widened once into float32 buffers (the same numbers, so the rows then run the same
 // arithmetic and give the same bits as a one-row call), read by the rows and heads that share them.
 template <int64_t D, typename KV>
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::vector<std::vector<int64_t>>& visible,
@@ -227,8 +226,12 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
       const int64_t B = k.size(0), Hkv = k.size(1);
       // kept by the calling thread from call to call: a fresh buffer of this size costs its pages' faults each time
       static thread_local std::vector<float> kbuf, vbuf;
-      kbuf.resize(std::max<size_t>(kbuf.size(), B * Hkv * L * D));
-      vbuf.resize(std::max<size_t>(vbuf.size(), B * Hkv * L * D));
+      if (kbuf.size() < (size_t)(B * Hkv * L * D)) {  // grown, never shrunk; nothing in them is kept
+        kbuf.clear();
+        vbuf.clear();
+        kbuf.resize(B * Hkv * L * D);
+        vbuf.resize(B * Hkv * L * D);
+      }
       float* kwp = kbuf.data();
       float* vwp = vbuf.data();
       const at::Tensor kw = at::from_blob(kwp, {B, Hkv, L, D}, q.options());
@@ -276,7 +279,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
       const int64_t b = w / (Hq * n), h = (w / n) % Hq, i = w % n, hk = h / group;
       const std::vector<int64_t>& keys = visible[i];
       for (int64_t d = 0; d < D; d++) qrow[d] = qp[b * qs0 + h * qs1 + i * qs2 + d * qs3];
-      attend_row<D, KV, false>(qrow, kp + b * ks0 + hk * ks1, ks2, vp + b * vs0 + hk * vs1, vs2, keys.data(),
+      attend_row<D, KV>(qrow, kp + b * ks0 + hk * ks1, ks2, vp + b * vs0 + hk * vs1, vs2, keys.data(),
                                (int64_t)keys.size(), sc, cap, s, op + ((b * n + i) * Hq + h) * D);
     }
   });
@@ -323,6 +326,7 @@ at::Tensor exact_rows(const at::Tensor& query, const at::Tensor& key, const at::
                   value.scalar_type() == key.scalar_type(),
               "clover_attention::exact_rows: a float32 query, float32 or float16 keys and values, on the CPU");
   TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4, "exact_rows: 4-d query, key and value");
+  TORCH_CHECK(key.size(0) == query.size(0) && value.size(0) == query.size(0), "exact_rows: batches do not match");
   TORCH_CHECK(key.size(3) == query.size(3) && value.size(3) == query.size(3) && key.stride(3) == 1 &&
                   value.stride(3) == 1 && key.size(2) == value.size(2) && query.size(1) % key.size(1) == 0,
               "exact_rows: shapes do not fit");

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers.cache_utils import DynamicCache
 
 from clover_cli.tree import DraftTree, TreeBuilder
 from clover_cli.drafters.base import Drafter
@@ -59,26 +58,17 @@ class OracleDrafter(Drafter):
         return DraftTree(builder.tokens, builder.parents, builder.scores)
 
 
-class Float16KV(DynamicCache):
-    """transformers' own cache holding each key and value rounded to float16 (as clover's float16 KV cache holds
-    them, target.KV_FLOAT16; widened back to float32, which is exact): transformers' generate on the target clover
-    runs."""
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        return super().update(key_states.half().float(), value_states.half().float(), layer_idx, *args, **kwargs)
-
-
 def hf_greedy(model, prompt: list[int], n: int, eos=None) -> list[int]:
     """transformers' own greedy generate: the reference every speculative run must equal.
 
     Without `eos` no token stops generation (the model's default EOS is switched off, rather than suppressed
     with min_new_tokens, which would change the greedy choice). The attention mask is given explicitly: left to
     itself, transformers would mask prompt tokens that happen to equal the pad id. A model whose clover cache holds
-    float16 keys and values (kv_dtype) generates with its cache rounded the same way (Float16KV).
+    float16 keys and values (kv_dtype) generates with its cache rounded the same way (target.Float16KV).
     """
-    from clover_cli.target import cache_kwarg, kv_dtype
+    from clover_cli.target import generate_cache
 
-    cache = {cache_kwarg(model): Float16KV(config=model.config)} if kv_dtype(model) == torch.float16 else {}
+    cache = generate_cache(model)
     # transformers fills every unset generation option from the model's own generation config, so the model's
     # EOS is switched off there for the call.
     saved = model.generation_config.eos_token_id

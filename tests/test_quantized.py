@@ -460,6 +460,39 @@ def test_generate_runs_quantized_and_says_so(run_cli, tmp_path):
     assert all(outs.values())
 
 
+def test_bench_rows_of_a_quantized_model_equal_transformers_generate(run_cli, monkeypatch):
+    """--quantize int4 on a CPU with VNNI: clover's cache holds float16 keys and values, and bench's hf row generates
+    with its cache rounded the same way (target.Float16KV): every row gives hf's tokens; with CLOVER_KV16=0 likewise
+    with float32 caches on both sides."""
+    import json
+
+    for kv16 in ("1", "0"):
+        monkeypatch.setenv("CLOVER_KV16", kv16)
+        code, out, err = run_cli("bench", "tiny", "--quantize", "int4", "--methods", "hf,plain,ngram", "--limit", "3",
+                                 "-n", "24", "--compile", "off", "--json")
+        assert code == 0, err
+        report = json.loads(out)
+        assert report["weights"].startswith("int4"), report["weights"]
+        assert all(r["identical"] is True for r in report["methods"]), (kv16, report["methods"])
+
+
+def test_the_cache_is_float16_only_under_clovers_attention(written, cache, monkeypatch):
+    """kv_dtype: float16 for a model with int8 activations that runs clover's attention (which widens float16 keys
+    and values); float32 once the model runs another attention, or with CLOVER_KV16=0."""
+    from clover_cli.target import ATTN_NAME, kv_dtype
+
+    if not quant.vnni():
+        pytest.skip("no AVX-512 VNNI here: the blocks run with float32 activations")
+    model, *_ = quantized_model(written[("llama", "Q4_1")])
+    model.set_attn_implementation(ATTN_NAME)
+    assert kv_dtype(model) == torch.float16
+    monkeypatch.setenv("CLOVER_KV16", "0")
+    assert kv_dtype(model) is None
+    monkeypatch.delenv("CLOVER_KV16")
+    model.set_attn_implementation("sdpa")
+    assert kv_dtype(model) is None
+
+
 def test_fused_products_equal_the_ones_they_replace(written, cache):
     """fused_linears (the compiled step's q/k/v and gate/up as one call each) changes no bit of the forward, and
     puts the model back as it was."""
