@@ -52,6 +52,11 @@ def env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(name, default)
 
 
+def kv16() -> bool:
+    """Whether a model with int8 activations may keep its KV cache in float16 (CLOVER_KV16 is not 0)."""
+    return env("CLOVER_KV16", "1") != "0"
+
+
 def env_set(name: str) -> bool:
     """Whether `name` (one of ENV) is set at all, even to ''."""
     return env(name) is not None

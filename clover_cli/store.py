@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import atomic
-from .options import compile_sizes, env
+from .options import compile_sizes, env, kv16
 
 # bump when the compiled programs or their metadata change (12: file sizes and checksums; 13: quantized weights, their
 # q/k/v and gate/up fused, and the build's check on real cached keys and values): old packages are not reused
@@ -128,7 +128,7 @@ def package_key(model_path: Path, dtype: torch.dtype, capacity: int, weights: st
 
         parts["weights"] = weights
         parts["kernels"] = build_key()
-        parts["kv16"] = env("CLOVER_KV16", "1") != "0"  # target.kv_dtype: the cache buffers the programs take
+        parts["kv16"] = kv16()  # target.kv_dtype: the cache buffers the programs take
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
     return f"{Path(model_path).name[:40]}-{digest}"
 

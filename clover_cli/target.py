@@ -19,7 +19,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
 from .errors import CloverError
 from .packed import pack_linears, packed_linears, stock_linears
-from .options import env
+from .options import env, kv16
 
 ATTN_NAME = "clover_tree"
 
@@ -330,7 +330,7 @@ def kv_dtype(model) -> torch.dtype | None:
     (which reads float16 keys and values) and CLOVER_KV16 is not 0, else None (the model's own: what its attention
     computes)."""
     if (getattr(model, KV_FLOAT16, False) and model.config._attn_implementation == ATTN_NAME
-            and env("CLOVER_KV16", "1") != "0"):
+            and kv16()):
         return torch.float16
     return None
 

@@ -210,11 +210,22 @@ void attend_row(const float* qrow, const KV* kb, int64_t ks, const KV* vb, int64
 #endif
 }
 
+// D float16 elements widened into float32.
+template <int64_t D>
+inline void widen_row(const at::Half* p, float* out) {
+#if CLOVER_ATTN_AVX512
+  for (int c = 0; c < D / LANES; c++) _mm512_storeu_ps(out + LANES * c, load16(p + LANES * c));
+#else
+  for (int64_t d = 0; d < D; d++) out[d] = widen(p[d]);
+#endif
+}
+
 // q [B, Hq, n, D] (any strides), k/v [B, Hkv, L, D] of KV (float or at::Half; unit stride in D), visible: for each row
 // the indices of the keys it sees, in order (shared by the batch and the heads). out [B, n, Hq, D] contiguous.
 // One task per (batch, head, row), each widening float16 keys and values as it reads them. float16 with several rows:
-// first every key and value up to the last one a row sees widened once into float32 buffers (the same numbers, so the rows then run the same
-// arithmetic and give the same bits as a one-row call), read by the rows and heads that share them.
+// first every key and value up to the last one a row sees widened once into float32 buffers (the same numbers, so
+// the rows then run the same arithmetic and give the same bits as a one-row call), read by the rows and heads that
+// share them.
 template <int64_t D, typename KV>
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::vector<std::vector<int64_t>>& visible,
             double scale, double softcap, at::Tensor& out) {
@@ -243,19 +254,8 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
       at::parallel_for(0, B * Hkv * L, 64, [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; r++) {
           const int64_t b = r / (Hkv * L), h = (r / L) % Hkv, j = r % L;
-          const at::Half* kr = kp + b * ks0 + h * ks1 + j * ks2;
-          const at::Half* vr = vp + b * vs0 + h * vs1 + j * vs2;
-#if CLOVER_ATTN_AVX512
-          for (int c = 0; c < D / LANES; c++) {
-            _mm512_storeu_ps(kwp + r * D + LANES * c, load16(kr + LANES * c));
-            _mm512_storeu_ps(vwp + r * D + LANES * c, load16(vr + LANES * c));
-          }
-#else
-          for (int64_t d = 0; d < D; d++) {
-            kwp[r * D + d] = widen(kr[d]);
-            vwp[r * D + d] = widen(vr[d]);
-          }
-#endif
+          widen_row<D>(kp + b * ks0 + h * ks1 + j * ks2, kwp + r * D);
+          widen_row<D>(vp + b * vs0 + h * vs1 + j * vs2, vwp + r * D);
         }
       });
       attend<D, float>(q, kw, vw, visible, scale, softcap, out);
@@ -280,7 +280,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
       const std::vector<int64_t>& keys = visible[i];
       for (int64_t d = 0; d < D; d++) qrow[d] = qp[b * qs0 + h * qs1 + i * qs2 + d * qs3];
       attend_row<D, KV>(qrow, kp + b * ks0 + hk * ks1, ks2, vp + b * vs0 + hk * vs1, vs2, keys.data(),
-                               (int64_t)keys.size(), sc, cap, s, op + ((b * n + i) * Hq + h) * D);
+                        (int64_t)keys.size(), sc, cap, s, op + ((b * n + i) * Hq + h) * D);
     }
   });
 }

@@ -63,7 +63,7 @@ def env_pairs(items: list[str]) -> dict:
 
 
 def bench(checkout: Path, model: str, args: list[str], extra_env: dict | None = None) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(checkout), **(extra_env or {}))
+    env = {**os.environ, "PYTHONPATH": str(checkout), **(extra_env or {})}
     # python -m clover_cli where the checkout has clover_cli/__main__.py; older ones ran as clover_cli.cli
     module = "clover_cli" if (checkout / "clover_cli" / "__main__.py").is_file() else "clover_cli.cli"
     cmd = [sys.executable, "-m", module, "bench", model, "--json", *args]
