@@ -176,16 +176,17 @@ def apply(model, model_dir: Path, weights: str, warn=None) -> str | None:
         blocks = bf16_model(model)
     else:
         blocks = quantize_model(model, 8 if weights == "int8" else 4)
-    # integers take int8 activations where the kernel has VNNI for them and every attention can run rows independent
-    # of the batch (EXACT_ROWS); elsewhere the float32 activations as they are. The kernel's rows never depend on the
-    # batch, so with exact_rows (AVX-512) a bfloat16 model's verify gives every node a one-token step's bits too
+    # integers take int8 activations where the kernel has SIMD for them (AVX-512 VNNI or AVX2) and every attention
+    # can run rows independent of the batch (EXACT_ROWS); elsewhere the float32 activations as they are. The kernel's
+    # rows never depend on the batch, so with exact_rows a bfloat16 model's verify gives every node a one-token step's
+    # bits too
     from clover_kernels import attention
-    from clover_kernels.quant import vnni
+    from clover_kernels.quant import int8_activations
 
-    exact = head_size(model.config) in HEAD_SIZES
-    act8 = weights != "bf16" and vnni() and exact
+    exact = head_size(model.config) in HEAD_SIZES and attention.simd()
+    act8 = weights != "bf16" and int8_activations() and exact
     replace_linears(model, blocks, act8)
-    if act8 or (weights == "bf16" and exact and attention.avx512()):
+    if act8 or (weights == "bf16" and exact):
         for module in model.modules():
             setattr(module, EXACT_ROWS, True)
     # with int8 activations the target is llama.cpp's kind of computation already: its KV cache in float16, as

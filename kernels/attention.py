@@ -20,11 +20,20 @@ HEAD_SIZES = (16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 256)  # those attentio
 
 
 def avx512() -> bool:
-    """Whether the loaded kernel library runs exact_rows' AVX-512 path (else its portable C++, ~10x slower)."""
+    """Whether the loaded kernel library runs exact_rows' AVX-512 path."""
     from .quant import _native
 
     native = _native()
     return native is not None and bool(native.clover_attention_avx512())
+
+
+def simd() -> bool:
+    """Whether the loaded kernel library runs exact_rows with SIMD (AVX-512, or AVX2 with FMA and F16C; else its
+    portable C++, ~10x slower). Every path gives the same bits."""
+    from .quant import _native
+
+    native = _native()
+    return native is not None and bool(native.clover_attention_avx512() or native.clover_attention_avx2())
 
 
 def exact_rows(query, key, value, mask=None, scale: float | None = None, softcap: float = 0.0) -> torch.Tensor:

@@ -35,6 +35,13 @@
 #else
 #define CLOVER_ATTN_AVX512 0
 #endif
+// AVX2 (with FMA and F16C) where there is no AVX-512: 16 lanes as two halves of 8, the same operations in the same order
+#if !CLOVER_ATTN_AVX512 && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(CLOVER_GENERIC)
+#include <immintrin.h>
+#define CLOVER_ATTN_AVX2 1
+#else
+#define CLOVER_ATTN_AVX2 0
+#endif
 
 namespace {
 
@@ -131,6 +138,50 @@ inline __m512 halving_16x16(__m512* a) {
 }
 #endif
 
+#if CLOVER_ATTN_AVX2
+// 8 cached elements as float32 (float16: widened exactly by VCVTPH2PS)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+
+// halving() of 16 lanes held as lo (lanes 0..7) and hi (8..15)
+inline float halving8(__m256 lo, __m256 hi) {
+  const __m256 a = _mm256_add_ps(lo, hi);
+  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
+}
+
+// exp_nonpositive of 8 scores, the same operations
+inline __m256 exp8(__m256 x) {
+  const __m256 ok = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ);
+  x = _mm256_blendv_ps(_mm256_set1_ps(-87.0f), x, ok);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f))),
+                                 _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(ok, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+
+// dot() of q (as 2 D / 16 halves) and key k
+template <int64_t D, typename KV>
+inline float dot8(const __m256* qv, const KV* k) {
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+  for (int c = 0; c < D / LANES; c++) {
+    lo = _mm256_fmadd_ps(qv[2 * c], load8(k + LANES * c), lo);
+    hi = _mm256_fmadd_ps(qv[2 * c + 1], load8(k + LANES * c + 8), hi);
+  }
+  return halving8(lo, hi);
+}
+#endif
+
 // One query row of one head: out[D] = softmax(scale * q . k_j) . v_j over the keys keys[0 .. V - 1] in order, k_j at
 // kb + keys[j] * ks and v_j at vb + keys[j] * vs. s: scratch.
 template <int64_t D, typename KV>
@@ -187,6 +238,44 @@ void attend_row(const float* qrow, const KV* kb, int64_t ks, const KV* vb, int64
   }
   const __m512 tv = _mm512_set1_ps(total);
   for (int c = 0; c < D / LANES; c++) _mm512_storeu_ps(o + LANES * c, _mm512_div_ps(av[c], tv));
+#elif CLOVER_ATTN_AVX2
+  __m256 qv[D / 8];
+  for (int c = 0; c < D / 8; c++) qv[c] = _mm256_loadu_ps(qrow + 8 * c);
+  for (int64_t j = 0; j < V; j++) {
+    float x = sc * dot8<D>(qv, kb + keys[j] * ks);
+    if (cap > 0.0f) x = cap * std::tanh(x / cap);
+    s[j] = x;
+    top = std::fmax(top, x);
+  }
+  for (int64_t j = V; j < (int64_t)s.size(); j++) s[j] = 0.0f;
+  const __m256 t = _mm256_set1_ps(top);
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+  for (int64_t j0 = 0; j0 < V; j0 += LANES) {  // lane j % 16 in order; past V, zeros added (exactly nothing)
+    __m256 e[2];
+    for (int h = 0; h < 2; h++) {
+      e[h] = exp8(_mm256_sub_ps(_mm256_loadu_ps(s.data() + j0 + 8 * h), t));
+      const int64_t live = V - j0 - 8 * h;
+      if (live < 8) {  // lanes past V: 0
+        alignas(32) float tmp[8];
+        _mm256_store_ps(tmp, e[h]);
+        for (int l = live < 0 ? 0 : live; l < 8; l++) tmp[l] = 0.0f;
+        e[h] = _mm256_load_ps(tmp);
+      }
+      _mm256_storeu_ps(s.data() + j0 + 8 * h, e[h]);
+    }
+    lo = _mm256_add_ps(lo, e[0]);
+    hi = _mm256_add_ps(hi, e[1]);
+  }
+  total = halving8(lo, hi);
+  __m256 av[D / 8];
+  for (int c = 0; c < D / 8; c++) av[c] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < V; j++) {
+    const KV* vj = vb + keys[j] * vs;
+    const __m256 p = _mm256_set1_ps(s[j]);
+    for (int c = 0; c < D / 8; c++) av[c] = _mm256_fmadd_ps(p, load8(vj + 8 * c), av[c]);
+  }
+  const __m256 tv = _mm256_set1_ps(total);
+  for (int c = 0; c < D / 8; c++) _mm256_storeu_ps(o + 8 * c, _mm256_div_ps(av[c], tv));
 #else
   for (int64_t j = 0; j < V; j++) {
     float x = sc * dot<D>(qrow, kb + keys[j] * ks);
@@ -215,6 +304,8 @@ template <int64_t D>
 inline void widen_row(const at::Half* p, float* out) {
 #if CLOVER_ATTN_AVX512
   for (int c = 0; c < D / LANES; c++) _mm512_storeu_ps(out + LANES * c, load16(p + LANES * c));
+#elif CLOVER_ATTN_AVX2
+  for (int c = 0; c < D / 8; c++) _mm256_storeu_ps(out + 8 * c, load8(p + 8 * c));
 #else
   for (int64_t d = 0; d < D; d++) out[d] = widen(p[d]);
 #endif
@@ -359,3 +450,5 @@ TORCH_LIBRARY(clover_attention, m) {
 TORCH_LIBRARY_IMPL(clover_attention, CPU, m) { m.impl("exact_rows", &exact_rows); }
 
 extern "C" int clover_attention_avx512() { return CLOVER_ATTN_AVX512; }
+
+extern "C" int clover_attention_avx2() { return CLOVER_ATTN_AVX2; }

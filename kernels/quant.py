@@ -287,34 +287,39 @@ def _cpu_flags() -> str:
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
 
 
-def build_key(generic: bool = False) -> str:
+def _variant_flags(generic: bool, avx2: bool) -> list[str]:
+    return FLAGS + ["-DCLOVER_GENERIC"] * generic + ["-mno-avx512f"] * avx2
+
+
+def build_key(generic: bool = False, avx2: bool = False) -> str:
     """What the built library depends on: its source, torch, the compiler's target (this CPU's flags), whether it is
-    the portable path."""
+    the portable path (or the AVX2 one)."""
     h = hashlib.sha256()
     for source in SOURCES:
         h.update(source.read_bytes())
     h.update(torch.__version__.encode())
     h.update(_cpu_flags().encode())
-    h.update(repr((FLAGS, generic)).encode())
+    h.update(repr(_variant_flags(generic, avx2)).encode())
     return h.hexdigest()[:16]
 
 
-def load(build_dir: Path, generic: bool = False, verbose: bool = False) -> Path:
+def load(build_dir: Path, generic: bool = False, verbose: bool = False, avx2: bool = False) -> Path:
     """Build (once per build_key, in build_dir) and load the kernel library; its path. `generic`: the portable C++
-    path even where the CPU has AVX-512 (one library per process: the first loaded stays). Raises what the compiler
-    raised when it cannot be built."""
+    path even where the CPU has AVX-512 or AVX2; `avx2`: the AVX2 path even where it has AVX-512 (checks: every path
+    gives the same bits). One library per process: the first loaded stays. Raises what the compiler raised when it
+    cannot be built."""
     global _library
     if _library is not None:
         return _library
     from torch.utils.cpp_extension import load as build
 
-    key = build_key(generic)
+    key = build_key(generic, avx2)
     name = f"clover_quant_{key}"
     where = Path(build_dir) / name
     so, done = where / f"{name}.so", where / "built"
     if not done.is_file():  # built by this process (another one building it meanwhile holds torch's lock there)
         where.mkdir(parents=True, exist_ok=True)
-        build(name=name, sources=[str(s) for s in SOURCES], extra_cflags=FLAGS + ["-DCLOVER_GENERIC"] * generic,
+        build(name=name, sources=[str(s) for s in SOURCES], extra_cflags=_variant_flags(generic, avx2),
               extra_ldflags=["-fopenmp"], build_directory=str(where), is_python_module=False, verbose=verbose)
         done.write_text(key)
     else:
@@ -354,10 +359,22 @@ def avx512() -> bool:
 
 
 def vnni() -> bool:
-    """Whether the loaded kernel multiplies int8 activations with AVX-512 VNNI (else in portable C++, far slower
-    than its float32 activations' AVX-512 path)."""
+    """Whether the loaded kernel multiplies int8 activations with AVX-512 VNNI."""
     native = _native()
     return native is not None and bool(native.clover_quant_vnni())
+
+
+def avx2() -> bool:
+    """Whether the loaded kernel runs its AVX2 path (a CPU with AVX2, FMA and F16C but no AVX-512)."""
+    native = _native()
+    return native is not None and bool(native.clover_quant_avx2())
+
+
+def int8_activations() -> bool:
+    """Whether the loaded kernel multiplies int8 activations with SIMD (AVX-512 VNNI, or AVX2's VPMADDUBSW; else in
+    portable C++, far slower than its float32 activations)."""
+    native = _native()
+    return native is not None and bool(native.clover_quant_int8())
 
 
 def _register_fake() -> None:

@@ -26,7 +26,8 @@
 //
 // int8 activations (the flag ACT8 on a kind of integers, as llama.cpp runs a GGUF's blocks): each row's activations are
 // rounded per group to int8 with a scale, xs = max|x| / 127, xq = rint(x * (127 / max|x|)), and the integers multiply
-// the integers exactly (AVX-512 VNNI: 64 byte products per instruction against 16 float32 ones); then per group acc =
+// the integers exactly (AVX-512 VNNI: 64 byte products per instruction against 16 float32 ones; AVX2: VPMADDUBSW's 32
+// into int16 pairs, VPMADDWD's into int32); then per group acc =
 // fma(d * xs, s, acc) with s = sum of q[k] * xq[k] (an exact integer) and, for affine formats, acc = fma(m, xs *
 // sum(xq), acc). The product is then the dequantized weights' with the rounded activations, each group's exactly, up to
 // the float32 accumulation over groups; a row still does not depend on the others. Their records are those above with
@@ -55,6 +56,14 @@
 #define CLOVER_VNNI 1
 #else
 #define CLOVER_VNNI 0
+#endif
+// AVX2 (with FMA and F16C) where there is no AVX-512: each 16-output tile as two 8-lane halves, the same operations in
+// the same order per output, so the same bits as the other paths (int8 products: VPMADDUBSW and VPMADDWD, exact)
+#if !CLOVER_AVX512 && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(CLOVER_GENERIC)
+#include <immintrin.h>
+#define CLOVER_AVX2 1
+#else
+#define CLOVER_AVX2 0
 #endif
 
 namespace {
@@ -161,6 +170,25 @@ inline void store_tiles(float (*acc)[R][LANES], float* y, int64_t N, int64_t n0)
 }
 #endif
 
+#if CLOVER_AVX2
+// Half h (outputs 8 h .. 8 h + 7) of the 16 scales (or offsets) at p, as float32.
+template <bool F32>
+inline __m256 scales8(const uint8_t* p, int h) {
+  return F32 ? _mm256_loadu_ps((const float*)p + 8 * h) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p + h));
+}
+
+// The running totals of T tiles for R rows into y (the last tile's outputs past N left out).
+template <int R, int T>
+inline void copy_tiles(float (*acc)[R][LANES], float* y, int64_t N, int64_t n0) {
+  for (int t = 0; t < T; t++) {
+    const int64_t first = n0 + t * LANES;
+    const int64_t valid = N - first < LANES ? N - first : LANES;
+    if (valid <= 0) break;
+    for (int r = 0; r < R; r++) std::memcpy(y + r * N + first, acc[t][r], valid * sizeof(float));
+  }
+}
+#endif
+
 // T tiles (consecutive, 16 outputs each) for R rows of x, group by group: s = sum over the group's k, in order, of
 // q[k] * x[k]; acc = d * s + acc; acc = m * sx + acc (sx: the sum of x over the group, in order; affine formats).
 // T > 1 only gives the core independent sums to overlap (few rows); a row's arithmetic is the same for any R and T.
@@ -220,6 +248,62 @@ void tiles_rows(const uint8_t* rec, int64_t tile_bytes, int64_t groups, const fl
     }
   }
   store_tiles<R, T>(acc, y, N, n0);
+#elif CLOVER_AVX2
+  alignas(32) float acc[T][R][LANES];
+  for (int t = 0; t < T; t++)
+    for (int r = 0; r < R; r++)
+      for (int h = 0; h < 2; h++) _mm256_store_ps(acc[t][r] + 8 * h, _mm256_setzero_ps());
+  const __m256i low = _mm256_set1_epi32(0x0f);
+  for (int64_t g = 0; g < groups; g++) {
+    __m256 s[T][R][2];
+    for (int t = 0; t < T; t++)
+      for (int r = 0; r < R; r++) s[t][r][0] = s[t][r][1] = _mm256_setzero_ps();
+    const float* xg = x + g * GROUP;
+    if (BITS == 4) {
+      for (int j = 0; j < GROUP / 2; j++)
+        for (int t = 0; t < T; t++) {
+          const uint8_t* p = rec + t * tile_bytes + g * REC + 16 * j;
+          __m256 q0[2], q1[2];
+          for (int h = 0; h < 2; h++) {
+            const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8 * h)));
+            q0[h] = _mm256_cvtepi32_ps(_mm256_and_si256(v, low));
+            q1[h] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+          }
+          for (int r = 0; r < R; r++) {
+            const __m256 x0 = _mm256_broadcast_ss(xg + r * K + 2 * j), x1 = _mm256_broadcast_ss(xg + r * K + 2 * j + 1);
+            for (int h = 0; h < 2; h++) {
+              s[t][r][h] = _mm256_fmadd_ps(q0[h], x0, s[t][r][h]);
+              s[t][r][h] = _mm256_fmadd_ps(q1[h], x1, s[t][r][h]);
+            }
+          }
+        }
+    } else {
+      for (int k = 0; k < GROUP; k++)
+        for (int t = 0; t < T; t++) {
+          const uint8_t* p = rec + t * tile_bytes + g * REC + 16 * k;
+          __m256 q[2];
+          for (int h = 0; h < 2; h++)
+            q[h] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8 * h))));
+          for (int r = 0; r < R; r++) {
+            const __m256 xk = _mm256_broadcast_ss(xg + r * K + k);
+            for (int h = 0; h < 2; h++) s[t][r][h] = _mm256_fmadd_ps(q[h], xk, s[t][r][h]);
+          }
+        }
+    }
+    for (int t = 0; t < T; t++) {
+      const uint8_t* p = rec + t * tile_bytes + g * REC + QB;
+      for (int h = 0; h < 2; h++) {
+        const __m256 d = scales8<F32>(p, h);
+        const __m256 m = AFFINE ? scales8<F32>(p + SB, h) : _mm256_setzero_ps();
+        for (int r = 0; r < R; r++) {
+          __m256 a = _mm256_fmadd_ps(d, s[t][r][h], _mm256_load_ps(acc[t][r] + 8 * h));
+          if (AFFINE) a = _mm256_fmadd_ps(m, _mm256_broadcast_ss(sx + r * groups + g), a);
+          _mm256_store_ps(acc[t][r] + 8 * h, a);
+        }
+      }
+    }
+  }
+  copy_tiles<R, T>(acc, y, N, n0);
 #else
   for (int t = 0; t < T; t++) {
     float acc[R][LANES];
@@ -273,6 +357,29 @@ void bf16_tiles_rows(const uint8_t* rec, int64_t tile_bytes, const float* x, int
     const __mmask16 mask = (__mmask16)((1u << valid) - 1);
     for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + r * N + first, mask, acc[t][r]);
   }
+#elif CLOVER_AVX2
+  // a 32-byte half of a k-pair's line holds quarters 2 h and 2 h + 1: outputs 8 h .. 8 h + 7 of k (low words of each
+  // 128-bit lane) and of k + 1 (high words)
+  alignas(32) float acc[T][R][LANES];
+  __m256 a[T][R][2];
+  for (int t = 0; t < T; t++)
+    for (int r = 0; r < R; r++) a[t][r][0] = a[t][r][1] = _mm256_setzero_ps();
+  const __m256i zero = _mm256_setzero_si256();
+  for (int64_t k = 0; k < K; k += 2)
+    for (int t = 0; t < T; t++)
+      for (int h = 0; h < 2; h++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(rec + t * tile_bytes + 2 * LANES * k + 32 * h));
+        const __m256 w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));
+        const __m256 w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
+        for (int r = 0; r < R; r++) {
+          a[t][r][h] = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(x + r * K + k), a[t][r][h]);
+          a[t][r][h] = _mm256_fmadd_ps(w1, _mm256_broadcast_ss(x + r * K + k + 1), a[t][r][h]);
+        }
+      }
+  for (int t = 0; t < T; t++)
+    for (int r = 0; r < R; r++)
+      for (int h = 0; h < 2; h++) _mm256_store_ps(acc[t][r] + 8 * h, a[t][r][h]);
+  copy_tiles<R, T>(acc, y, N, n0);
 #else
   for (int t = 0; t < T; t++)
     for (int64_t l = 0; l < LANES && n0 + t * LANES + l < N; l++)
@@ -415,6 +522,66 @@ void act8_tiles_rows(const uint8_t* rec, int64_t tile_bytes, int64_t groups, con
     }
   }
   store_tiles<R, T>(acc, y, N, n0);
+#elif CLOVER_AVX2
+  // the same sums of four byte products per 32-bit lane, by VPMADDUBSW (pairs to int16: no pair can saturate, 4-bit
+  // 15 x 127 x 2, 8-bit 128 x 127 x 2 with the sign moved onto the activations) and VPMADDWD; 8-bit records' products
+  // taken with the activations' own signs (xq + 128 back to xq), so no correction for the 128
+  alignas(32) float acc[T][R][LANES];
+  for (int t = 0; t < T; t++)
+    for (int r = 0; r < R; r++)
+      for (int h = 0; h < 2; h++) _mm256_store_ps(acc[t][r] + 8 * h, _mm256_setzero_ps());
+  const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+  constexpr int LINES = QB / 64;
+  static_assert(BITS == 8 || LINES <= 4, "4-bit pair sums must fit int16");
+  for (int64_t g = 0; g < groups; g++) {
+    __m256i s[T][R][2];
+    for (int t = 0; t < T; t++)
+      for (int r = 0; r < R; r++) s[t][r][0] = s[t][r][1] = _mm256_setzero_si256();
+    const uint8_t* xg = xq + g * GROUP;
+    for (int c = 0; c < LINES; c++)
+      for (int t = 0; t < T; t++)
+        for (int h = 0; h < 2; h++) {  // lanes 8 h .. 8 h + 7: outputs 8 h ..
+          const __m256i v = _mm256_loadu_si256((const __m256i*)(rec + t * tile_bytes + g * REC + 64 * c + 32 * h));
+          if (BITS == 4) {
+            const __m256i w0 = _mm256_and_si256(v, low), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            for (int r = 0; r < R; r++) {
+              int32_t e, o;
+              std::memcpy(&e, xg + r * K + 8 * c, 4);
+              std::memcpy(&o, xg + r * K + 8 * c + 4, 4);
+              const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(e)),
+                                                     _mm256_maddubs_epi16(w1, _mm256_set1_epi32(o)));
+              s[t][r][h] = _mm256_add_epi16(s[t][r][h], pairs);  // int16 until the group's end: |sum| <= 30480
+            }
+          } else {
+            const __m256i w = _mm256_abs_epi8(v);
+            for (int r = 0; r < R; r++) {
+              int32_t e;
+              std::memcpy(&e, xg + r * K + 4 * c, 4);
+              const __m256i xs8 = _mm256_xor_si256(_mm256_set1_epi32(e), flip);
+              const __m256i pairs = _mm256_maddubs_epi16(w, _mm256_sign_epi8(xs8, v));
+              s[t][r][h] = _mm256_add_epi32(s[t][r][h], _mm256_madd_epi16(pairs, ones));
+            }
+          }
+        }
+    if (BITS == 4)  // the int16 pair sums (at most 4 lines x 2 x 15 x 127 x 2 each) to int32 lanes
+      for (int t = 0; t < T; t++)
+        for (int r = 0; r < R; r++)
+          for (int h = 0; h < 2; h++) s[t][r][h] = _mm256_madd_epi16(s[t][r][h], ones);
+    for (int t = 0; t < T; t++) {
+      const uint8_t* p = rec + t * tile_bytes + g * REC + QB;
+      for (int h = 0; h < 2; h++) {
+        const __m256 d = scales8<F32>(p, h);
+        const __m256 m = AFFINE ? scales8<F32>(p + SB, h) : _mm256_setzero_ps();
+        for (int r = 0; r < R; r++) {
+          const __m256 dx = _mm256_mul_ps(d, _mm256_broadcast_ss(xs + r * groups + g));
+          __m256 a = _mm256_fmadd_ps(dx, _mm256_cvtepi32_ps(s[t][r][h]), _mm256_load_ps(acc[t][r] + 8 * h));
+          if (AFFINE) a = _mm256_fmadd_ps(m, _mm256_broadcast_ss(sq + r * groups + g), a);
+          _mm256_store_ps(acc[t][r] + 8 * h, a);
+        }
+      }
+    }
+  }
+  copy_tiles<R, T>(acc, y, N, n0);
 #else
   for (int t = 0; t < T; t++)
     for (int l = 0; l < LANES; l++) {
@@ -456,6 +623,15 @@ void run_tasks(int64_t M, int64_t tiles, const Op& op) {
   for (; t + TT <= t_end; t += TT) op.template tiles<RR, TT>(r, t); \
   for (; t < t_end; t++) op.template tiles<RR, 1>(r, t);            \
   r += RR;
+#if CLOVER_AVX2  // 16 registers of 8 lanes: at most 4 (row, tile) pairs' sums in registers
+        if (left >= 4) {
+          CLOVER_RT(4, 1)
+        } else if (left >= 2) {
+          CLOVER_RT(2, 2)
+        } else {
+          CLOVER_RT(1, 4)
+        }
+#else
         if (left >= 8) {
           CLOVER_RT(8, 2)
         } else if (left >= 4) {
@@ -465,6 +641,7 @@ void run_tasks(int64_t M, int64_t tiles, const Op& op) {
         } else {
           CLOVER_RT(1, 8)
         }
+#endif
 #undef CLOVER_RT
       }
     }
@@ -613,5 +790,10 @@ TORCH_LIBRARY_IMPL(clover_quant, CPU, m) { m.impl("linear", &linear); }
 extern "C" int clover_quant_avx512() { return CLOVER_AVX512; }
 
 extern "C" int clover_quant_vnni() { return CLOVER_VNNI; }
+
+extern "C" int clover_quant_avx2() { return CLOVER_AVX2; }
+
+// Whether int8 activations have a SIMD path (AVX-512 VNNI or AVX2), else portable C++ only.
+extern "C" int clover_quant_int8() { return CLOVER_VNNI || CLOVER_AVX2; }
 
 extern "C" int clover_quant_float_activations(int on) { return float_only.exchange(on != 0) ? 1 : 0; }

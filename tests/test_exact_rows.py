@@ -118,9 +118,9 @@ def test_the_portable_path_gives_the_same_bits(tmp_path):
 import sys, torch
 sys.path[:0] = {sys.path!r}
 from clover_kernels import quant
-from clover_kernels.attention import exact_rows
+from clover_kernels.attention import exact_rows, simd
 quant.load({str(tmp_path / "build")!r}, generic=True)
-assert not quant.avx512()
+assert not quant.avx512() and not simd()
 saved = torch.load({str(tmp_path / "cases.pt")!r})
 for (q, k, v, m), out in zip(saved["cases"], saved["outs"]):
     assert torch.equal(exact_rows(q, k, v, m), out), q.shape

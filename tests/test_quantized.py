@@ -181,7 +181,7 @@ sys.path[:0] = {sys.path!r}
 from clover_kernels import quant
 from test_quantized import LAYOUTS, random_bf16, random_packed, ulps
 quant.load({str(tmp_path)!r}, generic=True)
-assert not quant.avx512()
+assert not quant.avx512() and not quant.avx2() and not quant.int8_activations()
 from test_quantized import with_act8
 plain = [random_packed(37, 96, *layout)[0] for layout in LAYOUTS]
 for packed in plain + [with_act8(p) for p in plain] + [random_bf16(37, 70)[0]]:
@@ -189,6 +189,46 @@ for packed in plain + [with_act8(p) for p in plain] + [random_bf16(37, 70)[0]]:
     y = quant.qlinear(x, packed)
     assert ulps(y, quant.qlinear_ref(x, packed)) <= 1, packed.kind
     assert torch.equal(quant.qlinear(x[3:4], packed), y[3:4])
+print("ok")
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                       cwd=Path(__file__).parent)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-3000:]
+
+
+def test_the_avx2_path_gives_the_native_paths_bits(tmp_path):
+    """The AVX2 path (CPUs without AVX-512: each 16-lane tile as two halves of 8, int8 products by VPMADDUBSW) runs
+    the same operations in the same order as the AVX-512 path and the portable C++: built for AVX2 in a process of its
+    own, it gives the native library's outputs bit for bit, for every layout with float32 and int8 activations,
+    bfloat16 weights, and exact_rows' attention (float32 and float16 keys and values)."""
+    flags = set(quant._cpu_flags().split())
+    if not {"avx2", "fma", "f16c"} <= flags:
+        pytest.skip("this CPU has no AVX2 with FMA and F16C")
+    from clover_kernels.attention import exact_rows
+    from test_exact_rows import inputs
+
+    g = torch.Generator().manual_seed(5)
+    plain = [random_packed(37, 96, *layout, seed=i)[0] for i, layout in enumerate(LAYOUTS)]
+    weights = plain + [with_act8(p) for p in plain] + [random_bf16(37, 70)[0]]
+    xs = [torch.randn(11, p.in_features, generator=g) for p in weights]
+    linear = [quant.qlinear(x, p) for x, p in zip(xs, weights)]
+    cases = [inputs(n, past, (9, 3), D, seed=n) for n, past, D in ((1, 40, 64), (13, 200, 64), (4, 9, 128))]
+    cases += [(q, k.half(), v.half(), m) for q, k, v, m in cases[:2]]
+    attention = [exact_rows(*case) for case in cases]
+    torch.save({"weights": [(p.data, p.out_features, p.in_features, p.kind) for p in weights], "xs": xs,
+                "linear": linear, "cases": cases, "attention": attention}, tmp_path / "cases.pt")
+    code = f"""
+import sys, torch
+sys.path[:0] = {sys.path!r}
+from clover_kernels import quant
+from clover_kernels.attention import exact_rows, simd
+quant.load({str(tmp_path / "build")!r}, avx2=True)
+assert quant.avx2() and not quant.avx512() and quant.int8_activations() and simd()
+saved = torch.load({str(tmp_path / "cases.pt")!r})
+for (data, n, k, kind), x, want in zip(saved["weights"], saved["xs"], saved["linear"]):
+    assert torch.equal(torch.ops.clover_quant.linear(x, data, n, k, kind), want), kind
+for case, want in zip(saved["cases"], saved["attention"]):
+    assert torch.equal(exact_rows(*case), want), case[0].shape
 print("ok")
 """
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
@@ -297,8 +337,8 @@ def test_a_tree_verify_gives_each_node_the_bits_of_one_token_steps(kv16, written
     from clover_cli.target import EXACT_ROWS, Target
     from clover_cli.tree import DraftTree
 
-    if not quant.vnni():
-        pytest.skip("no AVX-512 VNNI here: the blocks run with float32 activations")
+    if not quant.int8_activations():
+        pytest.skip("no AVX-512 VNNI or AVX2 here: the blocks run with float32 activations")
     monkeypatch.setenv("CLOVER_KV16", kv16)
     model, *_ = quantized_model(written[("llama", "Q4_1")])
     assert getattr(model, EXACT_ROWS, False) and getattr(model.model.layers[0].self_attn, EXACT_ROWS, False)
@@ -481,8 +521,8 @@ def test_the_cache_is_float16_only_under_clovers_attention(written, cache, monke
     and values); float32 once the model runs another attention, or with CLOVER_KV16=0."""
     from clover_cli.target import ATTN_NAME, kv_dtype
 
-    if not quant.vnni():
-        pytest.skip("no AVX-512 VNNI here: the blocks run with float32 activations")
+    if not quant.int8_activations():
+        pytest.skip("no AVX-512 VNNI or AVX2 here: the blocks run with float32 activations")
     model, *_ = quantized_model(written[("llama", "Q4_1")])
     model.set_attn_implementation(ATTN_NAME)
     assert kv_dtype(model) == torch.float16
