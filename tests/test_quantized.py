@@ -525,12 +525,33 @@ def test_the_cache_is_float16_only_under_clovers_attention(written, cache, monke
         pytest.skip("no AVX-512 VNNI or AVX2 here: the blocks run with float32 activations")
     model, *_ = quantized_model(written[("llama", "Q4_1")])
     model.set_attn_implementation(ATTN_NAME)
+    monkeypatch.setenv("CLOVER_KV16", "1")
     assert kv_dtype(model) == torch.float16
     monkeypatch.setenv("CLOVER_KV16", "0")
     assert kv_dtype(model) is None
-    monkeypatch.delenv("CLOVER_KV16")
+    monkeypatch.setenv("CLOVER_KV16", "1")
     model.set_attn_implementation("sdpa")
     assert kv_dtype(model) is None
+
+
+@pytest.mark.parametrize("flags, want", [("fpu avx2 fma f16c avx512f avx512dq avx512bw", True),
+                                         ("fpu avx2 fma f16c", False)])
+def test_the_float16_cache_by_default_only_where_the_cpu_has_avx512(flags, want, monkeypatch):
+    """CLOVER_KV16 unset (or empty): float16 keys and values where the CPU has AVX-512 (a step measured faster), float32
+    on an AVX2 CPU (measured slower); 1 and 0 decide on any CPU."""
+    from clover_cli import options
+
+    monkeypatch.setattr(quant, "_cpu_flags", lambda: flags)
+    for value in (None, ""):
+        if value is None:
+            monkeypatch.delenv("CLOVER_KV16", raising=False)
+        else:
+            monkeypatch.setenv("CLOVER_KV16", value)
+        assert options.kv16() is want
+    monkeypatch.setenv("CLOVER_KV16", "1")
+    assert options.kv16() is True
+    monkeypatch.setenv("CLOVER_KV16", "0")
+    assert options.kv16() is False
 
 
 def test_fused_products_equal_the_ones_they_replace(written, cache):
