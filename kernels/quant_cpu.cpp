@@ -610,6 +610,14 @@ void act8_tiles_rows(const uint8_t* rec, int64_t tile_bytes, int64_t groups, con
 // The tiles split evenly between threads (one contiguous range each); a thread's tiles go in blocks of 8 (with one
 // row: independent sums to overlap) or 4 (more rows), each block for all rows: 8 at a time, then the rest.
 // op.template tiles<R, T>(r, t) computes T tiles from tile t for R rows from row r.
+// (rows, tiles) per call, by rows left: 8 or more, 4, 2, 1 (AVX2: 16 registers of 8 lanes, so at most 4 (row, tile)
+// pairs' sums in registers)
+#if CLOVER_AVX2
+constexpr int RT[4][2] = {{4, 1}, {4, 1}, {2, 2}, {1, 4}};
+#else
+constexpr int RT[4][2] = {{8, 2}, {4, 4}, {2, 4}, {1, 8}};
+#endif
+
 template <class Op>
 void run_tasks(int64_t M, int64_t tiles, const Op& op) {
   const int64_t BLOCK = M >= 4 ? 4 : 8;
@@ -623,25 +631,15 @@ void run_tasks(int64_t M, int64_t tiles, const Op& op) {
   for (; t + TT <= t_end; t += TT) op.template tiles<RR, TT>(r, t); \
   for (; t < t_end; t++) op.template tiles<RR, 1>(r, t);            \
   r += RR;
-#if CLOVER_AVX2  // 16 registers of 8 lanes: at most 4 (row, tile) pairs' sums in registers
-        if (left >= 4) {
-          CLOVER_RT(4, 1)
-        } else if (left >= 2) {
-          CLOVER_RT(2, 2)
+        if (left >= RT[0][0]) {
+          CLOVER_RT(RT[0][0], RT[0][1])
+        } else if (left >= RT[1][0]) {
+          CLOVER_RT(RT[1][0], RT[1][1])
+        } else if (left >= RT[2][0]) {
+          CLOVER_RT(RT[2][0], RT[2][1])
         } else {
-          CLOVER_RT(1, 4)
+          CLOVER_RT(RT[3][0], RT[3][1])
         }
-#else
-        if (left >= 8) {
-          CLOVER_RT(8, 2)
-        } else if (left >= 4) {
-          CLOVER_RT(4, 4)
-        } else if (left >= 2) {
-          CLOVER_RT(2, 4)
-        } else {
-          CLOVER_RT(1, 8)
-        }
-#endif
 #undef CLOVER_RT
       }
     }
