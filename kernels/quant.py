@@ -27,6 +27,7 @@ step gives.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import platform
 from contextlib import contextmanager
@@ -274,7 +275,9 @@ def _act8_ref(x, q, d, m, group):
 _library: Path | None = None  # the kernel library this process loaded (one per process)
 
 
+@functools.cache
 def _cpu_flags() -> str:
+    """This CPU's flags line (read once per process: the build key and options.kv16 ask for it)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
