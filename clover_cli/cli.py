@@ -450,6 +450,9 @@ def train(
     cache_features: bool = typer.Option(False, "--cache-features", help="Precompute the target's hidden states "
                                                                         "to a safetensors shard cache."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the last checkpoint in --out."),
+    init: Optional[Path] = typer.Option(None, "--init", help="Start from these heads (a heads directory: their "
+                                                             "weights, --heads, --layers and draft vocabulary) "
+                                                             "and train them on more data."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Start again in an --out that holds heads or a run "
                                                               "(its regenerated replies and feature cache reused where "
                                                               "the data options match; a directory of other files is "
@@ -475,7 +478,7 @@ def train(
         num_layers=layers, lr=lr, lr_schedule=lr_schedule, batch_tokens=batch_tokens, max_len=max_len,
         eval_every=eval_every, max_conversations=max_conversations, regenerate=regenerate, regen_turns=regen_turns,
         regen_max_tokens=regen_max_tokens, repetition_penalty=repetition_penalty, draft_vocab=draft_vocab,
-        cache_features=cache_features, resume=resume,
+        cache_features=cache_features, resume=resume, init=init,
         overwrite=overwrite, push_to_hub=push_to_hub, seed=seed, device=device, dtype=dtype, revision=revision,
         trust_remote_code=trust_remote_code, reg_weight=reg_weight, loss_vocab=loss_vocab))
 

@@ -103,6 +103,39 @@ def test_medusa_and_feature_cache_and_resume(fresh_model, data_file, tmp_path, r
     assert json.loads((out / "config.json").read_text())["training"]["steps"] == 6
 
 
+def test_init_trains_heads_made_before_further(trained, fresh_model, data_file, tmp_path, run_cli):
+    """--init starts from the given heads: their shape and draft vocabulary, their weights as the first step's input
+    (a step at a vanishing learning rate leaves them as they were; heads built afresh are another thing); the
+    result records where it started. Heads of another family, or no heads, are refused in one line."""
+    from safetensors.torch import load_file
+
+    before = load_file(str(trained / "model.safetensors"))
+    out = tmp_path / "more"
+    code, _, err = run_cli("train", str(fresh_model), "--data", str(data_file), "--out", str(out), "--init",
+                           str(trained), "--max-steps", "1", "--lr", "1e-12", "--batch-tokens", "2048",
+                           "--max-len", "384", "--eval-every", "1000")
+    assert code == 0, err
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["num_heads"] == 3 and cfg["num_layers"] == 1  # the init's, not the defaults (5, 2)
+    assert cfg["training"]["init"]["from"] == str(trained) and cfg["training"]["init"]["steps"] == 20
+    after = load_file(str(out / "model.safetensors"))
+    assert after.keys() == before.keys()
+    for k in before:  # the draft vocabulary (an integer tensor) kept, every weight where it was
+        assert torch.allclose(after[k].float(), before[k].float(), atol=1e-6), k
+    fresh = tmp_path / "fresh"
+    code, _, err = run_cli("train", str(fresh_model), "--data", str(data_file), "--out", str(fresh), "--heads", "3",
+                           "--layers", "1", "--max-steps", "1", "--lr", "1e-12", "--batch-tokens", "2048",
+                           "--max-len", "384", "--eval-every", "1000")
+    assert code == 0, err
+    built = load_file(str(fresh / "model.safetensors"))
+    assert any(not torch.allclose(built[k].float(), before[k].float(), atol=1e-3) for k in before)
+    for args, needle in [(["--init", str(tmp_path / "none")], "heads directory not found"),
+                         (["--init", str(trained), "--arch", "medusa"], "clover2 heads")]:
+        code, _, err = run_cli("train", str(fresh_model), "--data", str(data_file), "--out", str(tmp_path / "x"),
+                               *args)
+        assert code == 2 and needle in err and err.count("\n") == 1, (args, err)
+
+
 def test_regenerate_uses_the_targets_own_replies(fresh_model, data_file, tmp_path, run_cli):
     out = tmp_path / "regen"
     code, _, err = run_cli("train", str(fresh_model), "--data", str(data_file), "--out", str(out), "--heads", "2",

@@ -52,6 +52,7 @@ class TrainConfig:
     lr_schedule: str = "cosine"
     weight_decay: float = 0.0
     grad_clip: float = 0.5
+    init: Path | None = None  # heads to start from (their weights, shape and draft vocabulary): more training
 
 
 def lr_factor(schedule: str, warmup: int, total_steps: int, step: int) -> float:
@@ -112,5 +113,22 @@ def validate(cfg: TrainConfig):
         raise CloverError(f"--loss-vocab must be full or draft, not {cfg.loss_vocab!r}")
     if not (math.isfinite(cfg.reg_weight) and 0 <= cfg.reg_weight <= 1000):
         raise CloverError(f"--reg-weight must be between 0 and 1000, not {cfg.reg_weight}")
+    if cfg.init is not None:
+        take_init_shape(cfg)
     if cfg.max_conversations is not None and cfg.max_conversations < 1:
         raise CloverError(f"--max-conversations must be at least 1, not {cfg.max_conversations}")
+
+
+def take_init_shape(cfg: TrainConfig):
+    """--init: the heads to start from set the run's --heads and --layers (their weights fit no others); CloverError
+    (one line) for a directory that holds no heads or heads of another family than --arch."""
+    from ..drafters.registry import load_heads_config
+
+    init = load_heads_config(Path(cfg.init))
+    want = family(cfg.arch)
+    if init.architecture != want.architecture:
+        raise CloverError(f"--init {cfg.init}: those are {init.architecture} heads, not --arch {cfg.arch}'s "
+                          f"({want.architecture})")
+    cfg.num_heads = init.num_heads
+    if training(cfg.arch).layers:
+        cfg.num_layers = init.num_layers

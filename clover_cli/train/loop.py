@@ -183,6 +183,7 @@ def _train(cfg, accelerator, device, log, resuming, resolved, model, tokenizer, 
            train_msgs, held_msgs, encoded):
     from ..drafters.common import HeadsConfig
     from ..drafters.registry import build_heads, save_heads
+    from ..drafters.registry import load as load_heads
 
     main, rank, world = accelerator.is_main_process, accelerator.process_index, accelerator.num_processes
     barrier = accelerator.wait_for_everyone
@@ -216,17 +217,23 @@ def _train(cfg, accelerator, device, log, resuming, resolved, model, tokenizer, 
     total_steps = max(1, total_steps // world) if cfg.max_steps is None else total_steps
 
     trained = training(cfg.arch)
-    hcfg = HeadsConfig.for_target(model.config, architecture=family(cfg.arch).architecture, num_heads=cfg.num_heads,
-                                  num_layers=1 if trained.one_model else cfg.num_layers,
-                                  name=resolved.repo or resolved.name, revision=cfg.revision)
-    vocab = draft_vocabulary(ids, masks, model.config.vocab_size, cfg.draft_vocab)
-    hcfg.draft_vocab_size = 0 if vocab is None else len(vocab)
-    heads = build_heads(hcfg, model)
-    if trained.own_vocab:  # EAGLE-3: its own lm_head over the draft vocabulary, mapped by d2t/t2d
-        heads.use_vocab(vocab)
-        vocab = None
-    heads.init_from_target(model)
-    heads.draft_vocab = None if vocab is None else vocab.to(device)
+    if cfg.init is not None:  # more training for heads made before: their weights and draft vocabulary
+        heads = load_heads(cfg.init, model)
+        started_from = {"from": str(cfg.init), **{k: (heads.cfg.training or {}).get(k)
+                                                  for k in ("data", "steps", "conversations", "regenerate")}}
+    else:
+        hcfg = HeadsConfig.for_target(model.config, architecture=family(cfg.arch).architecture,
+                                      num_heads=cfg.num_heads, num_layers=1 if trained.one_model else cfg.num_layers,
+                                      name=resolved.repo or resolved.name, revision=cfg.revision)
+        vocab = draft_vocabulary(ids, masks, model.config.vocab_size, cfg.draft_vocab)
+        hcfg.draft_vocab_size = 0 if vocab is None else len(vocab)
+        heads = build_heads(hcfg, model)
+        if trained.own_vocab:  # EAGLE-3: its own lm_head over the draft vocabulary, mapped by d2t/t2d
+            heads.use_vocab(vocab)
+            vocab = None
+        heads.init_from_target(model)
+        heads.draft_vocab = None if vocab is None else vocab.to(device)
+        started_from = None
     heads.to(device=device, dtype=torch.float32).train()
     opt = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     warmup = max(1, int(cfg.warmup_frac * total_steps))
@@ -321,6 +328,8 @@ def _train(cfg, accelerator, device, log, resuming, resolved, model, tokenizer, 
                                   "elapsed_s": round(time.time() - t_start, 1)}
         if world > 1:
             unwrapped.cfg.training["processes"] = world
+        if started_from is not None:
+            unwrapped.cfg.training["init"] = started_from
         save_heads(unwrapped, out, model_card(unwrapped.cfg, resolved.name, history, resolved.repo))
         log(f"heads written to {out} ({heldout_text(final)})")
         if cfg.push_to_hub:
