@@ -118,6 +118,7 @@ def test_init_trains_heads_made_before_further(trained, fresh_model, data_file, 
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["num_heads"] == 3 and cfg["num_layers"] == 1  # the init's, not the defaults (5, 2)
     assert cfg["training"]["init"]["from"] == str(trained) and cfg["training"]["init"]["steps"] == 20
+    assert f"started from {trained}: 20 steps on" in (out / "README.md").read_text()
     after = load_file(str(out / "model.safetensors"))
     assert after.keys() == before.keys()
     for k in before:  # the draft vocabulary (an integer tensor) kept, every weight where it was

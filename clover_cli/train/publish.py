@@ -40,7 +40,7 @@ Made with `clover train` (clover). Load with `clover chat {target_name} --heads 
   {t.get('conversations')} conversations, {t.get('tokens_per_epoch')} tokens per epoch
 - steps: {t.get('steps')}, peak lr {t.get('lr')}, {t.get('batch_tokens')} tokens per batch, max length
   {t.get('max_len')}, {t.get('elapsed_s')} s
-
+{_started_from(t.get('init'))}
 Measured on the fixed held-out split (top-1 agreement of each head with the target, EAGLE's over one step on the
 target's own features; τ = tokens per target forward of the real engine, greedy, {EVAL_PROMPTS} prompts x
 {EVAL_NEW_TOKENS} tokens, 24-node dynamic tree):
@@ -49,6 +49,15 @@ target's own features; τ = tokens per target forward of the real engine, greedy
 |---|---|---|---|
 {rows}
 """
+
+
+def _started_from(init: dict | None) -> str:
+    """The card's line for heads trained further from others (--init), else nothing."""
+    if not init:
+        return ""
+    data = f" of {init.get('data')}" if init.get("data") else ""
+    return (f"- started from {init.get('from')}: {init.get('steps')} steps on {init.get('conversations')} "
+            f"conversations{data}{', regenerated' if init.get('regenerate') else ''}\n")
 
 
 def push(out: Path, repo: str):
