@@ -182,8 +182,7 @@ def run_training(cfg: TrainConfig):
 def _train(cfg, accelerator, device, log, resuming, resolved, model, tokenizer, template, stop_strings,
            train_msgs, held_msgs, encoded):
     from ..drafters.common import HeadsConfig
-    from ..drafters.registry import build_heads, save_heads
-    from ..drafters.registry import load as load_heads
+    from ..drafters.registry import build_heads, load as load_heads, save_heads
 
     main, rank, world = accelerator.is_main_process, accelerator.process_index, accelerator.num_processes
     barrier = accelerator.wait_for_everyone
