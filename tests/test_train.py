@@ -94,12 +94,14 @@ def test_medusa_and_feature_cache_and_resume(fresh_model, data_file, tmp_path, r
     assert code == 0, err
     assert json.loads((out / "config.json").read_text())["architecture"] == "medusa"
     assert any((out / "features").glob("shard_*.safetensors"))
+    # the features are cached before the first step, which alone the steps' rate and ETA then time
+    assert "target features: 1/1 shards cached" in err and err.index("target features") < err.index("step 1/3")
     # Running again without --resume or --overwrite is refused; --resume continues from step 3.
     code, stdout, err = run_cli(*args, "--max-steps", "6")
     assert code == 2 and "--resume" in err and err.count("\n") == 1
     code, _, err = run_cli(*args, "--max-steps", "6", "--resume")
     assert code == 0, err
-    assert "resumed from step 3" in err
+    assert "resumed from step 3" in err and "target features" not in err  # read from the cache, not computed
     assert json.loads((out / "config.json").read_text())["training"]["steps"] == 6
 
 

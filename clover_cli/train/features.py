@@ -38,10 +38,16 @@ class FeatureCache:
             tensors[f"{i}.post"] = post[0].to(self.dtype).cpu()
         atomic.write_with(path, lambda tmp: save_file(tensors, str(tmp)))
 
-    def precompute(self, rank: int, world: int, barrier):
-        """Several processes: each computes every world-th missing shard, then all wait for the others."""
-        for s in range(rank, math.ceil(len(self.ids) / self.shard_size), world):
+    def precompute(self, rank: int, world: int, barrier, report=None):
+        """Every missing shard, before the first step (so that the steps' rate and ETA time training alone); several
+        processes: each computes every world-th shard, then all wait for the others. report(done, total) after each
+        shard this process computed."""
+        shards = range(rank, math.ceil(len(self.ids) / self.shard_size), world)
+        missing = [s for s in shards if not self._shard_path(s).is_file()]
+        for k, s in enumerate(missing, 1):
             self._compute(s)
+            if report is not None:
+                report(k, len(missing))
         barrier()
 
     def _shard(self, s: int):

@@ -247,9 +247,17 @@ def _train(cfg, accelerator, device, log, resuming, resolved, model, tokenizer, 
     if cfg.cache_features:
         features = FeatureCache(out / "features", model, ids, device, torch.bfloat16 if device.type == "cuda"
                                 else torch.float32)
-        if world > 1:  # shard by shard over the processes up front, rather than racing for shards later
-            with _memory_advice(device, "computing the feature cache", "a smaller --max-len"):
-                features.precompute(rank, world, barrier)
+        t_features = time.time()
+
+        def report(done: int, total: int):
+            if main:
+                elapsed = time.time() - t_features
+                log(f"target features: {done}/{total} shards cached · {_duration(elapsed)} elapsed · "
+                    f"ETA {_duration(elapsed / done * (total - done))}")
+
+        # up front (over the processes, shard by shard), not at the first batch: the steps are then timed alone
+        with _memory_advice(device, "computing the feature cache", "a smaller --max-len"):
+            features.precompute(rank, world, barrier, report)
 
     t_start, tokens_seen, last = time.time(), 0, {}
     epoch = step // len(my_batches(0))  # the batch count is the same every epoch: only the order changes
