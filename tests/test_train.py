@@ -132,6 +132,16 @@ def test_init_trains_heads_made_before_further(trained, fresh_model, data_file, 
     assert code == 0, err
     built = load_file(str(fresh / "model.safetensors"))
     assert any(not torch.allclose(built[k].float(), before[k].float(), atol=1e-3) for k in before)
+    # a second run from those: the whole line of runs is kept, latest first
+    again = tmp_path / "again"
+    code, _, err = run_cli("train", str(fresh_model), "--data", str(data_file), "--out", str(again), "--init",
+                           str(out), "--max-steps", "2", "--batch-tokens", "2048", "--max-len", "384",
+                           "--eval-every", "1000")
+    assert code == 0, err
+    line = json.loads((again / "config.json").read_text())["training"]["init"]
+    assert (line["from"], line["steps"], line["init"]["from"], line["init"]["steps"]) == (str(out), 1, str(trained), 20)
+    card = (again / "README.md").read_text()
+    assert card.index(f"- started from {out}: 1 steps on") < card.index(f"- which started from {trained}: 20 steps on")
     for args, needle in [(["--init", str(tmp_path / "none")], "heads directory not found"),
                          (["--init", str(trained), "--arch", "medusa"], "clover2 heads")]:
         code, _, err = run_cli("train", str(fresh_model), "--data", str(data_file), "--out", str(tmp_path / "x"),

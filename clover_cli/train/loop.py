@@ -218,8 +218,11 @@ def _train(cfg, accelerator, device, log, resuming, resolved, model, tokenizer, 
     trained = training(cfg.arch)
     if cfg.init is not None:  # more training for heads made before: their weights and draft vocabulary
         heads = load_heads(cfg.init, model)
-        started_from = {"from": str(cfg.init), **{k: (heads.cfg.training or {}).get(k)
-                                                  for k in ("data", "steps", "conversations", "regenerate")}}
+        made = heads.cfg.training or {}
+        started_from = {"from": str(cfg.init), **{k: made.get(k) for k in ("data", "steps", "conversations",
+                                                                             "regenerate")}}
+        if made.get("init"):  # they were trained further from others in turn: the whole line of runs is kept
+            started_from["init"] = made["init"]
     else:
         hcfg = HeadsConfig.for_target(model.config, architecture=family(cfg.arch).architecture,
                                       num_heads=cfg.num_heads, num_layers=1 if trained.one_model else cfg.num_layers,

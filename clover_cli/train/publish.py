@@ -52,12 +52,16 @@ target's own features; τ = tokens per target forward of the real engine, greedy
 
 
 def _started_from(init: dict | None) -> str:
-    """The card's line for heads trained further from others (--init), else nothing."""
-    if not init:
-        return ""
-    data = f" of {init.get('data')}" if init.get("data") else ""
-    return (f"- started from {init.get('from')}: {init.get('steps')} steps on {init.get('conversations')} "
-            f"conversations{data}{', regenerated' if init.get('regenerate') else ''}\n")
+    """The card's lines for heads trained further from others (--init), one per earlier run, latest first; else
+    nothing."""
+    lines, first = [], True
+    while isinstance(init, dict) and len(lines) < 64:
+        data = f" of {init.get('data')}" if init.get("data") else ""
+        lines.append(f"- {'started' if first else 'which started'} from {init.get('from')}: {init.get('steps')} "
+                     f"steps on {init.get('conversations')} conversations{data}"
+                     f"{', regenerated' if init.get('regenerate') else ''}\n")
+        init, first = init.get("init"), False
+    return "".join(lines)
 
 
 def push(out: Path, repo: str):
