@@ -427,6 +427,11 @@ def train(
     epochs: float = typer.Option(1.0, "--epochs", help="Passes over the training conversations."),
     heads: int = typer.Option(5, "--heads", help="Number of draft heads (K); for eagle, the depth of its tree."),
     layers: int = typer.Option(2, "--layers", help="Clover-2 augmenting block depth (N)."),
+    feature_norm: Optional[bool] = typer.Option(None, "--feature-norm/--no-feature-norm", help="Clover-2: norm the "
+                                                "target's hidden state (an RMSNorm of the heads, started from the "
+                                                "target's final norm) before the regressive attention block, or "
+                                                "read it as it is (the authors' heads). Default: normed for new "
+                                                "heads, as --init's heads were made."),
     lr: float = typer.Option(1e-3, "--lr", help="Peak learning rate (AdamW)."),
     lr_schedule: str = typer.Option("cosine", "--lr-schedule", help="After a 5% linear warm-up: cosine (decays to "
                                     "0.1x --lr at the last step) or constant (stays at --lr, near the Clover-2 "
@@ -475,7 +480,7 @@ def train(
 
     run_training(TrainConfig(
         model=model, out=out, data=data, arch=arch, max_steps=max_steps, epochs=epochs, num_heads=heads,
-        num_layers=layers, lr=lr, lr_schedule=lr_schedule, batch_tokens=batch_tokens, max_len=max_len,
+        num_layers=layers, feature_norm=feature_norm, lr=lr, lr_schedule=lr_schedule, batch_tokens=batch_tokens, max_len=max_len,
         eval_every=eval_every, max_conversations=max_conversations, regenerate=regenerate, regen_turns=regen_turns,
         regen_max_tokens=regen_max_tokens, repetition_penalty=repetition_penalty, draft_vocab=draft_vocab,
         cache_features=cache_features, resume=resume, init=init,

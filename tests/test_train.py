@@ -149,6 +149,68 @@ def test_init_trains_heads_made_before_further(trained, fresh_model, data_file, 
         assert code == 2 and needle in err and err.count("\n") == 1, (args, err)
 
 
+def test_feature_norm_heads_start_quiet_train_resume_and_stay_lossless(fresh_model, data_file, tmp_path, run_cli):
+    """--feature-norm (new Clover-2 heads' default): heads that norm the target's hidden state first. Built, they
+    start as the target's post-norm feature plus the fused token (their augmenting layer adds nothing yet); trained,
+    the config and card say so, a resume with the other option is refused, --init keeps it, and drafting with them
+    is lossless. Other families refuse it, and heads made one way cannot be trained further the other way."""
+    from clover_cli.drafters.common import HeadsConfig
+    from clover_cli.drafters.registry import build_heads
+    from clover_cli.target import hidden_states
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(fresh_model, dtype=torch.float32)
+    cfg = HeadsConfig.for_target(model.config, num_heads=2, num_layers=1)
+    cfg.feature_norm = True
+    heads = build_heads(cfg, model)
+    heads.init_from_target(model)
+    x = torch.tensor([[1, 5, 9, 14, 3]])
+    with torch.no_grad():
+        pre, post = hidden_states(model, x)
+        emb = model.get_input_embeddings()(x)
+        pos = torch.arange(5)[None]
+        state = heads.augment(pre, emb, heads.rotary(model)(pre, pos), pos)
+        assert torch.allclose(heads.feature_norm(pre), post, atol=1e-5)  # started from the target's final norm
+        assert torch.allclose(state, heads.norm(heads.fuse(post, emb)), atol=1e-4)  # the layer adds nothing yet
+    out = tmp_path / "fn"
+    args = ["train", str(fresh_model), "--data", str(data_file), "--out", str(out), "--heads", "2", "--layers", "1",
+            "--batch-tokens", "2048", "--max-len", "384", "--eval-every", "1000"]
+    code, _, err = run_cli(*args, "--max-steps", "3")
+    assert code == 0, err
+    assert json.loads((out / "config.json").read_text())["feature_norm"] is True
+    assert "the hidden state normed first" in (out / "README.md").read_text()
+    code, _, err = run_cli(*args, "--no-feature-norm", "--max-steps", "5", "--resume")
+    assert code == 2 and "--feature-norm" in err and err.count("\n") == 1, err
+    code, _, err = run_cli(*args, "--max-steps", "5", "--resume")
+    assert code == 0 and "resumed from step 3" in err, err
+    more = tmp_path / "more"
+    code, _, err = run_cli("train", str(fresh_model), "--data", str(data_file), "--out", str(more), "--init", str(out),
+                           "--max-steps", "1", "--batch-tokens", "2048", "--max-len", "384", "--eval-every", "1000")
+    assert code == 0, err
+    assert json.loads((more / "config.json").read_text())["feature_norm"] is True
+    prompt = tmp_path / "p.txt"
+    for words in ["Tell me about the number 12.", "Twice 30?"]:
+        prompt.write_text(words)
+        texts = []
+        for draft in ("none", "clover"):
+            code, stdout, err = run_cli("generate", str(fresh_model), "-f", str(prompt), "--draft", draft, "--heads",
+                                        str(more), "--json", "-n", "40", "--stats-file", "off", "--tree-budget", "12")
+            assert code == 0, err
+            texts.append(json.loads(stdout)["text"])
+        assert texts[0] == texts[1]
+    plain = tmp_path / "plain"
+    code, _, err = run_cli(*args[:5], str(plain), "--heads", "1", "--layers", "1", "--max-steps", "1",
+                           "--batch-tokens", "2048", "--max-len", "384", "--eval-every", "1000", "--no-feature-norm")
+    assert code == 0, err
+    assert json.loads((plain / "config.json").read_text())["feature_norm"] is False
+    for extra, needle in [(["--arch", "medusa", "--feature-norm"], "--feature-norm"),
+                          (["--init", str(plain), "--feature-norm"], "as it is"),
+                          (["--init", str(out), "--no-feature-norm"], "norm it first")]:
+        code, _, err = run_cli("train", str(fresh_model), "--data", str(data_file), "--out", str(tmp_path / "x"),
+                               *extra)
+        assert code == 2 and needle in err and err.count("\n") == 1, (extra, err)
+
+
 def test_regenerate_uses_the_targets_own_replies(fresh_model, data_file, tmp_path, run_cli):
     out = tmp_path / "regen"
     code, _, err = run_cli("train", str(fresh_model), "--data", str(data_file), "--out", str(out), "--heads", "2",

@@ -6,6 +6,7 @@ Clover-2, as built here (our own code, after the paper and its reference impleme
     x_t  = target's last-layer hidden state at t, before the final norm        [H]
     e(v) = the target's frozen input embedding of token v                      [H]
 
+    (feature_norm heads: x_t = feature_norm(x_t), an RMSNorm of their own started from the target's final norm)
     fuse:     u_t = x_t + concat_h( cos(q_h, k_h) * v_h ),  q = Wq norm(x_t), k = Wk e(tok_{t+1}), v = Wv e(tok_{t+1})
     augment:  s_t = norm( N decoder layers of the target's own class over u_0..u_t )    (own small KV cache)
     head 0:   o_0 = head_norm(W0 s_t)                               -> logits lm_head(o_0), for tok_{t+2}
@@ -49,8 +50,8 @@ from ..packed import pack_linears, packed_linears
 from ..target import Target, TreeKVCache, cache_kwarg
 from ..tree import DraftTree
 from .common import (TARGET_KEYS, DraftProjection, GrowsTree, HeadsConfig, Observed, RMSNorm, TreeGrower, check_size,
-                     draft_config, finish_loading, first_file, near_identity, read_config, read_tensors, rotary_for,
-                     same_weights, target_layer_class, top_tokens)
+                     draft_config, finish_loading, first_file, near_identity, quiet_residuals, read_config, read_tensors,
+                     rotary_for, same_weights, target_layer_class, top_tokens)
 
 ARCHITECTURE = "clover2"  # the heads config's "architecture"
 LAYOUT = "clover2-authors"  # the published layout this module reads
@@ -98,6 +99,8 @@ class Clover2Heads(nn.Module):
         super().__init__()
         self.cfg = cfg
         H, eps = cfg.hidden_size, cfg.rms_norm_eps
+        if cfg.feature_norm:
+            self.feature_norm = RMSNorm(H, eps)
         self.fuse = GatedFusion(H, cfg.num_gate_heads, eps, cfg.gate_eps)
         dcfg = draft_config(target_config)
         self.layers = nn.ModuleList(layer_class(dcfg, i) for i in range(cfg.num_layers))
@@ -113,18 +116,23 @@ class Clover2Heads(nn.Module):
             self.embed_tokens.weight.requires_grad_(False)
 
     def init_from_target(self, target_model):
-        """Augmenting layers start as copies of the target's last decoder layer; norms from its final norm."""
+        """Augmenting layers start as copies of the target's last decoder layer; norms from its final norm. With
+        feature_norm the layers' residual outputs start at zero (common.quiet_residuals): they read the target's
+        post-norm scale, at which its last layer's own additions are many times the input."""
         from ..quantized import float_state_dict
         from ..target import decoder_layers, find_final_norm
 
         last = float_state_dict(decoder_layers(target_model.base_model)[-1])
         for layer in self.layers:
             layer.load_state_dict(last)
+            if self.cfg.feature_norm:
+                quiet_residuals(layer)
         final_norm = find_final_norm(target_model.base_model)
         if final_norm is not None and hasattr(final_norm, "weight"):
             with torch.no_grad():
-                self.norm.weight.copy_(final_norm.weight.float())
-                self.head_norm.weight.copy_(final_norm.weight.float())
+                for norm in (self.norm, self.head_norm, getattr(self, "feature_norm", None)):
+                    if norm is not None:
+                        norm.weight.copy_(final_norm.weight.float())
 
     def token_embedding(self, target_model) -> nn.Module:
         """What embeds a token for the heads: the target's input embedding, or its lm_head weight read as one."""
@@ -142,6 +150,8 @@ class Clover2Heads(nn.Module):
                 **attention):
         """hidden, next_emb: [B, T, H]. Returns the augmented state [B, T, H] (causal over T, after the cache; or as
         `attention_mask` and the `attention` keywords tell the attention function: clover_cli/step/graphs.py)."""
+        if self.cfg.feature_norm:
+            hidden = self.feature_norm(hidden)
         u = self.fuse(hidden, next_emb)
         for layer in self.layers:
             out = layer(u, attention_mask=attention_mask, position_ids=position_ids, **{cache_kwarg(layer): cache},
@@ -384,6 +394,8 @@ def config_problem(cfg: HeadsConfig) -> str | None:
     """What is wrong with a Clover-2 config beyond what every family's checks catch: its gates split the state."""
     if not (cfg.num_gate_heads >= 1 and cfg.hidden_size % cfg.num_gate_heads == 0):
         return f"num_gate_heads must divide hidden_size {cfg.hidden_size}, not {cfg.num_gate_heads}"
+    if not isinstance(cfg.feature_norm, bool):
+        return f"feature_norm must be true or false, not {cfg.feature_norm!r}"
     return None
 
 

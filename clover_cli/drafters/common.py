@@ -48,6 +48,8 @@ class HeadsConfig:
     #                       or the heads' "own" table
     rope_theta: float | None = None  # Clover-2: the augmenting layers' RoPE base; None: the target's
     gate_eps: float = 1e-6  # Clover-2: the eps of the gates' cosine similarity
+    feature_norm: bool = False  # Clover-2: the target's hidden state normed (the heads' own RMSNorm, started from the
+    #                             target's final norm) before the regressive attention block; else read as it is
     blocks: int = 1  # Medusa: residual SiLU blocks per head
     lm_heads: bool = False  # Medusa: each head has its own vocabulary projection (else the target's lm_head)
     fc_bias: bool = True  # EAGLE: whether its fc (2H -> H) has a bias
@@ -102,6 +104,23 @@ def near_identity(linear: nn.Linear, in_block: int = 0):
         linear.weight[:, in_block:in_block + out] += torch.eye(out)
         if linear.bias is not None:
             linear.bias.zero_()
+
+
+# the linears of a decoder layer whose outputs are added to its residual stream (Llama/Mistral/Qwen/Gemma/Phi-3's
+# o_proj and down_proj, GPT-2's c_proj)
+RESIDUAL_OUTPUTS = ("o_proj", "down_proj", "c_proj")
+
+
+def quiet_residuals(layer: nn.Module):
+    """Zero a copied decoder layer's residual outputs (RESIDUAL_OUTPUTS), so that it starts by passing its input on
+    unchanged: a target's last layer, copied whole, can add many times its input's size (SmolLM2-135M's: 25x the
+    post-norm feature)."""
+    with torch.no_grad():
+        for name, module in layer.named_modules():
+            if name.rpartition(".")[2] in RESIDUAL_OUTPUTS:  # nn.Linear, or GPT-2's Conv1D
+                for tensor in (getattr(module, "weight", None), getattr(module, "bias", None)):
+                    if isinstance(tensor, torch.Tensor):
+                        tensor.zero_()
 
 
 def target_layer_class(target_model, what: str = "Clover-2 heads copy"):

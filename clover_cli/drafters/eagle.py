@@ -36,8 +36,8 @@ from ..packed import pack_linears, packed_linears
 from ..target import Target, TreeKVCache, cache_kwarg, find_final_norm
 from ..tree import DraftTree
 from .common import (STATIC_TREE, DraftProjection, GrowsTree, HeadsConfig, TreeGrower, check_size, draft_config,
-                     finish_loading, first_file, join_pending, keep_pending, near_identity, read_config, read_tensors,
-                     rotary_for, same_weights, target_layer_class, top_tokens)
+                     finish_loading, first_file, join_pending, keep_pending, near_identity, quiet_residuals,
+                     read_config, read_tensors, rotary_for, same_weights, target_layer_class, top_tokens)
 
 ARCHITECTURE = "eagle"
 LAYOUT = "eagle"
@@ -47,9 +47,6 @@ DEPTH = 6  # drafting depth of published heads (EAGLE-2's default depth, 6 level
 TOPK = 10  # EAGLE-2: children per expanded node, and nodes expanded per depth
 REG_WEIGHT = 10.0  # training: EAGLE-1 weighs its feature regression 1.0 and its cross-entropy 0.1
 NOISE = 0.2  # training: width of the uniform noise EAGLE-1 adds to the input features
-# the linears of a decoder layer whose outputs are added to its residual stream (Llama/Mistral/Qwen/Gemma/Phi-3's
-# o_proj and down_proj, GPT-2's c_proj): zeroed at init_from_target
-RESIDUAL_OUTPUTS = ("o_proj", "down_proj", "c_proj")
 
 
 class EagleHead(nn.Module):
@@ -74,7 +71,7 @@ class EagleHead(nn.Module):
 
     def init_from_target(self, target_model):
         """The layer starts as a copy of the target's last decoder layer (its input norm aside) whose attention and
-        MLP add nothing yet: their output projections zeroed (RESIDUAL_OUTPUTS), so the layer passes fc's output, the
+        MLP add nothing yet: their output projections zeroed (common.quiet_residuals), so the layer passes fc's output, the
         feature itself, unchanged. Copied whole, SmolLM2-135M's last layer added 25x the post-norm feature's size
         (output rms 46 against 1.9; logits up to 1,314): EAGLE's training started at a loss of 820 and its top-1 stayed
         under 0.03 for 170 steps (docs/BENCHMARKS.md, 2026-12-06)."""
@@ -84,12 +81,7 @@ class EagleHead(nn.Module):
         last = {k: v for k, v in float_state_dict(decoder_layers(target_model.base_model)[-1]).items()
                 if not k.startswith("input_layernorm.")}
         self.layers[0].load_state_dict(last, strict=False)
-        with torch.no_grad():
-            for name, module in self.layers[0].named_modules():
-                if name.rpartition(".")[2] in RESIDUAL_OUTPUTS:  # nn.Linear, or GPT-2's Conv1D
-                    for tensor in (getattr(module, "weight", None), getattr(module, "bias", None)):
-                        if isinstance(tensor, torch.Tensor):
-                            tensor.zero_()
+        quiet_residuals(self.layers[0])
 
     def token_embedding(self, target_model) -> nn.Module:
         return self.embed_tokens if self.cfg.embed == "own" else target_model.get_input_embeddings()

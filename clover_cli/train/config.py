@@ -24,6 +24,9 @@ class TrainConfig:
     epochs: float = 1.0
     num_heads: int = 5
     num_layers: int = 2
+    # Clover-2: the heads norm the target's hidden state first (HeadsConfig.feature_norm); None: FEATURE_NORM for new
+    # heads, --init's own for heads trained further (settled by validate)
+    feature_norm: bool | None = None
     lr: float = 1e-3
     batch_tokens: int = 8192
     max_len: int = 1024
@@ -53,6 +56,9 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 0.5
     init: Path | None = None  # heads to start from (their weights, shape and draft vocabulary): more training
+
+
+FEATURE_NORM = True  # new Clover-2 heads norm the hidden state first (docs/BENCHMARKS.md, 2026-12-07 04:08)
 
 
 def lr_factor(schedule: str, warmup: int, total_steps: int, step: int) -> float:
@@ -86,6 +92,8 @@ def validate(cfg: TrainConfig):
         raise CloverError(f"--heads must be between 1 and 16, not {cfg.num_heads}")
     if training(cfg.arch).layers and not 1 <= cfg.num_layers <= 8:
         raise CloverError(f"--layers must be between 1 and 8, not {cfg.num_layers}")
+    if cfg.feature_norm and not training(cfg.arch).layers:
+        raise CloverError(f"--feature-norm is Clover-2's (--arch clover), not --arch {cfg.arch}'s")
     if not (math.isfinite(cfg.lr) and 0 < cfg.lr <= 1):
         raise CloverError(f"--lr must be in (0, 1], not {cfg.lr}")
     if cfg.max_len < 16:
@@ -115,6 +123,8 @@ def validate(cfg: TrainConfig):
         raise CloverError(f"--reg-weight must be between 0 and 1000, not {cfg.reg_weight}")
     if cfg.init is not None:
         take_init_shape(cfg)
+    elif cfg.feature_norm is None:
+        cfg.feature_norm = FEATURE_NORM and training(cfg.arch).layers
     if cfg.max_conversations is not None and cfg.max_conversations < 1:
         raise CloverError(f"--max-conversations must be at least 1, not {cfg.max_conversations}")
 
@@ -132,3 +142,8 @@ def take_init_shape(cfg: TrainConfig):
     cfg.num_heads = init.num_heads
     if training(cfg.arch).layers:
         cfg.num_layers = init.num_layers
+        if cfg.feature_norm is not None and cfg.feature_norm != init.feature_norm:
+            made, asked = ("norm it first", "--no-feature-norm") if init.feature_norm else \
+                ("read the hidden state as it is", "--feature-norm")
+            raise CloverError(f"--init {cfg.init}: those heads {made}; they cannot be trained further with {asked}")
+        cfg.feature_norm = init.feature_norm

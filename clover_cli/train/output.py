@@ -125,9 +125,10 @@ def discard_unfinished(out: Path, made: str | None):
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
 
 
-def _heads_settings(arch: str, num_heads: int, num_layers: int) -> dict:
+def _heads_settings(arch: str, num_heads: int, num_layers: int, feature_norm: bool = False) -> dict:
     """What a checkpoint's heads were built with: resuming with other options cannot load it."""
-    return {"arch": arch, "heads": num_heads, **({"layers": num_layers} if training(arch).layers else {})}
+    return {"arch": arch, "heads": num_heads, **({"layers": num_layers} if training(arch).layers else {}),
+            **({"feature-norm": True} if feature_norm else {})}
 
 
 def _check_resumable(path: Path, cfg: TrainConfig):
@@ -158,9 +159,10 @@ def _check_resumable(path: Path, cfg: TrainConfig):
     except Exception as e:  # SafetensorError, OSError
         raise damaged(f"heads.safetensors: {getattr(e, 'strerror', None) or one_line(e, 160)}") from None
     made = state.get("settings")
-    want = _heads_settings(cfg.arch, cfg.num_heads, cfg.num_layers)
+    want = _heads_settings(cfg.arch, cfg.num_heads, cfg.num_layers, cfg.feature_norm)
     if isinstance(made, dict) and made != want:
-        flags = " ".join(f"--{k} {v}" for k, v in made.items())
+        flags = " ".join(f"--{k}" if v is True else f"--{k} {v}" for k, v in made.items()) + \
+            ("" if "feature-norm" in made else " --no-feature-norm" if cfg.feature_norm else "")
         raise CloverError(f"--resume: the checkpoint in {path} was made with {flags}; resume with those options, "
                           f"or pass --overwrite to start again")
 
@@ -183,7 +185,7 @@ def _save_checkpoint(out: Path, heads, opt, sched, step: int, history: list):
     optimizer = {"opt": opt.state_dict(), "sched": sched.state_dict()}
     atomic.write_with(new / "optimizer.pt", lambda tmp: torch.save(optimizer, tmp))
     arch = by_architecture(heads.cfg.architecture).draft  # its --arch
-    settings = _heads_settings(arch, heads.cfg.num_heads, heads.cfg.num_layers)
+    settings = _heads_settings(arch, heads.cfg.num_heads, heads.cfg.num_layers, heads.cfg.feature_norm)
     atomic.write_text(new / "state.json", json.dumps({"step": step, "history": history, "settings": settings}))
     # at every moment one complete checkpoint is on disk: checkpoint-old goes only once checkpoint is complete
     # (a run resumed from checkpoint-old has none) and the new one is in place
