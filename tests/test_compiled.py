@@ -627,7 +627,15 @@ def test_register_blocking_narrows_inductors_table_only_while_it_runs():
         assert everything() == before
 
 
-DRAFTERS = {"clover": (CloverDrafter, "clover2"), "medusa": (MedusaDrafter, "medusa")}
+# kind -> (drafter, heads architecture); "clover-normed": Clover-2 heads that norm the hidden state first (their
+# programs are Clover-2's, with the norm in the augmenting block's graph)
+DRAFTERS = {"clover": (CloverDrafter, "clover2"), "clover-normed": (CloverDrafter, "clover2"),
+            "medusa": (MedusaDrafter, "medusa")}
+
+
+def program_kind(kind: str) -> str:
+    """The heads programs' kind of a DRAFTERS kind ("clover" or "medusa")."""
+    return kind.split("-")[0]
 
 
 @pytest.fixture(scope="module")
@@ -637,12 +645,12 @@ def heads_programs(programs, tmp_path_factory):
     root = tmp_path_factory.mktemp("heads_programs")
     out = {}
     for kind, (cls, arch) in DRAFTERS.items():
-        heads = random_heads(model, arch, seed=3, num_heads=4, num_layers=1)
+        heads = random_heads(model, arch, seed=3, num_heads=4, num_layers=1, feature_norm=kind == "clover-normed")
         if kind == "clover":  # a draft-vocabulary shortlist, mapped back to token ids inside the program
             heads.draft_vocab = torch.randperm(96, generator=torch.Generator().manual_seed(0))[:40]
         meta = build_heads_for(cls(heads, Target(model)), capacity, root / kind, log=lambda text: None,
-                               autotune=AUTOTUNE[kind])
-        assert meta["kind"] == kind and meta["topk"] == 8 and meta["capacity"] == capacity
+                               autotune=AUTOTUNE[program_kind(kind)])
+        assert meta["kind"] == program_kind(kind) and meta["topk"] == 8 and meta["capacity"] == capacity
         out[kind] = (heads, root / kind, meta)
     return out
 
@@ -685,7 +693,7 @@ def check_compiled_heads(programs, entry, kind, seed):
     heads, path, meta = entry
     cls = DRAFTERS[kind][0]
     eager, compiled_drafter = cls(heads, Target(model)), cls(heads, target)
-    compiled_drafter.attach_programs(HeadsPrograms(path, kind, meta["capacity"], meta["augment_ranges"]))
+    compiled_drafter.attach_programs(HeadsPrograms(path, program_kind(kind), meta["capacity"], meta["augment_ranges"]))
     for _ in range(3):
         prompt = [rng.randrange(3, 96) for _ in range(rng.randint(2, 25))]
         context = prompt + [rng.randrange(3, 96)]

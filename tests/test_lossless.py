@@ -47,9 +47,10 @@ def make_model(family: str, seed: int, vocab: int = 96):
     return model
 
 
-def random_heads(model, arch: str, seed: int, num_heads: int, num_layers: int):
+def random_heads(model, arch: str, seed: int, num_heads: int, num_layers: int, feature_norm: bool = False):
     torch.manual_seed(seed)
     cfg = HeadsConfig.for_target(model.config, architecture=arch, num_heads=num_heads, num_layers=num_layers)
+    cfg.feature_norm = feature_norm  # Clover-2 heads that norm the target's hidden state first (new heads' default)
     heads = build_heads(cfg, model)
     heads.init_from_target(model)
     with torch.no_grad():  # random, but not too far from the identity init: trees get varied shapes
