@@ -480,7 +480,8 @@ def train(
 
     run_training(TrainConfig(
         model=model, out=out, data=data, arch=arch, max_steps=max_steps, epochs=epochs, num_heads=heads,
-        num_layers=layers, feature_norm=feature_norm, lr=lr, lr_schedule=lr_schedule, batch_tokens=batch_tokens, max_len=max_len,
+        num_layers=layers, feature_norm=feature_norm, lr=lr, lr_schedule=lr_schedule, batch_tokens=batch_tokens,
+        max_len=max_len,
         eval_every=eval_every, max_conversations=max_conversations, regenerate=regenerate, regen_turns=regen_turns,
         regen_max_tokens=regen_max_tokens, repetition_penalty=repetition_penalty, draft_vocab=draft_vocab,
         cache_features=cache_features, resume=resume, init=init,

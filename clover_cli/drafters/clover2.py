@@ -50,8 +50,8 @@ from ..packed import pack_linears, packed_linears
 from ..target import Target, TreeKVCache, cache_kwarg
 from ..tree import DraftTree
 from .common import (TARGET_KEYS, DraftProjection, GrowsTree, HeadsConfig, Observed, RMSNorm, TreeGrower, check_size,
-                     draft_config, finish_loading, first_file, near_identity, quiet_residuals, read_config, read_tensors,
-                     rotary_for, same_weights, target_layer_class, top_tokens)
+                     draft_config, finish_loading, first_file, near_identity, quiet_residuals, read_config,
+                     read_tensors, rotary_for, same_weights, target_layer_class, top_tokens)
 
 ARCHITECTURE = "clover2"  # the heads config's "architecture"
 LAYOUT = "clover2-authors"  # the published layout this module reads

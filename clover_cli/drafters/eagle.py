@@ -71,10 +71,10 @@ class EagleHead(nn.Module):
 
     def init_from_target(self, target_model):
         """The layer starts as a copy of the target's last decoder layer (its input norm aside) whose attention and
-        MLP add nothing yet: their output projections zeroed (common.quiet_residuals), so the layer passes fc's output, the
-        feature itself, unchanged. Copied whole, SmolLM2-135M's last layer added 25x the post-norm feature's size
-        (output rms 46 against 1.9; logits up to 1,314): EAGLE's training started at a loss of 820 and its top-1 stayed
-        under 0.03 for 170 steps (docs/BENCHMARKS.md, 2026-12-06)."""
+        MLP add nothing yet: their output projections zeroed (common.quiet_residuals), so the layer passes fc's
+        output, the feature itself, unchanged. Copied whole, SmolLM2-135M's last layer added 25x the post-norm
+        feature's size (output rms 46 against 1.9; logits up to 1,314): EAGLE's training started at a loss of 820 and
+        its top-1 stayed under 0.03 for 170 steps (docs/BENCHMARKS.md, 2026-12-06)."""
         from ..quantized import float_state_dict
         from ..target import decoder_layers
 
