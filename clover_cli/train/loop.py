@@ -228,7 +228,7 @@ def _train(cfg, accelerator, device, log, resuming, resolved, model, tokenizer, 
                                       num_heads=cfg.num_heads, num_layers=1 if trained.one_model else cfg.num_layers,
                                       name=resolved.repo or resolved.name, revision=cfg.revision)
         vocab = draft_vocabulary(ids, masks, model.config.vocab_size, cfg.draft_vocab)
-        hcfg.feature_norm = bool(cfg.feature_norm) and trained.layers  # Clover-2's (the family with augmenting layers)
+        hcfg.feature_norm = cfg.feature_norm  # settled by validate: only Clover-2's can be true
         hcfg.draft_vocab_size = 0 if vocab is None else len(vocab)
         heads = build_heads(hcfg, model)
         if trained.own_vocab:  # EAGLE-3: its own lm_head over the draft vocabulary, mapped by d2t/t2d
