@@ -230,8 +230,8 @@ def test_every_long_flag_in_the_readme_is_an_option_of_clover():
     from clover_cli.cli import app
 
     root = get_command(app)
-    options = {"--help"} | {opt for p in root.params for opt in p.opts}
-    options |= {opt for command in root.commands.values() for p in command.params for opt in p.opts}
+    params = list(root.params) + [p for command in root.commands.values() for p in command.params]
+    options = {"--help"} | {opt for p in params for opt in [*p.opts, *p.secondary_opts]}
     named = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9_-]*)", README.read_text()))
     assert named - options == set(FOREIGN_FLAGS), "README flags that are no option of clover's (or stale entries)"
     assert not options & set(FOREIGN_FLAGS)
