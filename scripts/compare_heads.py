@@ -1,7 +1,7 @@
 """Draft heads side by side on one target: τ and decode tokens/s of each, overall and by prompt category.
 
     python scripts/compare_heads.py runs/cmp/clover runs/cmp/medusa [--model tiny] [--prompts question.jsonl]
-                                    [-n 128] [--tree own|eagle2|clover] [--window default|none|N] [--limit N]
+                                    [-n 128] [--tree own|eagle2|clover] [--grow k=v,...] [--window default|none|N] [--limit N]
                                     [--acceptance learned|raw] [--dtype auto|float32] [--temperature T --top-p P]
                                     [--json out.json]
 
@@ -28,6 +28,23 @@ import torch
 from clover_cli.atomic import write_text
 
 
+GROW_TYPES = {"topk": int, "width": int, "min_ratio": float, "top_p": float}
+
+
+def parse_grow(text: str) -> dict:
+    """'topk=8,min_ratio=0' -> {"topk": 8, "min_ratio": 0.0}; exits with a one-line error on anything else."""
+    out = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        key, _, value = item.partition("=")
+        if key not in GROW_TYPES:
+            raise SystemExit(f"--grow: unknown setting {key!r} (one of {', '.join(GROW_TYPES)})")
+        try:
+            out[key] = GROW_TYPES[key](value)
+        except ValueError:
+            raise SystemExit(f"--grow: {key} needs a number, not {value!r}")
+    return out
+
+
 def main():
     from clover_cli.bench import load_prompts
     from clover_cli.drafters.base import NoDrafter
@@ -49,6 +66,10 @@ def main():
                     help="own: each family's own tree rule; eagle2: every drafter grows EAGLE-2's tree (top-10 "
                          "children per expanded node, the best 10 of a depth expanded, no probability cut); clover: "
                          "every drafter grows clover's default tree (top-8, width 6, ratio and mass cuts)")
+    ap.add_argument("--grow", default="",
+                    help="the tree rule's settings over --tree's, e.g. 'topk=8,width=6,min_ratio=0,top_p=1' "
+                         "(common.TreeGrower's: children per node, nodes expanded per depth, sibling-ratio and "
+                         "probability-mass cuts)")
     ap.add_argument("--window", default="default",
                     help="positions a Clover-2 catch-up runs the augmenting block over: 'default' (the drafter's, "
                          "64: a speed trade-off), 'none' (every position, as EAGLE's drafter does) or a number")
@@ -60,6 +81,7 @@ def main():
     ap.add_argument("--top-p", type=float, default=0.9, help="with --temperature")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
+    overrides = parse_grow(args.grow)
     if args.window not in ("default", "none") and not args.window.isdigit():
         raise SystemExit(f"--window must be 'default', 'none' or a number, not {args.window!r}")
     window = {} if args.window == "default" else {"window": None if args.window == "none" else int(args.window)}
@@ -76,6 +98,7 @@ def main():
 
     grow = {"own": {}, "eagle2": {"topk": 10, "width": 10, "min_ratio": 0.0, "top_p": 1.0},
             "clover": {"topk": 8, "width": 6, "min_ratio": 0.25, "top_p": 0.95}}[args.tree]
+    grow = {**grow, **overrides}
 
     def make(heads):
         if heads is None:
@@ -114,7 +137,7 @@ def main():
         return {"tau": round((tokens - runs) / steps, 3) if steps else None,
                 "tokens_per_s": round((tokens - runs) / secs, 1) if secs else None, "prompts": runs}
 
-    report = {"model": s.resolved.name, "weights": s.weights_text, "budget": args.budget, "tree": args.tree,
+    report = {"model": s.resolved.name, "weights": s.weights_text, "budget": args.budget, "tree": args.tree, "grow": grow,
               "window": args.window, "acceptance": args.acceptance, "temperature": args.temperature,
               "top_p": args.top_p if sampled else None,
               "max_new_tokens": args.max_new_tokens,

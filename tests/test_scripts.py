@@ -42,8 +42,9 @@ def compare_heads(tmp_path, *options) -> dict:
 
 
 def test_compare_heads_on_one_tree_rule(tmp_path):
-    report = compare_heads(tmp_path, "--tree", "eagle2", "--window", "none")
+    report = compare_heads(tmp_path, "--tree", "eagle2", "--grow", "width=6,min_ratio=0.5", "--window", "none")
     assert report["tree"] == "eagle2" and report["window"] == "none"
+    assert report["grow"] == {"topk": 10, "width": 6, "min_ratio": 0.5, "top_p": 1.0}  # --grow over --tree's rule
     (name,) = [m for m in report["methods"] if m != "plain"]
     row = report["methods"][name]
     assert row["identical_to_plain"] and row["all"]["prompts"] == 2 and row["all"]["tau"] > 1
