@@ -281,6 +281,12 @@ HEADS_DAMAGE = {
     "rms_norm_eps a word": lambda p: _set_config(p, rms_norm_eps="tiny"),
     "target a list": lambda p: _set_config(p, target=[1, 2]),
     "config a list": lambda p: (p / "config.json").write_text("[1, 2]"),
+    "tree a list": lambda p: _set_config(p, tree=[10, 10]),
+    "tree with an unknown setting": lambda p: _set_config(p, tree={"depth": 3}),
+    "tree's topk zero": lambda p: _set_config(p, tree={"topk": 0}),
+    "tree's width a fraction": lambda p: _set_config(p, tree={"width": 2.5}),
+    "tree's top_p a word": lambda p: _set_config(p, tree={"top_p": "all"}),
+    "tree's min_ratio above 1": lambda p: _set_config(p, tree={"min_ratio": 1.5}),
 }
 
 
@@ -300,6 +306,29 @@ def test_good_heads_still_load(run_cli, llama_dir, heads_dir, prompt_file):
                              "--draft", "clover", "--stats-file", "off", "-n", "8", "--json")
     assert code == 0, err
     assert json.loads(out)["draft"] == "clover"
+
+
+def test_heads_draft_with_their_configs_tree_rule(run_cli, llama_dir, heads_dir, prompt_file, tmp_path):
+    """A config's `tree` is the drafter's tree rule (over its family's); the output stays plain decoding's."""
+    from transformers import AutoModelForCausalLM
+
+    from clover_cli.drafters.registry import drafter_for, load
+    from clover_cli.target import Target
+
+    heads = tmp_path / "heads"
+    shutil.copytree(heads_dir, heads)
+    _set_config(heads, tree={"topk": 3, "width": 2, "min_ratio": 0, "top_p": 1})
+    model = AutoModelForCausalLM.from_pretrained(llama_dir)
+    target = Target(model)
+    grower = drafter_for(load(heads, model), target).grower
+    assert (grower.topk, grower.width, grower.min_ratio, grower.top_p) == (3, 2, 0, 1)
+    assert drafter_for(load(heads, model), target, topk=5).grower.topk == 5  # a caller's setting wins
+    assert drafter_for(load(heads_dir, model), target).grower.topk == 8  # no tree: Clover-2's own rule
+    outs = [run_cli("generate", str(llama_dir), "-f", str(prompt_file), "--draft", *draft, "--stats-file", "off",
+                    "-n", "12", "--json") for draft in (["none"], ["clover", "--heads", str(heads)])]
+    assert [code for code, _, _ in outs] == [0, 0], outs
+    plain, drafted = (json.loads(out) for _, out, _ in outs)
+    assert drafted["draft"] == "clover" and drafted["text"] == plain["text"]
 
 
 # --- 5. a stats stream that cannot be read or written -----------------------------------------------------------

@@ -55,6 +55,8 @@ class HeadsConfig:
     fc_bias: bool = True  # EAGLE: whether its fc (2H -> H) has a bias
     layer: dict = field(default_factory=dict)  # EAGLE: its decoder layer's settings where they differ from the
     #                                            target's (a published file's own attention heads, eps, ...)
+    tree: dict = field(default_factory=dict)  # the tree rule these heads draft best with (TreeGrower's TREE_RULE
+    #                                           settings, measured: e.g. docs/BENCHMARKS.md); empty: their family's
     layout: str = "clover"  # the file layout the heads were read from (clover's own, or a published one)
     target: dict = field(default_factory=dict)  # TARGET_KEYS of the target, plus its name and revision
     training: dict = field(default_factory=dict)  # what `clover train` measured and used
@@ -188,6 +190,24 @@ STATIC_TREE = [
     (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 1, 0), (0, 1, 0, 0), (1, 0, 0, 0),
     (0, 0, 0, 0, 0), (0, 0, 0, 0, 1), (0, 0, 0, 1, 0),
 ]
+
+
+# A tree rule's settings (TreeGrower's keywords), their types and ranges: children per expanded node (the level
+# programs' top-k), nodes expanded per depth, the sibling-ratio cut and the probability-mass cut.
+TREE_RULE = {"topk": (int, 1, 64), "width": (int, 1, 64), "min_ratio": (float, 0.0, 1.0), "top_p": (float, 0.0, 1.0)}
+
+
+def tree_rule_problem(rule) -> str | None:
+    """What is wrong with a tree rule read from a heads config (`tree`), or None."""
+    for key, value in rule.items():
+        if key not in TREE_RULE:
+            return f"tree has an unknown setting {key!r} (one of {', '.join(TREE_RULE)})"
+        kind, lo, hi = TREE_RULE[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int) \
+                or not lo <= value <= hi or (key == "top_p" and value == 0):
+            return f"tree's {key} must be {'a number' if kind is float else 'a whole number'} in [{lo}, {hi}]" \
+                   f"{' above 0' if key == 'top_p' else ''}, not {value!r}"
+    return None
 
 
 class TreeGrower:

@@ -28,7 +28,7 @@ import torch.nn as nn
 from .. import families
 from ..errors import CloverError
 from ..families import Layout, Spec, by_architecture, spec
-from .common import DRAFT_VOCAB_KEY, HeadsConfig, compute_dtype, read_config
+from .common import DRAFT_VOCAB_KEY, HeadsConfig, compute_dtype, read_config, tree_rule_problem
 
 
 def layouts() -> list[tuple[str, Layout]]:
@@ -136,8 +136,9 @@ def drafter_class(architecture: str) -> type:
 
 
 def drafter_for(heads, target, **grow):
-    """The drafter that runs these heads, by their architecture."""
-    return drafter_class(heads.cfg.architecture)(heads, target, **grow)
+    """The drafter that runs these heads, by their architecture, growing their config's tree rule (`tree`) where
+    `grow` does not say otherwise."""
+    return drafter_class(heads.cfg.architecture)(heads, target, **{**heads.cfg.tree, **grow})
 
 
 # ---------------------------------------------------------------------------------------------- clover's own format
@@ -208,7 +209,7 @@ def _config_problem(cfg: HeadsConfig) -> str | None:
         return why
     if not (math.isfinite(cfg.rms_norm_eps) and 0 < cfg.rms_norm_eps < 1):
         return f"rms_norm_eps must be in (0, 1), not {cfg.rms_norm_eps}"
-    return None
+    return tree_rule_problem(cfg.tree)
 
 
 def load_own(path: Path, target_model, dtype=None) -> nn.Module:
