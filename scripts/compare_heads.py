@@ -1,7 +1,8 @@
 """Draft heads side by side on one target: τ and decode tokens/s of each, overall and by prompt category.
 
     python scripts/compare_heads.py runs/cmp/clover runs/cmp/medusa [--model tiny] [--prompts question.jsonl]
-                                    [-n 128] [--tree own|eagle2|clover] [--grow k=v,...] [--window default|none|N] [--limit N]
+                                    [-n 128] [--tree own|eagle2|clover] [--grow k=v,...]
+                                    [--window default|none|N] [--limit N]
                                     [--acceptance learned|raw] [--dtype auto|float32] [--temperature T --top-p P]
                                     [--json out.json]
 
@@ -137,7 +138,8 @@ def main():
         return {"tau": round((tokens - runs) / steps, 3) if steps else None,
                 "tokens_per_s": round((tokens - runs) / secs, 1) if secs else None, "prompts": runs}
 
-    report = {"model": s.resolved.name, "weights": s.weights_text, "budget": args.budget, "tree": args.tree, "grow": grow,
+    report = {"model": s.resolved.name, "weights": s.weights_text, "budget": args.budget, "tree": args.tree,
+              "grow": grow,
               "window": args.window, "acceptance": args.acceptance, "temperature": args.temperature,
               "top_p": args.top_p if sampled else None,
               "max_new_tokens": args.max_new_tokens,
