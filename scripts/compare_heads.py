@@ -29,20 +29,22 @@ import torch
 from clover_cli.atomic import write_text
 
 
-GROW_TYPES = {"topk": int, "width": int, "min_ratio": float, "top_p": float}
-
-
 def parse_grow(text: str) -> dict:
-    """'topk=8,min_ratio=0' -> {"topk": 8, "min_ratio": 0.0}; exits with a one-line error on anything else."""
+    """'topk=8,min_ratio=0' -> {"topk": 8, "min_ratio": 0.0} (common.TREE_RULE's settings); exits with a one-line
+    error on anything else."""
+    from clover_cli.drafters.common import TREE_RULE, tree_rule_problem
+
     out = {}
     for item in filter(None, (t.strip() for t in text.split(","))):
         key, _, value = item.partition("=")
-        if key not in GROW_TYPES:
-            raise SystemExit(f"--grow: unknown setting {key!r} (one of {', '.join(GROW_TYPES)})")
+        if key not in TREE_RULE:
+            raise SystemExit(f"--grow: unknown setting {key!r} (one of {', '.join(TREE_RULE)})")
         try:
-            out[key] = GROW_TYPES[key](value)
+            out[key] = TREE_RULE[key][0](value)
         except ValueError:
             raise SystemExit(f"--grow: {key} needs a number, not {value!r}")
+    if problem := tree_rule_problem(out):
+        raise SystemExit(f"--grow: {problem}")
     return out
 
 
