@@ -23,9 +23,8 @@ import torch
 def main():
     from clover_cli.bench import balanced_order, load_prompts
     from clover_cli.drafters.merged import ChoiceStats, MergedDrafter
-    from clover_cli.drafters.clover2 import CloverDrafter
     from clover_cli.drafters.ngram import NgramDrafter
-    from clover_cli.drafters.registry import load
+    from clover_cli.drafters.registry import drafter_for, load
     from clover_cli.decode.engine import Engine
     from clover_cli.decode.verify import StopCheck
     from clover_cli.aliases import BUNDLED
@@ -61,7 +60,7 @@ def main():
     def make(name):
         if policies[name] is None:
             return NgramDrafter(prior=s.ngram_prior)
-        d = CloverDrafter(heads, s.target)
+        d = drafter_for(heads, s.target)  # with their config's tree rule, as clover runs them
         s.compiler.ready_heads(d, str(BUNDLED / "heads"))
         return auto_drafter(d, policies[name], s.ngram_prior)
 

@@ -22,8 +22,7 @@ import torch
 
 def main():
     from clover_cli.bench import load_prompts
-    from clover_cli.drafters.clover2 import CloverDrafter
-    from clover_cli.drafters.registry import load
+    from clover_cli.drafters.registry import drafter_for, load
     from clover_cli.decode.engine import Engine
     from clover_cli.decode.verify import StopCheck
     from clover_cli.aliases import BUNDLED
@@ -39,7 +38,7 @@ def main():
     torch.set_num_threads(args.threads)
     s = Session(Options(model=None, draft="none", compile="on"), quiet=True)
     s.compiler.start(background=False)
-    drafter = CloverDrafter(load(BUNDLED / "heads", s.model), s.target)
+    drafter = drafter_for(load(BUNDLED / "heads", s.model), s.target)  # with their config's tree rule
     if not s.compiler.ready_heads(drafter, str(BUNDLED / "heads")):
         raise SystemExit("the heads' compiled programs are not available here")
     times = defaultdict(list)

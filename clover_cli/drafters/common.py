@@ -193,7 +193,8 @@ STATIC_TREE = [
 
 
 # A tree rule's settings (TreeGrower's keywords), their types and ranges: children per expanded node (the level
-# programs' top-k), nodes expanded per depth, the sibling-ratio cut and the probability-mass cut.
+# programs' top-k), nodes expanded per depth (at most the compiled level program's rows, step.aot.MAX_LEVEL_ROWS),
+# the sibling-ratio cut and the probability-mass cut.
 TREE_RULE = {"topk": (int, 1, 64), "width": (int, 1, 64), "min_ratio": (float, 0.0, 1.0), "top_p": (float, 0.0, 1.0)}
 
 
