@@ -38,7 +38,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    s = Session(Options(model=None, draft="none", compile="on"), quiet=True)
+    s = Session(Options(model="tiny", draft="none", compile="on"), quiet=True)  # the bundled heads are tiny's
     s.compiler.start(background=False)
     heads = load(BUNDLED / "heads", s.model)
     encoded = [s.encode_chat(p["messages"]) for p in load_prompts(None, args.limit)]

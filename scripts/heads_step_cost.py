@@ -36,7 +36,7 @@ def main():
     ap.add_argument("--default", action="store_true", help="the default drafter (heads + lookup) instead of the heads")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    s = Session(Options(model=None, draft="none", compile="on"), quiet=True)
+    s = Session(Options(model="tiny", draft="none", compile="on"), quiet=True)  # the bundled heads are tiny's
     s.compiler.start(background=False)
     drafter = drafter_for(load(BUNDLED / "heads", s.model), s.target)  # with their config's tree rule
     if not s.compiler.ready_heads(drafter, str(BUNDLED / "heads")):
