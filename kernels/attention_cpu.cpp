@@ -12,8 +12,8 @@
 //   p_j = exp(s_j - max s)       exp_nonpositive: a fixed polynomial, elementwise
 //   out = acc / total            acc = fma(p_j, v_j, acc) over j in order; total: 16 lanes (lane j % 16, in order),
 //                                summed in halves
-// The AVX-512 path computes 16 keys' dots at once and the portable C++ one key at a time, with the same operations
-// in the same order; neither reorders a sum (built with -ffp-contract=off, no fast-math), so a row's result is the
+// The AVX-512 path computes 16 keys' dots at once (for the query heads that share a key/value head together, each
+// head's operations unchanged) and the portable C++ one key at a time, with the same operations in the same order; neither reorders a sum (built with -ffp-contract=off, no fast-math), so a row's result is the
 // same bits for every batch and every place of the row in it.
 // Keys and values may be float16 (a float16 KV cache, as llama.cpp keeps by default): each is widened exactly to
 // float32 as it is read, and everything after runs as above.
@@ -183,7 +183,7 @@ inline float dot8(const __m256* qv, const KV* k) {
 #endif
 
 // One query row of one head: out[D] = softmax(scale * q . k_j) . v_j over the keys keys[0 .. V - 1] in order, k_j at
-// kb + keys[j] * ks and v_j at vb + keys[j] * vs. s: scratch.
+// kb + keys[j] * ks and v_j at vb + keys[j] * vs. s: scratch. AVX2 and the portable C++ (AVX-512: attend_heads).
 template <int64_t D, typename KV>
 void attend_row(const float* qrow, const KV* kb, int64_t ks, const KV* vb, int64_t vs, const int64_t* keys, int64_t V,
                 float sc, float cap, std::vector<float>& s, float* o) {
@@ -194,51 +194,7 @@ void attend_row(const float* qrow, const KV* kb, int64_t ks, const KV* vb, int64
   s.resize((V + LANES - 1) / LANES * LANES);
   float top = -INFINITY;
   float total;
-#if CLOVER_ATTN_AVX512
-  __m512 qv[D / LANES];
-  for (int c = 0; c < D / LANES; c++) qv[c] = _mm512_loadu_ps(qrow + LANES * c);
-  __m512 best = _mm512_set1_ps(-INFINITY);
-  for (int64_t j0 = 0; j0 < V; j0 += LANES) {
-    __m512 a[LANES];
-    for (int j = 0; j < LANES; j++) {
-      a[j] = _mm512_setzero_ps();
-      if (j0 + j < V) {
-        const KV* kj = kb + keys[j0 + j] * ks;
-        for (int c = 0; c < D / LANES; c++) a[j] = _mm512_fmadd_ps(qv[c], load16(kj + LANES * c), a[j]);
-      }
-    }
-    __m512 x = _mm512_mul_ps(_mm512_set1_ps(sc), halving_16x16(a));
-    _mm512_storeu_ps(s.data() + j0, x);
-    const __mmask16 live = V - j0 >= LANES ? (__mmask16)0xffff : (__mmask16)((1u << (V - j0)) - 1);
-    if (cap <= 0.0f) best = _mm512_mask_max_ps(best, live, best, x);
-  }
-  if (cap > 0.0f) {
-    for (int64_t j = 0; j < V; j++) {
-      s[j] = cap * std::tanh(s[j] / cap);
-      top = std::fmax(top, s[j]);
-    }
-  } else {
-    top = _mm512_reduce_max_ps(best);
-  }
-  __m512 sum = _mm512_setzero_ps();
-  const __m512 t = _mm512_set1_ps(top);
-  for (int64_t j0 = 0; j0 < V; j0 += LANES) {
-    const __mmask16 live = V - j0 >= LANES ? (__mmask16)0xffff : (__mmask16)((1u << (V - j0)) - 1);
-    const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_loadu_ps(s.data() + j0), t)));
-    _mm512_storeu_ps(s.data() + j0, e);
-    sum = _mm512_add_ps(sum, e);
-  }
-  total = halving16(sum);
-  __m512 av[D / LANES];
-  for (int c = 0; c < D / LANES; c++) av[c] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < V; j++) {
-    const KV* vj = vb + keys[j] * vs;
-    const __m512 p = _mm512_set1_ps(s[j]);
-    for (int c = 0; c < D / LANES; c++) av[c] = _mm512_fmadd_ps(p, load16(vj + LANES * c), av[c]);
-  }
-  const __m512 tv = _mm512_set1_ps(total);
-  for (int c = 0; c < D / LANES; c++) _mm512_storeu_ps(o + LANES * c, _mm512_div_ps(av[c], tv));
-#elif CLOVER_ATTN_AVX2
+#if CLOVER_ATTN_AVX2
   __m256 qv[D / 8];
   for (int c = 0; c < D / 8; c++) qv[c] = _mm256_loadu_ps(qrow + 8 * c);
   for (int64_t j = 0; j < V; j++) {
@@ -299,6 +255,94 @@ void attend_row(const float* qrow, const KV* kb, int64_t ks, const KV* vb, int64
 #endif
 }
 
+#if CLOVER_ATTN_AVX512
+// attend_row on AVX-512, for G query heads that share one key/value head, the same row and so the same keys: each
+// head's arithmetic is attend_row's (the recipe at the top of the file), operation for operation in the same order,
+// 16 keys' dots at once (so the same bits for any G); only the loads of the keys and values (and a float16 cache's
+// widening) are shared by the G heads, and their G independent sums overlap where one head's chain of multiply-adds
+// would wait on itself. q[g]: head g's query, o[g]: its output.
+template <int64_t D, typename KV, int G>
+void attend_heads(const float* const* q, const KV* kb, int64_t ks, const KV* vb, int64_t vs, const int64_t* keys,
+                  int64_t V, float sc, float cap, std::vector<float>& s, float* const* o) {
+  constexpr int C = D / LANES;
+  if (V == 0) {
+    for (int g = 0; g < G; g++)
+      for (int64_t d = 0; d < D; d++) o[g][d] = 0.0f;
+    return;
+  }
+  const int64_t S = (V + LANES - 1) / LANES * LANES;  // one head's scores
+  s.resize(G * S);
+  __m512 qv[G][C];
+  for (int g = 0; g < G; g++)
+    for (int c = 0; c < C; c++) qv[g][c] = _mm512_loadu_ps(q[g] + LANES * c);
+  __m512 best[G];
+  for (int g = 0; g < G; g++) best[g] = _mm512_set1_ps(-INFINITY);
+  alignas(64) float lanes[G][LANES][LANES];  // per head, 16 keys' dot lanes
+  for (int64_t j0 = 0; j0 < V; j0 += LANES) {
+    for (int j = 0; j < LANES; j++) {
+      if (j0 + j < V) {
+        const KV* kj = kb + keys[j0 + j] * ks;
+        __m512 kc[C];
+        for (int c = 0; c < C; c++) kc[c] = load16(kj + LANES * c);
+        for (int g = 0; g < G; g++) {
+          __m512 a = _mm512_setzero_ps();
+          for (int c = 0; c < C; c++) a = _mm512_fmadd_ps(qv[g][c], kc[c], a);
+          _mm512_store_ps(lanes[g][j], a);
+        }
+      } else {
+        for (int g = 0; g < G; g++) _mm512_store_ps(lanes[g][j], _mm512_setzero_ps());
+      }
+    }
+    const __mmask16 live = V - j0 >= LANES ? (__mmask16)0xffff : (__mmask16)((1u << (V - j0)) - 1);
+    for (int g = 0; g < G; g++) {
+      __m512 a[LANES];
+      for (int j = 0; j < LANES; j++) a[j] = _mm512_load_ps(lanes[g][j]);
+      const __m512 x = _mm512_mul_ps(_mm512_set1_ps(sc), halving_16x16(a));
+      _mm512_storeu_ps(s.data() + g * S + j0, x);
+      if (cap <= 0.0f) best[g] = _mm512_mask_max_ps(best[g], live, best[g], x);
+    }
+  }
+  float total[G];
+  for (int g = 0; g < G; g++) {
+    float* sg = s.data() + g * S;
+    float top = -INFINITY;
+    if (cap > 0.0f) {
+      for (int64_t j = 0; j < V; j++) {
+        sg[j] = cap * std::tanh(sg[j] / cap);
+        top = std::fmax(top, sg[j]);
+      }
+    } else {
+      top = _mm512_reduce_max_ps(best[g]);
+    }
+    __m512 sum = _mm512_setzero_ps();
+    const __m512 t = _mm512_set1_ps(top);
+    for (int64_t j0 = 0; j0 < V; j0 += LANES) {
+      const __mmask16 live = V - j0 >= LANES ? (__mmask16)0xffff : (__mmask16)((1u << (V - j0)) - 1);
+      const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + j0), t)));
+      _mm512_storeu_ps(sg + j0, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    total[g] = halving16(sum);
+  }
+  __m512 av[G][C];
+  for (int g = 0; g < G; g++)
+    for (int c = 0; c < C; c++) av[g][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < V; j++) {
+    const KV* vj = vb + keys[j] * vs;
+    __m512 vc[C];
+    for (int c = 0; c < C; c++) vc[c] = load16(vj + LANES * c);
+    for (int g = 0; g < G; g++) {
+      const __m512 p = _mm512_set1_ps(s[g * S + j]);
+      for (int c = 0; c < C; c++) av[g][c] = _mm512_fmadd_ps(p, vc[c], av[g][c]);
+    }
+  }
+  for (int g = 0; g < G; g++) {
+    const __m512 tv = _mm512_set1_ps(total[g]);
+    for (int c = 0; c < C; c++) _mm512_storeu_ps(o[g] + LANES * c, _mm512_div_ps(av[g][c], tv));
+  }
+}
+#endif
+
 // D float16 elements widened into float32.
 template <int64_t D>
 inline void widen_row(const at::Half* p, float* out) {
@@ -313,14 +357,16 @@ inline void widen_row(const at::Half* p, float* out) {
 
 // q [B, Hq, n, D] (any strides), k/v [B, Hkv, L, D] of KV (float or at::Half; unit stride in D), visible: for each row
 // the indices of the keys it sees, in order (shared by the batch and the heads). out [B, n, Hq, D] contiguous.
-// One task per (batch, head, row), each widening float16 keys and values as it reads them. float16 with several rows:
-// first every key and value up to the last one a row sees widened once into float32 buffers (the same numbers, so
-// the rows then run the same arithmetic and give the same bits as a one-row call), read by the rows and heads that
+// AVX-512: one task per (batch, key/value head, row, chunk of its query heads), the chunk's heads sharing each key's
+// and value's loads (and a float16 cache's widening: VCVTPH2PS as they are read). AVX2 and the portable C++: one
+// task per (batch, head, row), each widening float16 keys and values as it reads them; float16 with several rows
+// there: first every key and value up to the last one a row sees widened once into float32 buffers (the same numbers,
+// so the rows then run the same arithmetic and give the same bits as a one-row call), read by the rows and heads that
 // share them.
 template <int64_t D, typename KV>
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::vector<std::vector<int64_t>>& visible,
             double scale, double softcap, at::Tensor& out) {
-  if constexpr (std::is_same<KV, at::Half>::value) {
+  if constexpr (std::is_same<KV, at::Half>::value && !CLOVER_ATTN_AVX512) {
     if (q.size(2) > 1) {
       int64_t L = 0;  // the keys some row sees: a static step's buffers may reach far past them
       for (const std::vector<int64_t>& keys : visible)
@@ -363,6 +409,38 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
   const float sc = (float)scale, cap = (float)softcap;
+#if CLOVER_ATTN_AVX512
+  // One task per (batch, key/value head, row, chunk of at most GMAX of its query heads): the heads of a chunk share
+  // the loads of the keys and values (attend_heads).
+  constexpr int GMAX = D / LANES >= 16 ? 1 : D / LANES >= 8 ? 2 : 4;
+  const int64_t chunks = (group + GMAX - 1) / GMAX;
+  at::parallel_for(0, B * Hkv * n * chunks, 1, [&](int64_t w0, int64_t w1) {
+    std::vector<float> s;
+    alignas(64) float qrows[GMAX][D];
+    for (int64_t w = w0; w < w1; w++) {
+      const int64_t b = w / (Hkv * n * chunks), hk = (w / (n * chunks)) % Hkv, i = (w / chunks) % n, c = w % chunks;
+      // heads h0 .. h1 - 1 of this key/value head's group: the chunks as even as can be
+      const int64_t h0 = hk * group + c * group / chunks, h1 = hk * group + (c + 1) * group / chunks;
+      const std::vector<int64_t>& keys = visible[i];
+      const float* qp_[GMAX];
+      float* op_[GMAX];
+      for (int64_t h = h0; h < h1; h++) {
+        for (int64_t d = 0; d < D; d++) qrows[h - h0][d] = qp[b * qs0 + h * qs1 + i * qs2 + d * qs3];
+        qp_[h - h0] = qrows[h - h0];
+        op_[h - h0] = op + ((b * n + i) * Hq + h) * D;
+      }
+      const KV* kh = kp + b * ks0 + hk * ks1;
+      const KV* vh = vp + b * vs0 + hk * vs1;
+      const int64_t V = (int64_t)keys.size();
+      switch (h1 - h0) {
+        case 1: attend_heads<D, KV, 1>(qp_, kh, ks2, vh, vs2, keys.data(), V, sc, cap, s, op_); break;
+        case 2: attend_heads<D, KV, (GMAX >= 2 ? 2 : 1)>(qp_, kh, ks2, vh, vs2, keys.data(), V, sc, cap, s, op_); break;
+        case 3: attend_heads<D, KV, (GMAX >= 3 ? 3 : 1)>(qp_, kh, ks2, vh, vs2, keys.data(), V, sc, cap, s, op_); break;
+        default: attend_heads<D, KV, GMAX>(qp_, kh, ks2, vh, vs2, keys.data(), V, sc, cap, s, op_); break;
+      }
+    }
+  });
+#else
   at::parallel_for(0, B * Hq * n, 1, [&](int64_t w0, int64_t w1) {
     std::vector<float> s;
     alignas(64) float qrow[D];
@@ -374,6 +452,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
                         (int64_t)keys.size(), sc, cap, s, op + ((b * n + i) * Hq + h) * D);
     }
   });
+#endif
 }
 
 // The keys each row sees, in order: row i of a bool mask [n, L] (read 8 bytes at a time: long stretches of false
