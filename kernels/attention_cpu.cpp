@@ -13,8 +13,9 @@
 //   out = acc / total            acc = fma(p_j, v_j, acc) over j in order; total: 16 lanes (lane j % 16, in order),
 //                                summed in halves
 // The AVX-512 path computes 16 keys' dots at once (for the query heads that share a key/value head together, each
-// head's operations unchanged) and the portable C++ one key at a time, with the same operations in the same order; neither reorders a sum (built with -ffp-contract=off, no fast-math), so a row's result is the
-// same bits for every batch and every place of the row in it.
+// head's operations unchanged) and the portable C++ one key at a time, with the same operations in the same order;
+// neither reorders a sum (built with -ffp-contract=off, no fast-math), so a row's result is the same bits for every
+// batch and every place of the row in it.
 // Keys and values may be float16 (a float16 KV cache, as llama.cpp keeps by default): each is widened exactly to
 // float32 as it is read, and everything after runs as above.
 // The reference (kernels/attention.py, attention_ref) is softmax attention in float64.
@@ -343,12 +344,10 @@ void attend_heads(const float* const* q, const KV* kb, int64_t ks, const KV* vb,
 }
 #endif
 
-// D float16 elements widened into float32.
+// D float16 elements widened into float32 (AVX2 and the portable C++: attend's copy before a several-row call).
 template <int64_t D>
 inline void widen_row(const at::Half* p, float* out) {
-#if CLOVER_ATTN_AVX512
-  for (int c = 0; c < D / LANES; c++) _mm512_storeu_ps(out + LANES * c, load16(p + LANES * c));
-#elif CLOVER_ATTN_AVX2
+#if CLOVER_ATTN_AVX2
   for (int c = 0; c < D / 8; c++) _mm256_storeu_ps(out + 8 * c, load8(p + 8 * c));
 #else
   for (int64_t d = 0; d < D; d++) out[d] = widen(p[d]);

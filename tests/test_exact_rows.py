@@ -110,15 +110,18 @@ def test_float16_keys_and_values_are_widened_exactly(n, past, D):
 def test_the_portable_path_gives_the_same_bits(tmp_path):
     """The portable C++ (no AVX-512; its own process: one kernel library per process) computes the same operations in
     the same order as the AVX-512 path (which takes the query heads of a key/value head together): the same outputs,
-    bit for bit (float16 keys and values too)."""
+    bit for bit (float16 keys and values, and a soft cap, too)."""
     cases = [inputs(n, past, (9, 3), D, seed=n) for n, past, D in ((1, 40, 64), (13, 200, 64), (4, 9, 128))]
     cases += [(q, k.half(), v.half(), m) for q, k, v, m in cases[:2]]
     # query heads per key/value head past what the AVX-512 path takes together (4 at 64 dims, 2 at 128, 1 at 256):
     # its chunks of heads, even and uneven
-    cases += [inputs(n, past, heads, D, seed=D + n) for n, past, heads, D in
-              ((3, 30, (8, 1), 64), (2, 25, (7, 1), 64), (3, 17, (6, 2), 128), (2, 10, (4, 2), 256), (1, 33, (4, 4), 16))]
+    chunked = [inputs(n, past, heads, D, seed=D + n) for n, past, heads, D in
+               ((3, 30, (8, 1), 64), (2, 25, (7, 1), 64), (2, 21, (2, 1), 64), (3, 17, (6, 2), 128),
+                (2, 10, (4, 2), 256), (1, 33, (4, 4), 16))]
+    cases += chunked + [(q, k.half(), v.half(), m) for q, k, v, m in chunked[:4]]
+    capped = [exact_rows(q, k, v, m, scale=0.3, softcap=2.0) for q, k, v, m in cases]  # the soft cap's branch
     outs = [exact_rows(q, k, v, m) for q, k, v, m in cases]
-    torch.save({"cases": cases, "outs": outs}, tmp_path / "cases.pt")
+    torch.save({"cases": cases, "outs": outs, "capped": capped}, tmp_path / "cases.pt")
     code = f"""
 import sys, torch
 sys.path[:0] = {sys.path!r}
@@ -127,8 +130,9 @@ from clover_kernels.attention import exact_rows, simd
 quant.load({str(tmp_path / "build")!r}, generic=True)
 assert not quant.avx512() and not simd()
 saved = torch.load({str(tmp_path / "cases.pt")!r})
-for (q, k, v, m), out in zip(saved["cases"], saved["outs"]):
+for (q, k, v, m), out, capped in zip(saved["cases"], saved["outs"], saved["capped"]):
     assert torch.equal(exact_rows(q, k, v, m), out), q.shape
+    assert torch.equal(exact_rows(q, k, v, m, scale=0.3, softcap=2.0), capped), q.shape
 print("ok")
 """
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,

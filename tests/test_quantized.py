@@ -214,6 +214,9 @@ def test_the_avx2_path_gives_the_native_paths_bits(tmp_path):
     linear = [quant.qlinear(x, p) for x, p in zip(xs, weights)]
     cases = [inputs(n, past, (9, 3), D, seed=n) for n, past, D in ((1, 40, 64), (13, 200, 64), (4, 9, 128))]
     cases += [(q, k.half(), v.half(), m) for q, k, v, m in cases[:2]]
+    # query heads per key/value head that the AVX-512 path splits into chunks (8 at 64 dimensions, 6/2 at 128)
+    chunked = [inputs(n, past, heads, D, seed=D) for n, past, heads, D in ((3, 30, (8, 1), 64), (3, 17, (6, 2), 128))]
+    cases += chunked + [(q, k.half(), v.half(), m) for q, k, v, m in chunked]
     attention = [exact_rows(*case) for case in cases]
     torch.save({"weights": [(p.data, p.out_features, p.in_features, p.kind) for p in weights], "xs": xs,
                 "linear": linear, "cases": cases, "attention": attention}, tmp_path / "cases.pt")
