@@ -614,15 +614,21 @@ void act8_tiles_rows(const uint8_t* rec, int64_t tile_bytes, int64_t groups, con
 // row: independent sums to overlap) or 4 (more rows), each block for all rows: 8 at a time, then the rest.
 // op.template tiles<R, T>(r, t) computes T tiles from tile t for R rows from row r.
 // (rows, tiles) per call, by rows left: 8 or more, 4, 2, 1 (AVX2: 16 registers of 8 lanes, so at most 4 (row, tile)
-// pairs' sums in registers)
+// pairs' sums in registers). The int8-activation kernel on AVX-512 takes 4 rows x 2 tiles from 4 rows up (ACT8_RT):
+// 8 of its int32 sums and 8 float32 totals fit in registers together (8 x 2 left the totals in memory; all of
+// SmolLM2's linears at 12-32 rows 0.80-0.93x the time, 1-8 rows the same; docs/BENCHMARKS.md, 2026-12-07).
 #if CLOVER_AVX2
 constexpr int RT[4][2] = {{4, 1}, {4, 1}, {2, 2}, {1, 4}};
+constexpr int ACT8_RT[4][2] = {{4, 1}, {4, 1}, {2, 2}, {1, 4}};
 #else
 constexpr int RT[4][2] = {{8, 2}, {4, 4}, {2, 4}, {1, 8}};
+constexpr int ACT8_RT[4][2] = {{4, 2}, {4, 2}, {2, 4}, {1, 8}};
 #endif
 
+// op.rt: its (rows, tiles) table (RT or ACT8_RT)
 template <class Op>
 void run_tasks(int64_t M, int64_t tiles, const Op& op) {
+  constexpr auto& RT = Op::rt;
   const int64_t BLOCK = M >= 4 ? 4 : 8;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t b = t0; b < t1; b += BLOCK) {
@@ -651,6 +657,7 @@ void run_tasks(int64_t M, int64_t tiles, const Op& op) {
 
 template <int BITS, int GROUP, bool AFFINE, bool F32>
 struct GroupedTiles {
+  static constexpr auto& rt = RT;
   const uint8_t* packed;
   int64_t tile_bytes, groups;
   const float *x, *sums;
@@ -666,6 +673,7 @@ struct GroupedTiles {
 
 template <int BITS, int GROUP, bool AFFINE, bool F32>
 struct Act8Tiles {
+  static constexpr auto& rt = ACT8_RT;
   const uint8_t* packed;
   int64_t tile_bytes, groups;
   const uint8_t* xq;
@@ -681,6 +689,7 @@ struct Act8Tiles {
 };
 
 struct Bf16Tiles {
+  static constexpr auto& rt = RT;
   const uint8_t* packed;
   int64_t tile_bytes;
   const float* x;
