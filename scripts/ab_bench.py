@@ -17,11 +17,13 @@ a gain. Prints one JSON object (--json) or a table.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 
@@ -62,8 +64,24 @@ def env_pairs(items: list[str]) -> dict:
     return out
 
 
-def bench(checkout: Path, model: str, args: list[str], extra_env: dict | None = None) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(checkout), **(extra_env or {})}
+def import_root(checkout: Path, shims: Path) -> Path:
+    """A folder whose clover_cli and clover_kernels are the checkout's own (links to its clover_cli/ and kernels/), for
+    PYTHONPATH. The checkout itself will not do: its kernels live in kernels/, so `import clover_kernels` would fall
+    through to the installed clover's (an editable install maps it to that checkout's kernels/), and both sides
+    would run one side's kernels."""
+    root = shims / hashlib.sha256(str(checkout).encode()).hexdigest()[:12]
+    root.mkdir(parents=True, exist_ok=True)
+    for name, target in (("clover_cli", checkout / "clover_cli"), ("clover_kernels", checkout / "kernels")):
+        link = root / name
+        if target.is_dir() and not link.exists():
+            link.symlink_to(target, target_is_directory=True)
+    return root
+
+
+def bench(checkout: Path, model: str, args: list[str], extra_env: dict | None = None,
+          shims: Path | None = None) -> dict:
+    root = import_root(checkout, shims) if shims is not None else checkout
+    env = {**os.environ, "PYTHONPATH": str(root), **(extra_env or {})}
     # python -m clover_cli where the checkout has clover_cli/__main__.py; older ones ran as clover_cli.cli
     module = "clover_cli" if (checkout / "clover_cli" / "__main__.py").is_file() else "clover_cli.cli"
     cmd = [sys.executable, "-m", module, "bench", model, "--json", *args]
@@ -95,9 +113,10 @@ def main():
     envs = {"old": env_pairs(a.old_env), "new": env_pairs(a.new_env)}
     model = a.model or str(checkouts["new"] / "clover_cli" / "bundled" / "tiny")
     runs = []
+    shims = Path(tempfile.mkdtemp(prefix="clover-ab-"))
     for r in range(a.rounds):
         for side in first_side(r):
-            rows = bench(checkouts[side], model, rest, envs[side])
+            rows = bench(checkouts[side], model, rest, envs[side], shims)
             runs.append({"side": side, "round": r, "rows": rows})
             if not a.json:
                 print(f"round {r + 1} {side}: " + ", ".join(f"{m} {v:.1f}" for m, v in rows.items()), flush=True)

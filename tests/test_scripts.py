@@ -140,6 +140,31 @@ def test_ab_bench_alternates_the_first_side_and_pairs_rounds():
             ab.env_pairs([bad])
 
 
+def test_ab_bench_runs_each_checkouts_own_kernels(tmp_path):
+    """scripts/ab_bench.py: a side's clover_cli and clover_kernels both come from its own checkout (its kernels/
+    folder is not importable as clover_kernels by PYTHONPATH alone: the installed clover's kernels answered instead,
+    and both sides ran the same kernels)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ab_bench", ROOT / "scripts" / "ab_bench.py")
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    checkout = tmp_path / "old"
+    (checkout / "clover_cli").mkdir(parents=True)
+    (checkout / "kernels").mkdir()
+    (checkout / "clover_cli" / "__init__.py").write_text("")
+    (checkout / "kernels" / "__init__.py").write_text("")
+    root = ab.import_root(checkout, tmp_path / "shims")
+    assert ab.import_root(checkout, tmp_path / "shims") == root  # again: the same folder, links kept
+    code = "import clover_cli, clover_kernels; print(clover_cli.__file__); print(clover_kernels.__file__)"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd="/",
+                       env={**os.environ, "PYTHONPATH": str(root)})
+    assert p.returncode == 0, p.stderr
+    cli, kernels = (Path(line).resolve() for line in p.stdout.split())
+    assert cli == (checkout / "clover_cli" / "__init__.py").resolve()
+    assert kernels == (checkout / "kernels" / "__init__.py").resolve()
+
+
 def test_attention_cost_prints_a_row_per_row_count():
     """scripts/attention_cost.py: one table row per row count, each with positive times for both KV dtypes and SDPA."""
     p = subprocess.run([sys.executable, str(ROOT / "scripts" / "attention_cost.py"), "--context", "40", "--rows", "1,3",
