@@ -8,7 +8,9 @@ ratios and how many rounds each side won.
                                                                                             environments)
 
 Everything after `--` goes to `clover bench` as it is (--json is added). Both sides run the same model directory
-(default: the new side's bundled `tiny`, or --model), so they share its compiled package and stored costs. On the
+(default: the new side's bundled `tiny`, or --model); each imports its own clover_cli and clover_kernels (a folder of
+links to its clover_cli/ and kernels/ on PYTHONPATH), so where the kernels differ each side builds and runs its own
+compiled package, with its own step costs. On the
 project's 2-core machine the second run of a pair was a few percent faster whatever it ran (the same code on both
 sides, the old side always first: 1.035-1.065x; docs/BENCHMARKS.md, 2026-11-27): an order kept fixed reads that as
 a gain. Prints one JSON object (--json) or a table.
