@@ -611,7 +611,8 @@ void act8_tiles_rows(const uint8_t* rec, int64_t tile_bytes, int64_t groups, con
 }
 
 // The tiles split evenly between threads (one contiguous range each); a thread's tiles go in blocks of 8 (with one
-// row: independent sums to overlap) or 4 (more rows), each block for all rows: 8 at a time, then the rest.
+// row: independent sums to overlap) or 4 (more rows), each block for all rows, as many at a time as the table below
+// gives for the rows left.
 // op.template tiles<R, T>(r, t) computes T tiles from tile t for R rows from row r.
 // (rows, tiles) per call, by rows left: 8 or more, 4, 2, 1 (AVX2: 16 registers of 8 lanes, so at most 4 (row, tile)
 // pairs' sums in registers). The int8-activation kernel on AVX-512 takes 4 rows x 2 tiles from 4 rows up (ACT8_RT):
@@ -619,7 +620,7 @@ void act8_tiles_rows(const uint8_t* rec, int64_t tile_bytes, int64_t groups, con
 // SmolLM2's linears at 12-32 rows 0.80-0.93x the time, 1-8 rows the same; docs/BENCHMARKS.md, 2026-12-07).
 #if CLOVER_AVX2
 constexpr int RT[4][2] = {{4, 1}, {4, 1}, {2, 2}, {1, 4}};
-constexpr int ACT8_RT[4][2] = {{4, 1}, {4, 1}, {2, 2}, {1, 4}};
+constexpr auto& ACT8_RT = RT;
 #else
 constexpr int RT[4][2] = {{8, 2}, {4, 4}, {2, 4}, {1, 8}};
 constexpr int ACT8_RT[4][2] = {{4, 2}, {4, 2}, {2, 4}, {1, 8}};
