@@ -80,10 +80,8 @@ def import_root(checkout: Path, shims: Path) -> Path:
     return root
 
 
-def bench(checkout: Path, model: str, args: list[str], extra_env: dict | None = None,
-          shims: Path | None = None) -> dict:
-    root = import_root(checkout, shims) if shims is not None else checkout
-    env = {**os.environ, "PYTHONPATH": str(root), **(extra_env or {})}
+def bench(checkout: Path, model: str, args: list[str], shims: Path, extra_env: dict | None = None) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(import_root(checkout, shims)), **(extra_env or {})}
     # python -m clover_cli where the checkout has clover_cli/__main__.py; older ones ran as clover_cli.cli
     module = "clover_cli" if (checkout / "clover_cli" / "__main__.py").is_file() else "clover_cli.cli"
     cmd = [sys.executable, "-m", module, "bench", model, "--json", *args]
@@ -115,13 +113,13 @@ def main():
     envs = {"old": env_pairs(a.old_env), "new": env_pairs(a.new_env)}
     model = a.model or str(checkouts["new"] / "clover_cli" / "bundled" / "tiny")
     runs = []
-    shims = Path(tempfile.mkdtemp(prefix="clover-ab-"))
-    for r in range(a.rounds):
-        for side in first_side(r):
-            rows = bench(checkouts[side], model, rest, envs[side], shims)
-            runs.append({"side": side, "round": r, "rows": rows})
-            if not a.json:
-                print(f"round {r + 1} {side}: " + ", ".join(f"{m} {v:.1f}" for m, v in rows.items()), flush=True)
+    with tempfile.TemporaryDirectory(prefix="clover-ab-") as shims:
+        for r in range(a.rounds):
+            for side in first_side(r):
+                rows = bench(checkouts[side], model, rest, Path(shims), envs[side])
+                runs.append({"side": side, "round": r, "rows": rows})
+                if not a.json:
+                    print(f"round {r + 1} {side}: " + ", ".join(f"{m} {v:.1f}" for m, v in rows.items()), flush=True)
     summary = summarize(runs)
     if a.json:
         print(json.dumps({"runs": runs, "summary": summary}))
