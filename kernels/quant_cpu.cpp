@@ -189,12 +189,21 @@ inline void copy_tiles(float (*acc)[R][LANES], float* y, int64_t N, int64_t n0) 
 }
 #endif
 
+// Part g of `parts` of the len bytes at pf asked of the memory ahead of their use (the next block's weights: see
+// run_tasks), a few lines per group, so that the requests spread over the call. No effect on any result.
+inline void prefetch_part(const uint8_t* pf, int64_t len, int64_t g, int64_t parts) {
+  if (len <= 0) return;
+  const int64_t chunk = ((len + parts - 1) / parts + 63) & ~int64_t(63);
+  const int64_t lo = g * chunk, hi = lo + chunk < len ? lo + chunk : len;
+  for (int64_t o = lo; o < hi; o += 64) __builtin_prefetch(pf + o, 0, 3);
+}
+
 // T tiles (consecutive, 16 outputs each) for R rows of x, group by group: s = sum over the group's k, in order, of
 // q[k] * x[k]; acc = d * s + acc; acc = m * sx + acc (sx: the sum of x over the group, in order; affine formats).
 // T > 1 only gives the core independent sums to overlap (few rows); a row's arithmetic is the same for any R and T.
 template <int BITS, int GROUP, bool AFFINE, bool F32, int R, int T>
 void tiles_rows(const uint8_t* rec, int64_t tile_bytes, int64_t groups, const float* x, const float* sx, int64_t K,
-                float* y, int64_t N, int64_t n0) {
+                float* y, int64_t N, int64_t n0, const uint8_t* pf, int64_t pf_len) {
   constexpr int QB = LANES * GROUP * BITS / 8;
   constexpr int SB = LANES * (F32 ? 4 : 2);
   constexpr int REC = QB + (AFFINE ? 2 : 1) * SB;
@@ -205,6 +214,7 @@ void tiles_rows(const uint8_t* rec, int64_t tile_bytes, int64_t groups, const fl
     for (int r = 0; r < R; r++) _mm512_store_ps(acc[t][r], _mm512_setzero_ps());
   const __m512i low = _mm512_set1_epi32(0x0f);
   for (int64_t g = 0; g < groups; g++) {
+    prefetch_part(pf, pf_len, g, groups);
     __m512 s[T][R];
     for (int t = 0; t < T; t++)
       for (int r = 0; r < R; r++) s[t][r] = _mm512_setzero_ps();
@@ -255,6 +265,7 @@ void tiles_rows(const uint8_t* rec, int64_t tile_bytes, int64_t groups, const fl
       for (int h = 0; h < 2; h++) _mm256_store_ps(acc[t][r] + 8 * h, _mm256_setzero_ps());
   const __m256i low = _mm256_set1_epi32(0x0f);
   for (int64_t g = 0; g < groups; g++) {
+    prefetch_part(pf, pf_len, g, groups);
     __m256 s[T][R][2];
     for (int t = 0; t < T; t++)
       for (int r = 0; r < R; r++) s[t][r][0] = s[t][r][1] = _mm256_setzero_ps();
@@ -331,13 +342,14 @@ void tiles_rows(const uint8_t* rec, int64_t tile_bytes, int64_t groups, const fl
 // T tiles of bfloat16 weights for R rows of x: acc = fma(w[k], x[k], acc), k in order (see the top of the file).
 template <int R, int T>
 void bf16_tiles_rows(const uint8_t* rec, int64_t tile_bytes, const float* x, int64_t K, float* y, int64_t N,
-                     int64_t n0) {
+                     int64_t n0, const uint8_t* pf, int64_t pf_len) {
 #if CLOVER_AVX512
   __m512 acc[T][R];
   for (int t = 0; t < T; t++)
     for (int r = 0; r < R; r++) acc[t][r] = _mm512_setzero_ps();
   const __m512i zero = _mm512_setzero_si512();
   for (int64_t k = 0; k < K; k += 2) {
+    if (k % 32 == 0) prefetch_part(pf, pf_len, k / 32, (K + 31) / 32);
     __m512 w0[T], w1[T];
     for (int t = 0; t < T; t++) {
       const __m512i v = _mm512_loadu_si512((const void*)(rec + t * tile_bytes + 2 * LANES * k));
@@ -365,7 +377,8 @@ void bf16_tiles_rows(const uint8_t* rec, int64_t tile_bytes, const float* x, int
   for (int t = 0; t < T; t++)
     for (int r = 0; r < R; r++) a[t][r][0] = a[t][r][1] = _mm256_setzero_ps();
   const __m256i zero = _mm256_setzero_si256();
-  for (int64_t k = 0; k < K; k += 2)
+  for (int64_t k = 0; k < K; k += 2) {
+    if (k % 32 == 0) prefetch_part(pf, pf_len, k / 32, (K + 31) / 32);
     for (int t = 0; t < T; t++)
       for (int h = 0; h < 2; h++) {
         const __m256i v = _mm256_loadu_si256((const __m256i*)(rec + t * tile_bytes + 2 * LANES * k + 32 * h));
@@ -376,6 +389,7 @@ void bf16_tiles_rows(const uint8_t* rec, int64_t tile_bytes, const float* x, int
           a[t][r][h] = _mm256_fmadd_ps(w1, _mm256_broadcast_ss(x + r * K + k + 1), a[t][r][h]);
         }
       }
+  }
   for (int t = 0; t < T; t++)
     for (int r = 0; r < R; r++)
       for (int h = 0; h < 2; h++) _mm256_store_ps(acc[t][r] + 8 * h, a[t][r][h]);
@@ -459,7 +473,7 @@ void act8_rows(const float* x, int64_t M, int64_t K, uint8_t* xq, float* xs, flo
 // acc = fma(d * xs, s, acc) and, affine, acc = fma(m, sq, acc) (sq: xs * the sum of xq over the group).
 template <int BITS, int GROUP, bool AFFINE, bool F32, int R, int T>
 void act8_tiles_rows(const uint8_t* rec, int64_t tile_bytes, int64_t groups, const uint8_t* xq, const float* xs,
-                     const float* sq, int64_t K, float* y, int64_t N, int64_t n0) {
+                     const float* sq, int64_t K, float* y, int64_t N, int64_t n0, const uint8_t* pf, int64_t pf_len) {
   constexpr int QB = LANES * GROUP * BITS / 8;
   constexpr int SB = LANES * (F32 ? 4 : 2);
   constexpr int REC = QB + (AFFINE ? 2 : 1) * SB;
@@ -470,6 +484,7 @@ void act8_tiles_rows(const uint8_t* rec, int64_t tile_bytes, int64_t groups, con
   const __m512i low = _mm512_set1_epi8(0x0f), ones = _mm512_set1_epi8(1);
   constexpr int LINES = QB / 64;  // 4-bit: 8 k's per line (two nibbles of 4 pairs); 8-bit: 4 k's
   for (int64_t g = 0; g < groups; g++) {
+    prefetch_part(pf, pf_len, g, groups);
     __m512i s[T][R], qsum[T];
     for (int t = 0; t < T; t++) {
       qsum[t] = _mm512_setzero_si512();
@@ -537,6 +552,7 @@ void act8_tiles_rows(const uint8_t* rec, int64_t tile_bytes, int64_t groups, con
   constexpr int LINES = QB / 64;
   static_assert(BITS == 8 || LINES <= 4, "4-bit pair sums must fit int16");
   for (int64_t g = 0; g < groups; g++) {
+    prefetch_part(pf, pf_len, g, groups);
     __m256i s[T][R][2];
     for (int t = 0; t < T; t++)
       for (int r = 0; r < R; r++) s[t][r][0] = s[t][r][1] = _mm256_setzero_si256();
@@ -610,36 +626,60 @@ void act8_tiles_rows(const uint8_t* rec, int64_t tile_bytes, int64_t groups, con
 #endif
 }
 
-// The tiles split evenly between threads (one contiguous range each); a thread's tiles go in blocks of 8 (with one
-// row: independent sums to overlap) or 4 (more rows), each block for all rows, as many at a time as the table below
-// gives for the rows left.
-// op.template tiles<R, T>(r, t) computes T tiles from tile t for R rows from row r.
+// The tiles split evenly between threads (one contiguous range each); a thread's tiles go in blocks of 2, each block
+// for all rows, as many at a time as the table below gives for the rows left. While a block runs, each call asks the
+// memory for the next block's counterparts of its tiles, its rows' share of them (a call for rows r .. r + R - 1 of M
+// the fraction r / M .. (r + R) / M of their bytes): with several passes over the rows, a block's weights come from
+// the cache after the first and the memory would otherwise wait; with one, the requests run a block ahead of the
+// hardware's. All of SmolLM2's linears for a step, against blocks of 8 (1 row) or 4 without the requests, on a Zen 5:
+// 1 row 0.95x the time, 2 rows 0.69x, 4 rows 0.58x, 8 rows 0.61x, 16 rows 0.71x, 32 rows 0.79x (the AVX2 path built
+// there: 1-2 rows 0.61-0.66x, 4-16 rows 0.94-0.99x); docs/BENCHMARKS.md, 2026-12-07 (16:17-19:17 UTC).
+// op.template tiles<R, T>(r, t, pf, len) computes T tiles from tile t for R rows from row r, asking for the len bytes
+// at pf as it goes.
 // (rows, tiles) per call, by rows left: 8 or more, 4, 2, 1 (AVX2: 16 registers of 8 lanes, so at most 4 (row, tile)
 // pairs' sums in registers). The int8-activation kernel on AVX-512 takes 4 rows x 2 tiles from 4 rows up (ACT8_RT):
 // 8 of its int32 sums and 8 float32 totals fit in registers together (8 x 2 left the totals in memory; all of
 // SmolLM2's linears at 12-32 rows 0.80-0.93x the time, 1-8 rows the same; docs/BENCHMARKS.md, 2026-12-07).
 #if CLOVER_AVX2
-constexpr int RT[4][2] = {{4, 1}, {4, 1}, {2, 2}, {1, 4}};
+constexpr int RT[4][2] = {{4, 1}, {4, 1}, {2, 2}, {1, 2}};
 constexpr auto& ACT8_RT = RT;
 #else
-constexpr int RT[4][2] = {{8, 2}, {4, 4}, {2, 4}, {1, 8}};
-constexpr int ACT8_RT[4][2] = {{4, 2}, {4, 2}, {2, 4}, {1, 8}};
+constexpr int RT[4][2] = {{8, 2}, {4, 2}, {2, 2}, {1, 2}};
+constexpr int ACT8_RT[4][2] = {{4, 2}, {4, 2}, {2, 2}, {1, 2}};
 #endif
 
 // op.rt: its (rows, tiles) table (RT or ACT8_RT)
 template <class Op>
 void run_tasks(int64_t M, int64_t tiles, const Op& op) {
   constexpr auto& RT = Op::rt;
-  const int64_t BLOCK = M >= 4 ? 4 : 8;
+  constexpr int64_t BLOCK = 2;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t b = t0; b < t1; b += BLOCK) {
       const int64_t t_end = b + BLOCK < t1 ? b + BLOCK : t1;
+      const int64_t next_end = t_end + BLOCK < t1 ? t_end + BLOCK : t1;
       for (int64_t r = 0; r < M;) {
         const int64_t left = M - r;
         int64_t t = b;
-#define CLOVER_RT(RR, TT)                                          \
-  for (; t + TT <= t_end; t += TT) op.template tiles<RR, TT>(r, t); \
-  for (; t < t_end; t++) op.template tiles<RR, 1>(r, t);            \
+        // the next block's tiles t + BLOCK .. t + BLOCK + tt - 1 (those that exist), the part for rows r .. r + rr - 1
+        auto ahead_of = [&](int64_t rr, int64_t tt, int64_t& len) -> const uint8_t* {
+          len = 0;
+          const int64_t from = t + BLOCK, to = from + tt < next_end ? from + tt : next_end;
+          if (from >= to) return nullptr;
+          const int64_t bytes = (to - from) * op.tile_bytes, lo = bytes * r / M, hi = bytes * (r + rr) / M;
+          len = hi - lo;
+          return op.packed + from * op.tile_bytes + lo;
+        };
+#define CLOVER_RT(RR, TT)                                                  \
+  for (; t + TT <= t_end; t += TT) {                                       \
+    int64_t len;                                                           \
+    const uint8_t* pf = ahead_of(RR, TT, len);                             \
+    op.template tiles<RR, TT>(r, t, pf, len);                              \
+  }                                                                        \
+  for (; t < t_end; t++) {                                                 \
+    int64_t len;                                                           \
+    const uint8_t* pf = ahead_of(RR, 1, len);                              \
+    op.template tiles<RR, 1>(r, t, pf, len);                               \
+  }                                                                        \
   r += RR;
         if (left >= RT[0][0]) {
           CLOVER_RT(RT[0][0], RT[0][1])
@@ -666,9 +706,9 @@ struct GroupedTiles {
   float* y;
   int64_t N;
   template <int R, int T>
-  void tiles(int64_t r, int64_t t) const {
+  void tiles(int64_t r, int64_t t, const uint8_t* pf, int64_t pf_len) const {
     tiles_rows<BITS, GROUP, AFFINE, F32, R, T>(packed + t * tile_bytes, tile_bytes, groups, x + r * K,
-                                               sums + r * groups, K, y + r * N, N, t * LANES);
+                                               sums + r * groups, K, y + r * N, N, t * LANES, pf, pf_len);
   }
 };
 
@@ -683,9 +723,10 @@ struct Act8Tiles {
   float* y;
   int64_t N;
   template <int R, int T>
-  void tiles(int64_t r, int64_t t) const {
+  void tiles(int64_t r, int64_t t, const uint8_t* pf, int64_t pf_len) const {
     act8_tiles_rows<BITS, GROUP, AFFINE, F32, R, T>(packed + t * tile_bytes, tile_bytes, groups, xq + r * K,
-                                                    xs + r * groups, sums + r * groups, K, y + r * N, N, t * LANES);
+                                                    xs + r * groups, sums + r * groups, K, y + r * N, N, t * LANES,
+                                                    pf, pf_len);
   }
 };
 
@@ -698,8 +739,8 @@ struct Bf16Tiles {
   float* y;
   int64_t N;
   template <int R, int T>
-  void tiles(int64_t r, int64_t t) const {
-    bf16_tiles_rows<R, T>(packed + t * tile_bytes, tile_bytes, x + r * K, K, y + r * N, N, t * LANES);
+  void tiles(int64_t r, int64_t t, const uint8_t* pf, int64_t pf_len) const {
+    bf16_tiles_rows<R, T>(packed + t * tile_bytes, tile_bytes, x + r * K, K, y + r * N, N, t * LANES, pf, pf_len);
   }
 };
 

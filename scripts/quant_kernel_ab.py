@@ -6,6 +6,7 @@ alternation (ABBA: the side that runs first alternates) in one process: each ver
     python scripts/quant_kernel_ab.py HEAD~1 HEAD                 # two commits' kernels
     python scripts/quant_kernel_ab.py old.cpp kernels/quant_cpu.cpp --rows 1,8,16 --rounds 6
     python scripts/quant_kernel_ab.py HEAD HEAD --act8 b           # float32 against int8 activations, one kernel
+    python scripts/quant_kernel_ab.py HEAD~1 HEAD --avx2           # the AVX2 path, built so on an AVX-512 CPU
 
 A version is a file or a git revision (its kernels/quant_cpu.cpp). Both must pack weights as kernels/quant.py does.
 Prints the median ms of each side per row count and B/A.
@@ -62,6 +63,7 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--act8", choices=("a", "b", "both"), default=None,
                     help="that side rounds the activations to int8 (the kernel's ACT8 kinds)")
+    ap.add_argument("--avx2", action="store_true", help="both sides built for AVX2 (-mno-avx512f) on an AVX-512 CPU")
     args = ap.parse_args()
 
     import numpy as np
@@ -78,7 +80,7 @@ def main():
         (build / name).mkdir()
         path = build / name / f"{name}.cpp"
         path.write_text((source(version) + LOOP).replace("clover_quant", name))  # not atomic: a fresh temporary folder
-        load(name=name, sources=[str(path)], extra_cflags=quant.FLAGS, extra_ldflags=["-fopenmp"],
+        load(name=name, sources=[str(path)], extra_cflags=quant.FLAGS + ["-mno-avx512f"] * args.avx2, extra_ldflags=["-fopenmp"],
              build_directory=str(build / name), is_python_module=False)
         ops.append(getattr(torch.ops, name))
     g = np.random.default_rng(0)
