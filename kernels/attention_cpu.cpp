@@ -414,7 +414,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   constexpr int GMAX = D / LANES >= 16 ? 1 : D / LANES >= 8 ? 2 : 4;
   const int64_t chunks = (group + GMAX - 1) / GMAX;
   at::parallel_for(0, B * Hkv * n * chunks, 1, [&](int64_t w0, int64_t w1) {
-    std::vector<float> s;
+    static thread_local std::vector<float> s;  // scores: kept from call to call (grown, never shrunk)
     alignas(64) float qrows[GMAX][D];
     for (int64_t w = w0; w < w1; w++) {
       const int64_t b = w / (Hkv * n * chunks), hk = (w / (n * chunks)) % Hkv, i = (w / chunks) % n, c = w % chunks;
@@ -441,7 +441,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   });
 #else
   at::parallel_for(0, B * Hq * n, 1, [&](int64_t w0, int64_t w1) {
-    std::vector<float> s;
+    static thread_local std::vector<float> s;  // scores: kept from call to call (grown, never shrunk)
     alignas(64) float qrow[D];
     for (int64_t w = w0; w < w1; w++) {
       const int64_t b = w / (Hq * n), h = (w / n) % Hq, i = w % n, hk = h / group;
@@ -458,6 +458,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
 // past the committed tokens), or causal after the L - n committed keys.
 std::vector<std::vector<int64_t>> visible_keys(const c10::optional<at::Tensor>& mask, int64_t n, int64_t L) {
   std::vector<std::vector<int64_t>> visible(n);
+  for (std::vector<int64_t>& keys : visible) keys.reserve(L);  // one allocation per row, not one per doubling
   if (mask.has_value() && mask->defined()) {
     const at::Tensor m = mask->to(at::kBool).reshape({-1, mask->size(-2), mask->size(-1)})[0].contiguous();
     TORCH_CHECK(m.size(0) == n && m.size(1) == L, "exact_rows: the mask is not [n, L]");

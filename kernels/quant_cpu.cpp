@@ -750,8 +750,15 @@ void run(const uint8_t* packed, int64_t M, int64_t N, int64_t K, const float* x,
   const int64_t groups = K / GROUP, tiles = (N + LANES - 1) / LANES, tile_bytes = groups * REC;
   // each row's sum over each group (in order), for the offsets' term
   if (act8) {
-    std::vector<uint8_t> xq(M * K);
-    std::vector<float> xs(M * groups), sq(M * groups);
+    // kept by the calling thread from call to call (grown, never shrunk; nothing in them is kept): a step makes over a
+    // hundred calls
+    static thread_local std::vector<uint8_t> xq;
+    static thread_local std::vector<float> xs, sq;
+    if (xq.size() < (size_t)(M * K)) xq.resize(M * K);
+    if (xs.size() < (size_t)(M * groups)) {
+      xs.resize(M * groups);
+      sq.resize(M * groups);
+    }
     act8_rows<BITS, GROUP>(x, M, K, xq.data(), xs.data(), sq.data());
     run_tasks(M, tiles, Act8Tiles<BITS, GROUP, AFFINE, F32>{packed, tile_bytes, groups, xq.data(), xs.data(),
                                                           sq.data(), K, y, N});
