@@ -200,7 +200,7 @@ inline void prefetch_part(const uint8_t* pf, int64_t len, int64_t g, int64_t par
 
 // T tiles (consecutive, 16 outputs each) for R rows of x, group by group: s = sum over the group's k, in order, of
 // q[k] * x[k]; acc = d * s + acc; acc = m * sx + acc (sx: the sum of x over the group, in order; affine formats).
-// T > 1 only gives the core independent sums to overlap (few rows); a row's arithmetic is the same for any R and T.
+// T > 1 only gives the core independent sums to overlap; a row's arithmetic is the same for any R and T.
 template <int BITS, int GROUP, bool AFFINE, bool F32, int R, int T>
 void tiles_rows(const uint8_t* rec, int64_t tile_bytes, int64_t groups, const float* x, const float* sx, int64_t K,
                 float* y, int64_t N, int64_t n0, const uint8_t* pf, int64_t pf_len) {
@@ -628,8 +628,9 @@ void act8_tiles_rows(const uint8_t* rec, int64_t tile_bytes, int64_t groups, con
 
 // The tiles split evenly between threads (one contiguous range each); a thread's tiles go in blocks of 2, each block
 // for all rows, as many at a time as the table below gives for the rows left. While a block runs, each call asks the
-// memory for the next block's counterparts of its tiles, its rows' share of them (a call for rows r .. r + R - 1 of M
-// the fraction r / M .. (r + R) / M of their bytes): with several passes over the rows, a block's weights come from
+// memory for a part of the next block's bytes: its pass's share (rows r .. r + R - 1 of M: the fraction r / M ..
+// (r + R) / M), and of that its tiles' share of the block, so that the passes cover the next block once whatever their
+// tiles per call: with several passes over the rows, a block's weights come from
 // the cache after the first and the memory would otherwise wait; with one, the requests run a block ahead of the
 // hardware's. All of SmolLM2's linears for a step, against blocks of 8 (1 row) or 4 without the requests, on a Zen 5:
 // 1 row 0.95x the time, 2 rows 0.69x, 4 rows 0.58x, 8 rows 0.61x, 16 rows 0.71x, 32 rows 0.79x (the AVX2 path built
@@ -660,14 +661,15 @@ void run_tasks(int64_t M, int64_t tiles, const Op& op) {
       for (int64_t r = 0; r < M;) {
         const int64_t left = M - r;
         int64_t t = b;
-        // the next block's tiles t + BLOCK .. t + BLOCK + tt - 1 (those that exist), the part for rows r .. r + rr - 1
+        // the next block's bytes (those that exist): rows r .. r + rr - 1's share of them, and of that the part of a
+        // call over tiles t .. t + tt - 1 of this block's t_end - b (the same whatever the passes' tiles per call)
         auto ahead_of = [&](int64_t rr, int64_t tt, int64_t& len) -> const uint8_t* {
           len = 0;
-          const int64_t from = t + BLOCK, to = from + tt < next_end ? from + tt : next_end;
-          if (from >= to) return nullptr;
-          const int64_t bytes = (to - from) * op.tile_bytes, lo = bytes * r / M, hi = bytes * (r + rr) / M;
-          len = hi - lo;
-          return op.packed + from * op.tile_bytes + lo;
+          if (t_end >= next_end) return nullptr;
+          const int64_t bytes = (next_end - t_end) * op.tile_bytes, lo = bytes * r / M, hi = bytes * (r + rr) / M;
+          const int64_t nb = t_end - b, a = lo + (hi - lo) * (t - b) / nb, z = lo + (hi - lo) * (t - b + tt) / nb;
+          len = z - a;
+          return op.packed + t_end * op.tile_bytes + a;
         };
 #define CLOVER_RT(RR, TT)                                                  \
   for (; t + TT <= t_end; t += TT) {                                       \
