@@ -458,14 +458,21 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
 // past the committed tokens), or causal after the L - n committed keys.
 std::vector<std::vector<int64_t>> visible_keys(const c10::optional<at::Tensor>& mask, int64_t n, int64_t L) {
   std::vector<std::vector<int64_t>> visible(n);
-  for (std::vector<int64_t>& keys : visible) keys.reserve(L);  // one allocation per row, not one per doubling
   if (mask.has_value() && mask->defined()) {
     const at::Tensor m = mask->to(at::kBool).reshape({-1, mask->size(-2), mask->size(-1)})[0].contiguous();
     TORCH_CHECK(m.size(0) == n && m.size(1) == L, "exact_rows: the mask is not [n, L]");
     const uint8_t* mp = (const uint8_t*)m.data_ptr<bool>();
     for (int64_t i = 0; i < n; i++) {
       const uint8_t* row = mp + i * L;
-      int64_t j = 0;
+      int64_t count = 0, j = 0;  // first the row's keys counted (bytes of 0 or 1), so that one allocation holds them
+      for (; j + 8 <= L; j += 8) {
+        uint64_t word;
+        std::memcpy(&word, row + j, 8);
+        count += __builtin_popcountll(word);
+      }
+      for (; j < L; j++) count += row[j] != 0;
+      visible[i].reserve(count);
+      j = 0;
       for (; j + 8 <= L; j += 8) {
         uint64_t word;
         std::memcpy(&word, row + j, 8);
@@ -478,8 +485,10 @@ std::vector<std::vector<int64_t>> visible_keys(const c10::optional<at::Tensor>& 
     }
   } else {
     TORCH_CHECK(L >= n, "exact_rows: fewer keys than queries");
-    for (int64_t i = 0; i < n; i++)
+    for (int64_t i = 0; i < n; i++) {
+      visible[i].reserve(L - n + i + 1);
       for (int64_t j = 0; j <= L - n + i; j++) visible[i].push_back(j);
+    }
   }
   return visible;
 }
