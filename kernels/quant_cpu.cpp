@@ -630,9 +630,8 @@ void act8_tiles_rows(const uint8_t* rec, int64_t tile_bytes, int64_t groups, con
 // for all rows, as many at a time as the table below gives for the rows left. While a block runs, each call asks the
 // memory for a part of the next block's bytes: its pass's share (rows r .. r + R - 1 of M: the fraction r / M ..
 // (r + R) / M), and of that its tiles' share of the block, so that the passes cover the next block once whatever their
-// tiles per call: with several passes over the rows, a block's weights come from
-// the cache after the first and the memory would otherwise wait; with one, the requests run a block ahead of the
-// hardware's. All of SmolLM2's linears for a step, against blocks of 8 (1 row) or 4 without the requests, on a Zen 5:
+// tiles per call. With several passes over the rows, a block's weights come from the cache after the first and the
+// memory would otherwise wait; with one, the requests run a block ahead of the hardware's. All of SmolLM2's linears for a step, against blocks of 8 (1 row) or 4 without the requests, on a Zen 5:
 // 1 row 0.95x the time, 2 rows 0.69x, 4 rows 0.58x, 8 rows 0.61x, 16 rows 0.71x, 32 rows 0.79x (the AVX2 path built
 // there: 1-2 rows 0.61-0.66x, 4-16 rows 0.94-0.99x); docs/BENCHMARKS.md, 2026-12-07 (16:17-19:17 UTC).
 // op.template tiles<R, T>(r, t, pf, len) computes T tiles from tile t for R rows from row r, asking for the len bytes

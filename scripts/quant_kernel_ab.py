@@ -80,8 +80,8 @@ def main():
         (build / name).mkdir()
         path = build / name / f"{name}.cpp"
         path.write_text((source(version) + LOOP).replace("clover_quant", name))  # not atomic: a fresh temporary folder
-        load(name=name, sources=[str(path)], extra_cflags=quant.FLAGS + ["-mno-avx512f"] * args.avx2, extra_ldflags=["-fopenmp"],
-             build_directory=str(build / name), is_python_module=False)
+        load(name=name, sources=[str(path)], extra_cflags=quant.FLAGS + ["-mno-avx512f"] * args.avx2,
+             extra_ldflags=["-fopenmp"], build_directory=str(build / name), is_python_module=False)
         ops.append(getattr(torch.ops, name))
     g = np.random.default_rng(0)
 
