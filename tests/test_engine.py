@@ -590,6 +590,19 @@ def test_grower_scores_children_by_the_curve_and_keeps_their_own_rank_and_probab
         assert b.build(10).drafted[-1] == (0, 0.5)
 
 
+def test_grower_expands_only_nodes_whose_children_could_still_make_the_tree():
+    """Once a tree holds its budget, a node at the budget-th best score is not expanded (its children score no more
+    than it does): with a budget of 1 no level follows the first; below that score nothing is expanded either."""
+    from clover_cli.drafters.common import TreeGrower
+
+    for budget, expected in ((1, []), (2, [1]), (3, [1, 2]), (10, [1, 2, 3])):
+        grower = TreeGrower(topk=4, width=4, min_ratio=0.0, top_p=1.0)
+        b = TreeBuilder(3)
+        level = grower.expand(b, [0], [[0.45, 0.3, 0.1]], [[11, 12, 13]], budget=budget)
+        assert level == expected, budget
+        assert b.build(budget).tokens[1:] == [11, 12, 13][:budget]
+
+
 @pytest.mark.parametrize("learn", [True, False])
 def test_engine_learns_the_acceptance_curve_of_a_heads_drafter_and_stays_exact(learn):
     from clover_cli.drafters.clover2 import CloverDrafter

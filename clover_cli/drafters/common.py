@@ -258,10 +258,12 @@ class TreeGrower:
         if self.static is not None:
             return children
         children.sort(key=lambda i: -builder.scores[i])
-        # A child can only make the final tree if it beats the budget-th best node already there.
-        if len(builder.scores) > budget + 1:
+        # A child can only make the final tree if it beats the budget-th best node already there, and a node's
+        # children score at most what it does: one at that floor is not expanded (with a budget of 1, the level
+        # after the first would be run for nothing)
+        if len(builder.scores) > budget:  # the root and at least `budget` nodes
             floor = sorted(builder.scores[1:], reverse=True)[budget - 1]
-            children = [c for c in children if builder.scores[c] >= floor]
+            children = [c for c in children if builder.scores[c] > floor]
         return children[: self.width]
 
 
