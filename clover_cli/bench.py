@@ -368,8 +368,10 @@ class BenchSession:
             # exactly what --draft auto runs; what it learns about when the heads pay carries over between runs,
             # as in a chat session, and starts from what earlier processes stored, as a session's does
             if method not in self.choices:
+                from .quantized import runs_quantized
+
                 self.choices[method] = ChoiceStats(), s.engine.policy.cost_store.choices_path(
-                    heads_path, self.repetition_penalty, self.temperature)
+                    heads_path, self.repetition_penalty, self.temperature, runs_quantized(s.model))
                 s.engine.policy.cost_store.load_choices(*self.choices[method])
             drafter = make_drafter("auto", s.target, heads=heads, prior=s.ngram_prior,
                                    choices=self.choices[method][0])

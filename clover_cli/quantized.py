@@ -342,6 +342,48 @@ def quantize_model(model, bits: int) -> dict:
     return blocks
 
 
+def runs_quantized(model: nn.Module) -> bool:
+    """Whether `model` runs linears of integers on a CPU whose kernel multiplies int8 activations with SIMD (the
+    weights a GGUF brings, or --quantize's): then small models that run beside it (draft heads) can too."""
+    from clover_kernels import quant
+
+    return quant.int8_activations() and any(isinstance(m, QuantLinear) and m.packed.device.type == "cpu"
+                                            and m.kind & quant.ACT8 for m in model.modules())
+
+
+def heads_int8(weights: str) -> bool:
+    """Whether draft heads beside a target with these weights (weights_for) run as 8-bit integers: what
+    runs_quantized says of the target once it is loaded (for `clover compile`, which names their programs first)."""
+    if weights not in ("gguf", "int8", "int4") or not kernels(warn=lambda _: None):
+        return False
+    from clover_kernels import quant
+
+    return quant.int8_activations()
+
+
+def int8_linear(linear: nn.Linear) -> QuantLinear:
+    """A float linear (nn.Linear, or a PackedLinear made of one) as a QuantLinear of 8-bit integers in groups of 32
+    with int8 activations: --quantize int8's weights, a quarter of float32's bytes."""
+    from clover_kernels.quant import pack
+
+    q, d, m = quantize_weight(linear.weight, 8)
+    bias = None if linear.bias is None else linear.bias.detach().float()
+    return QuantLinear(pack(q, d, m, 8), linear.in_features, bias, None, "int8", act8=True)
+
+
+def int8_linears(module: nn.Module) -> int:
+    """Every float linear inside `module` made an int8_linear, in place; returns how many. For what only proposes
+    tokens (draft heads): the target verifies each, so the rounding changes what is drafted, never the output."""
+    done = 0
+    for name, linear in list(module.named_modules()):
+        if not name or not isinstance(linear, nn.Linear) or linear.weight.device.type != "cpu":
+            continue
+        parent, _, child = name.rpartition(".")
+        setattr(module.get_submodule(parent) if parent else module, child, int8_linear(linear))
+        done += 1
+    return done
+
+
 def bf16_model(model) -> dict:
     """Round every float32 parameter of the model (embeddings and norms too; not the buffers it computes, as RoPE's
     frequencies) to bfloat16 in place: it becomes a bfloat16 checkpoint loaded in float32 (transformers'

@@ -290,7 +290,8 @@ class Session:
         mode = mode_key(temperature, repetition_penalty)  # the engine's key for its costs, curves and values too
         choices = self.drafter.choices_for(mode)
         temperature, repetition_penalty = mode_parts(mode)
-        path = store.choices_path(self.heads_path, repetition_penalty, temperature)
+        path = store.choices_path(self.heads_path, repetition_penalty, temperature,
+                                  getattr(self.drafter.primary, "int8", False))
         if self._choices_from != (choices, path):  # ChoiceStats compares by identity
             store.load_choices(choices, path)
             self._choices_from = (choices, path)

@@ -137,10 +137,11 @@ def package_dir(model_path: Path, dtype: torch.dtype, capacity: int, weights: st
     return cache_root() / package_key(model_path, dtype, capacity, weights)
 
 
-def heads_dir(step_dir: Path, heads_path: Path, topk: int) -> Path:
-    """Where the programs of these heads (for the model whose step package is `step_dir`) are built."""
-    digest = hashlib.sha256(json.dumps([fingerprint_files(Path(heads_path)), str(Path(heads_path).resolve()),
-                                        topk]).encode()).hexdigest()[:12]
+def heads_dir(step_dir: Path, heads_path: Path, topk: int, int8: bool = False) -> Path:
+    """Where the programs of these heads (for the model whose step package is `step_dir`) are built; int8: with their
+    linears as 8-bit integers (drafters/clover2.py: beside a target of integers)."""
+    digest = hashlib.sha256(json.dumps([fingerprint_files(Path(heads_path)), str(Path(heads_path).resolve()), topk]
+                                       + (["int8"] if int8 else [])).encode()).hexdigest()[:12]
     return step_dir.with_name(f"{step_dir.name}-heads-{digest}")
 
 
@@ -160,15 +161,17 @@ def costs_path(model_path: Path, device: torch.device, dtype: torch.dtype, step:
     return cache_root() / "costs" / f"{name}-{step}-{tag}.json"
 
 
-def choices_path(table: Path, heads_path: Path, repetition_penalty: float = 1.0, temperature: float = 0.0) -> Path:
+def choices_path(table: Path, heads_path: Path, repetition_penalty: float = 1.0, temperature: float = 0.0,
+                 int8: bool = False) -> Path:
     """Where the default drafter's learned choice (drafters.ChoiceStats: when a step pays for running the heads)
     is kept: beside the step costs' table `table` (costs_path), per heads directory and its files, as it depends on
-    both step costs and heads, and per temperature and repetition penalty (drafts fare far worse against a sampled
-    or penalised target)."""
+    both step costs and heads, per temperature and repetition penalty (drafts fare far worse against a sampled or
+    penalised target), and apart for heads run as 8-bit integers (int8: a third of the float heads' cost)."""
     heads = hashlib.sha256(repr((str(Path(heads_path).resolve()), fingerprint_files(Path(heads_path))))
                            .encode()).hexdigest()[:10]
     mode = "" if temperature == 0.0 else f"-t{temperature:g}"
     mode += "" if repetition_penalty == 1.0 else f"-penalty{repetition_penalty:g}"
+    mode += "-int8" if int8 else ""
     return table.with_name(f"{table.stem}-choice-{heads}{mode}.json")
 
 

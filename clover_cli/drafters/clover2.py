@@ -37,6 +37,7 @@ default, whatever the target's), and the gates' cosine takes the config's rms_no
 
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 
@@ -47,6 +48,7 @@ import torch.nn.functional as F
 from ..errors import CloverError
 from ..families import Layout, Spec, Training
 from ..packed import pack_linears, packed_linears
+from ..quantized import int8_linears, runs_quantized
 from ..target import Target, TreeKVCache, cache_kwarg
 from ..tree import DraftTree
 from .common import (TARGET_KEYS, DraftProjection, GrowsTree, HeadsConfig, Observed, RMSNorm, TreeGrower, check_size,
@@ -249,13 +251,20 @@ class CloverDrafter(GrowsTree):
     WINDOW = 64
 
     def __init__(self, heads, target: Target, window: int | None = WINDOW, **grow):
+        # beside a target of integers on a CPU the heads' linears run as 8-bit integers too, a copy (the heads given
+        # stay as they are: training goes on with them): their calls are bound by the bytes of their weights
+        self.int8 = runs_quantized(target.model)
+        if self.int8:
+            heads = copy.deepcopy(heads)
+            int8_linears(heads)
+        else:
+            pack_linears(heads)
         self.heads = heads
         self.window = window
         self.target = target
         self.grower = TreeGrower(**grow)
         self.dtype = next(heads.parameters()).dtype
-        pack_linears(heads)
-        self.project = DraftProjection(target.lm_head, getattr(heads, "draft_vocab", None))
+        self.project = DraftProjection(target.lm_head, getattr(heads, "draft_vocab", None), int8=self.int8)
         self.cache = TreeKVCache(heads.cfg.num_layers, 256, target.max_context)
         self.augment_block = CloverAugment(heads, target)
         self.levels = (CloverLevel(heads, target, self.project, True, self.grower.topk),

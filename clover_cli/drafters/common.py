@@ -316,7 +316,8 @@ class DraftProjection:
     the full lm_head, so this changes which tokens get proposed, never the output.
     """
 
-    def __init__(self, lm_head, vocab: torch.Tensor | None):
+    def __init__(self, lm_head, vocab: torch.Tensor | None, int8: bool = False):
+        """int8: the shortlist as 8-bit integers (quantized.int8_linear), as heads beside a target of integers run."""
         self.lm_head, self.token_ids = lm_head, None
         if vocab is not None and vocab.numel() < lm_head.weight.shape[0]:
             self.token_ids = vocab.to(lm_head.weight.device)
@@ -326,7 +327,14 @@ class DraftProjection:
             self.shortlist.weight = torch.nn.Parameter(lm_head.weight.detach()[self.token_ids], requires_grad=False)
             if bias is not None:
                 self.shortlist.bias = torch.nn.Parameter(bias.detach()[self.token_ids], requires_grad=False)
-            pack_linears(self.shortlist)
+            self.dtype = self.shortlist.weight.dtype  # what the heads' states are cast to before the product
+            if int8:
+                from ..quantized import int8_linear
+
+                self.shortlist = int8_linear(self.shortlist)  # multiplies float32 activations (rounded to int8)
+                self.dtype = torch.float32
+            else:
+                pack_linears(self.shortlist)
 
     @property
     def linear(self) -> torch.nn.Module:
@@ -335,7 +343,7 @@ class DraftProjection:
     def __call__(self, out: torch.Tensor) -> torch.Tensor:
         if self.token_ids is None:
             return self.lm_head(out)
-        return self.shortlist(out.to(self.shortlist.weight.dtype))
+        return self.shortlist(out.to(self.dtype))
 
 
 def keep_pending(cache: TreeKVCache, pending: list, length: int) -> list:

@@ -21,7 +21,7 @@ def compile_model(resolved, heads: str | None, no_heads: bool, draft_model: str 
     from . import capacity_for
     from ..drafters import registry
     from ..families import by_architecture
-    from ..quantized import weights_for
+    from ..quantized import heads_int8, weights_for
     from ..store import heads_dir, package_dir
     from ..target import context_limit
     from .aot import Package, find_heads
@@ -43,7 +43,8 @@ def compile_model(resolved, heads: str | None, no_heads: bool, draft_model: str 
     weights = weights_for(quantize, dtype, torch.device("cpu"), resolved.path)
     out = package_dir(resolved.path, torch.float32, capacity, weights)
     job = Job(resolved.path, out, capacity, trust_remote_code, allow_pickle, heads_path,
-              heads_dir(out, heads_path, 8) if heads_path else None, force=force, weights=weights)
+              heads_dir(out, heads_path, 8, heads_int8(weights)) if heads_path else None, force=force,
+              weights=weights)
     built_s = _build(job, resolved.name, echo)
     if built_s is None:
         echo(f"{resolved.name} is already compiled (--force builds it again)")

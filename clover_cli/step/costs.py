@@ -69,11 +69,11 @@ class StepCosts:
         except OSError:
             pass  # a cache that cannot be written only costs the next process a measurement
 
-    def choices_path(self, heads_path: Path, repetition_penalty: float = 1.0, temperature: float = 0.0) -> Path:
+    def choices_path(self, heads_path: Path, repetition_penalty: float = 1.0, temperature: float = 0.0,
+                     int8: bool = False) -> Path:
         """Where the default drafter's learned choice (drafters.ChoiceStats: when a step pays for running the heads)
-        is kept: beside this table, per heads directory and its files, as it depends on both step costs and heads,
-        and per temperature and repetition penalty (drafts fare far worse against a sampled or penalised target)."""
-        return choices_path(self._path(), heads_path, repetition_penalty, temperature)
+        is kept: beside this table (store.choices_path: per heads, sampling mode, and heads of 8-bit integers)."""
+        return choices_path(self._path(), heads_path, repetition_penalty, temperature, int8)
 
     @staticmethod
     def load_choices(choices, path: Path) -> None:

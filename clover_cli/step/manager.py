@@ -128,7 +128,8 @@ class StepCompiler:
         if self.graphs is not None and self.heads is not None:
             self._attach_graphs(self.heads)
         if self.heads_path is not None and self.state not in (State.OFF, State.EAGER) and self.graphs is None:
-            self.heads_out = heads_dir(self.out, self.heads_path, self.heads.grower.topk)
+            self.heads_out = heads_dir(self.out, self.heads_path, self.heads.grower.topk,
+                                       getattr(self.heads, "int8", False))
             self._activate_heads()
 
     def _graphs_failed(self, why: str) -> None:
@@ -333,7 +334,7 @@ class StepCompiler:
             return False
         if self.graphs is not None:
             return self._attach_graphs(drafter)
-        out = heads_dir(self.out, Path(heads_path), drafter.grower.topk)
+        out = heads_dir(self.out, Path(heads_path), drafter.grower.topk, getattr(drafter, "int8", False))
         if out not in self._loaded and find_heads(out) is None:
             job = Job(self.model_path, self.out, self.capacity, self.trust_remote_code, self.allow_pickle,
                       Path(heads_path), out, drafter.grower.topk, weights=self.weights)
