@@ -594,8 +594,23 @@ def test_the_compiled_step_runs_quantized_weights_losslessly(weights, tmp_path):
     target = Target(model)
     meta = build_for(target, tmp_path / "pkg", log=lambda text: None, static=(1,), autotune=False)
     assert set(meta["ranges"]) == {"step-1.pt2", "step.pt2"}
+    # every program reads the weights from one copy (share_weights) and computes the same bits as with its own
+    package = Package.find(tmp_path / "pkg")
+    own, shared = package.load(), package.load()
+    assert shared.share_weights(model) == 2
     target = Target(model)
-    target.attach_program(Package.find(tmp_path / "pkg").load())
+    target.attach_program(own)
+    target.forward(torch.tensor(list(range(3, 23))))
+    target.cache.append(20)
+    for n in (1, 3, 7, 20):  # step-1, and the program for any size
+        tokens = torch.tensor(list(range(40, 40 + n)))
+        target.program = own
+        want = [t.clone() for t in target.forward(tokens)]
+        target.program = shared
+        got = target.forward(tokens)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), n
+    target = Target(model)
+    target.attach_program(shared)
     prompt = list(range(5, 30))
     # bfloat16 weights multiply floats: transformers' generate (eager) is the reference. int8 activations: the
     # compiled step is exact with respect to itself (its build checked every program gives a row the same bits),

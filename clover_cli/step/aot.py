@@ -311,6 +311,42 @@ def _marker(past: int, memo: dict) -> torch.Tensor:
     return marker
 
 
+HUGE_PAGE = 2 << 20
+
+
+def huge_page_copies(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], object]:
+    """Copies of `tensors` (CPU), packed one after another (64-byte aligned) in one private anonymous mapping that
+    Linux is asked to back with 2 MB pages (madvise; transparent huge pages in "madvise" or "always" mode, else
+    ordinary pages): a step streaming ~100 MB of weights then needs ~50 translations instead of ~25,000. Returns
+    the copies and the mapping (keep it alive as long as they are used)."""
+    import mmap
+
+    if not tensors:
+        return {}, None
+    offsets, total = {}, 0
+    for name, t in tensors.items():
+        offsets[name] = total
+        total += -(-t.numel() * t.element_size() // 64) * 64
+    size = -(-(total + HUGE_PAGE) // HUGE_PAGE) * HUGE_PAGE  # room to start at a 2 MB boundary
+    try:
+        region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except (AttributeError, TypeError, OSError, ValueError):  # no such mapping here (Windows): shared as they are
+        return {name: t.detach().contiguous() for name, t in tensors.items()}, None
+    memory = torch.frombuffer(region, dtype=torch.uint8)
+    start = -memory.data_ptr() % HUGE_PAGE
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE, start, (size - start) // HUGE_PAGE * HUGE_PAGE)
+    except (AttributeError, OSError, ValueError):
+        pass  # no such advice here: ordinary pages, the same values
+    copies = {}
+    for name, t in tensors.items():
+        at = start + offsets[name]
+        view = memory[at:at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        copies[name] = view
+    return copies, region
+
+
 class CompiledStep:
     """A loaded package: call it like Target.forward, with the cache whose buffers it writes."""
 
@@ -327,6 +363,47 @@ class CompiledStep:
         self._first = torch.zeros(1, dtype=torch.long)
         self._static = {id(program) for lo, hi, *_, program in self.programs if lo == hi}
         self._routed = (-1, -1, None)  # (n, past, route) of the last fits(): the call that follows runs it
+        self._shared: dict[str, dict] = {}  # program name -> the model's tensors it reads (share_weights)
+        self._region = None  # the memory holding share_weights' copies
+
+    def share_weights(self, model) -> int:
+        """Let every program read the weights from one copy, made here in 2 MB pages, instead of its own; returns how
+        many programs do.
+
+        Each program holds a copy of the weights it was compiled with (frozen into it): ~200 MB each for SmolLM2's
+        Q4_1 file, six of them. Speculative decoding alternates between them (a plain step, then a 2-node tree, ...),
+        and each one streamed its own copy from memory: a one-token step right after a 2-token one cost 3.15 ms, 2.68
+        ms when both read one copy in 2 MB pages (docs/BENCHMARKS.md, 2026-12-07). A program whose weights are all
+        parameters and buffers of `model` under their names (quantized records; q/k/v and gate/up fused as export
+        saw them, fused_linears) gets those values; one with other constants (folded or prepacked for oneDNN:
+        float32 weights) keeps its own."""
+        from ..quantized import fused_linears
+
+        with fused_linears(model):  # the fused records, as the programs were exported with them
+            named = {f"block.model.{name}": t for name, t in model.named_parameters(remove_duplicate=False)}
+            named.update({f"block.model.{name}": t for name, t in model.named_buffers(remove_duplicate=False)})
+        plans = []
+        for *_, program in self.programs:
+            try:
+                names = program.loader.get_constant_fqns()
+            except (AttributeError, RuntimeError):
+                continue
+            if names and all(n in named and named[n].device.type == "cpu" for n in names):
+                plans.append((program, names))
+        # the records streamed at every step (uint8) copied once into large pages; the rest (norms, the input
+        # embedding, of which a step reads a row) read where they are
+        streamed = {n for _, names in plans for n in names if named[n].dtype == torch.uint8}
+        copies, self._region = huge_page_copies({n: named[n] for n in sorted(streamed)})
+        shared = 0
+        for program, names in plans:
+            constants = {n: copies[n] if n in copies else named[n].detach().contiguous() for n in names}
+            try:
+                program.loader.load_constants(constants, False, True, True)  # the active buffer, all of it, ours
+            except (AttributeError, RuntimeError, TypeError):
+                continue  # a torch without this call, or a program that refuses it: its own copy stays
+            self._shared[program.name] = constants  # kept alive while the program reads them
+            shared += 1
+        return shared
 
     def fits(self, cache, n: int) -> bool:
         if not fits(cache, self.capacity, n, AOT_SPARE):

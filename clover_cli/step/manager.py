@@ -298,6 +298,7 @@ class StepCompiler:
             self._discard(self.out, seen, (str(e).splitlines() or [""])[0][:200] if isinstance(e, ValueError)
                           else f"it does not load: {type(e).__name__}")
             return False
+        step.share_weights(self.target.model)
         self.target.attach_program(step)
         self.verify_s = pkg.verify_s
         self.state, self.reason = State.ACTIVE, "active"
