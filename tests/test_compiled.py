@@ -856,3 +856,18 @@ def test_the_default_drafters_choice_is_kept_between_processes(llama_dir, tmp_pa
     assert third.drafter.choices is at_08 and json.loads(sampled.read_text()) == at_08.state()
     list(third.generate(prompt, 24, Sampling()))
     assert third.drafter.choices is unpenalised
+
+
+def test_clover_compile_builds_the_heads_programs_for_the_tree_rule_a_session_grows():
+    """`clover compile` names (and makes) the heads' programs for the children per node their drafter expands: the
+    config's tree rule (the shipped smollm2 heads: EAGLE-2's, 10), else the grower's default, as a session's drafter
+    asks for them (registry.drafter_for)."""
+    import json
+
+    from clover_cli.aliases import PACKAGE_FILES
+    from clover_cli.drafters.common import TreeGrower
+    from clover_cli.step.ahead import heads_topk
+
+    smollm2 = PACKAGE_FILES / "smollm2" / "heads"
+    assert heads_topk(smollm2) == json.loads((smollm2 / "config.json").read_text())["tree"]["topk"] == 10
+    assert heads_topk(PACKAGE_FILES / "tiny" / "heads") == TreeGrower().topk

@@ -42,8 +42,10 @@ def compile_model(resolved, heads: str | None, no_heads: bool, draft_model: str 
     capacity = capacity_for(context_limit(config))
     weights = weights_for(quantize, dtype, torch.device("cpu"), resolved.path)
     out = package_dir(resolved.path, torch.float32, capacity, weights)
+    # the programs a session's drafter asks for: made for its tree rule's children per node (config.json's `tree`)
+    topk = heads_topk(heads_path) if heads_path is not None else 8
     job = Job(resolved.path, out, capacity, trust_remote_code, allow_pickle, heads_path,
-              heads_dir(out, heads_path, 8, heads_int8(weights)) if heads_path else None, force=force,
+              heads_dir(out, heads_path, topk, heads_int8(weights)) if heads_path else None, topk=topk, force=force,
               weights=weights)
     built_s = _build(job, resolved.name, echo)
     if built_s is None:
@@ -110,6 +112,21 @@ def _compile_draft(name: str | None, resolved, target_context: int, trust_remote
     else:
         echo(f"compiled the draft model {shown} in {built_s:.0f} s")
     echo(f"draft package: {Package.find(out).path}")
+
+
+def heads_topk(path: Path) -> int:
+    """The children per expanded node the drafter of the heads in `path` grows (registry.drafter_for: their
+    config's tree rule over TreeGrower's default), which their compiled levels are made for."""
+    import inspect
+
+    from ..drafters.common import TreeGrower
+    from ..drafters.registry import detect, load_heads_config
+
+    default = inspect.signature(TreeGrower).parameters["topk"].default
+    if detect(path) != "clover":
+        return default
+    tree = load_heads_config(path).tree or {}
+    return int(tree.get("topk", default))
 
 
 def _check_heads(path: Path, config):
