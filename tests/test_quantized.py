@@ -623,28 +623,31 @@ def test_the_compiled_step_runs_quantized_weights_losslessly(weights, tmp_path):
         assert out == reference, kind
 
 
-def test_heads_beside_a_quantized_target_run_as_int8_copies_and_decoding_stays_exact():
-    """Beside a target of integers (int8 activations) Clover-2 heads run their linears, and a draft vocabulary's
-    shortlist, as 8-bit integers: a copy, the heads given (which training goes on with) left as they are. Their
-    drafts change, the output does not: the default drafter on them gives plain decoding's tokens."""
+@pytest.mark.parametrize("arch", ["clover2", "medusa"])
+def test_heads_beside_a_quantized_target_run_as_int8_copies_and_decoding_stays_exact(arch):
+    """Beside a target of integers (int8 activations) Clover-2 and Medusa heads run their linears, and a draft
+    vocabulary's shortlist, as 8-bit integers: a copy, the heads given (which training goes on with) left as they
+    are. Their drafts change, the output does not: the default drafter on them gives plain decoding's tokens."""
     from clover_cli.decode.engine import Engine
     from clover_cli.decode.verify import StopCheck
     from clover_cli.drafters.base import NoDrafter
     from clover_cli.drafters.clover2 import CloverDrafter
+    from clover_cli.drafters.medusa import MedusaDrafter
     from clover_cli.drafters.merged import MergedDrafter
     from clover_cli.drafters.ngram import NgramDrafter
     from clover_cli.quantized import QuantLinear
     from clover_cli.target import Target
     from test_lossless import make_model, random_heads
 
+    cls = {"clover2": CloverDrafter, "medusa": MedusaDrafter}[arch]
     model = make_model("llama", seed=3)
-    heads = random_heads(model, "clover2", 5, 3, 1)
+    heads = random_heads(model, arch, 5, 3, 1)
     heads.draft_vocab = torch.arange(3, model.config.vocab_size // 2)
-    assert not CloverDrafter(heads, Target(model)).int8  # a float target: float heads
+    assert not cls(heads, Target(model)).int8  # a float target: float heads
     quantized.apply(model, Path("."), "int4")
     if not quantized.runs_quantized(model):
         pytest.skip("this CPU's kernel has no SIMD int8 activations")
-    drafter = CloverDrafter(heads, Target(model))
+    drafter = cls(heads, Target(model))
     linears = [m for m in drafter.heads.modules() if isinstance(m, (torch.nn.Linear, QuantLinear))]
     assert drafter.int8 and linears and all(isinstance(m, QuantLinear) for m in linears)
     assert isinstance(drafter.project.linear, QuantLinear)
@@ -652,7 +655,7 @@ def test_heads_beside_a_quantized_target_run_as_int8_copies_and_decoding_stays_e
     prompt = list(range(5, 30))
     plain, _ = run_engine(Engine(Target(model), NoDrafter(), budget=8, auto_budget=False), prompt, StopCheck(32))
     target = Target(model)
-    merged = MergedDrafter(CloverDrafter(heads, target), NgramDrafter())
+    merged = MergedDrafter(cls(heads, target), NgramDrafter())
     out, events = run_engine(Engine(target, merged, budget=8, auto_budget=False), prompt, StopCheck(32))
     assert out == plain
     assert any(e.proposed for e in events)  # the heads (or lookup) drafted

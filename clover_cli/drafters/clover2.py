@@ -37,7 +37,6 @@ default, whatever the target's), and the gates' cosine takes the config's rms_no
 
 from __future__ import annotations
 
-import copy
 import re
 from pathlib import Path
 
@@ -47,13 +46,12 @@ import torch.nn.functional as F
 
 from ..errors import CloverError
 from ..families import Layout, Spec, Training
-from ..packed import pack_linears, packed_linears
-from ..quantized import int8_linears, runs_quantized
+from ..packed import packed_linears
 from ..target import Target, TreeKVCache, cache_kwarg
 from ..tree import DraftTree
 from .common import (TARGET_KEYS, DraftProjection, GrowsTree, HeadsConfig, Observed, RMSNorm, TreeGrower, check_size,
-                     draft_config, finish_loading, first_file, near_identity, quiet_residuals, read_config,
-                     read_tensors, rotary_for, same_weights, target_layer_class, top_tokens)
+                     draft_config, finish_loading, first_file, heads_to_run, near_identity, quiet_residuals,
+                     read_config, read_tensors, rotary_for, same_weights, target_layer_class, top_tokens)
 
 ARCHITECTURE = "clover2"  # the heads config's "architecture"
 LAYOUT = "clover2-authors"  # the published layout this module reads
@@ -251,14 +249,7 @@ class CloverDrafter(GrowsTree):
     WINDOW = 64
 
     def __init__(self, heads, target: Target, window: int | None = WINDOW, **grow):
-        # beside a target of integers on a CPU the heads' linears run as 8-bit integers too, a copy (the heads given
-        # stay as they are: training goes on with them): their calls are bound by the bytes of their weights
-        self.int8 = runs_quantized(target.model)
-        if self.int8:
-            heads = copy.deepcopy(heads)
-            int8_linears(heads)
-        else:
-            pack_linears(heads)
+        heads, self.int8 = heads_to_run(heads, target)
         self.heads = heads
         self.window = window
         self.target = target

@@ -308,6 +308,21 @@ def top_tokens(logits: torch.Tensor, k: int, token_ids: torch.Tensor | None = No
     return top_p, top_i
 
 
+def heads_to_run(heads: nn.Module, target) -> tuple[nn.Module, bool]:
+    """The heads a drafter runs beside `target`, and whether their linears are 8-bit integers. Beside a target of
+    integers with int8 activations on a CPU (quantized.runs_quantized): a copy whose linears are (quantized.int8_linears;
+    the heads given, which training goes on with, stay as they are), as a heads call is bound by the bytes of its
+    weights; else the heads given, their float linears packed for oneDNN."""
+    from ..quantized import int8_linears, runs_quantized
+
+    if runs_quantized(target.model):
+        heads = copy.deepcopy(heads)
+        int8_linears(heads)
+        return heads, True
+    pack_linears(heads)
+    return heads, False
+
+
 class DraftProjection:
     """The target's frozen lm_head, restricted to the heads' draft vocabulary when they have one.
 

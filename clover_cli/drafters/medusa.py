@@ -20,11 +20,11 @@ import torch.nn.functional as F
 
 from ..errors import CloverError
 from ..families import Layout, Spec, Training
-from ..packed import pack_linears, packed_linears
+from ..packed import packed_linears
 from ..target import Target, find_final_norm
 from ..tree import DraftTree, TreeBuilder
 from .common import (DraftProjection, GrowsTree, HeadsConfig, TreeGrower, check_size, finish_loading, first_file,
-                     read_config, read_tensors, top_tokens)
+                     heads_to_run, read_config, read_tensors, top_tokens)
 
 ARCHITECTURE = "medusa"
 LAYOUT = "medusa-authors"
@@ -113,12 +113,12 @@ class MedusaDrafter(GrowsTree):
     programs_kind = "medusa"
 
     def __init__(self, heads, target: Target, **grow):
+        heads, self.int8 = heads_to_run(heads, target)  # 8-bit integers beside a quantized target
         self.heads = heads
         self.target = target
         self.grower = TreeGrower(**grow)
         self.dtype = next(heads.parameters()).dtype
-        pack_linears(heads)
-        self.project = DraftProjection(target.lm_head, getattr(heads, "draft_vocab", None))
+        self.project = DraftProjection(target.lm_head, getattr(heads, "draft_vocab", None), int8=self.int8)
         self.levels = MedusaLevels(heads, target, self.project, self.grower.topk)
         self.programs = None  # the compiled twin of `levels`, once attached
         self.last = None  # the last observed hidden state; the heads run on it when a proposal needs them
