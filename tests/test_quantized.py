@@ -623,15 +623,16 @@ def test_the_compiled_step_runs_quantized_weights_losslessly(weights, tmp_path):
         assert out == reference, kind
 
 
-@pytest.mark.parametrize("arch", ["clover2", "medusa"])
+@pytest.mark.parametrize("arch", ["clover2", "medusa", "eagle"])
 def test_heads_beside_a_quantized_target_run_as_int8_copies_and_decoding_stays_exact(arch):
-    """Beside a target of integers (int8 activations) Clover-2 and Medusa heads run their linears, and a draft
+    """Beside a target of integers (int8 activations) Clover-2, Medusa and EAGLE heads run their linears, and a draft
     vocabulary's shortlist, as 8-bit integers: a copy, the heads given (which training goes on with) left as they
     are. Their drafts change, the output does not: the default drafter on them gives plain decoding's tokens."""
     from clover_cli.decode.engine import Engine
     from clover_cli.decode.verify import StopCheck
     from clover_cli.drafters.base import NoDrafter
     from clover_cli.drafters.clover2 import CloverDrafter
+    from clover_cli.drafters.eagle import EagleDrafter
     from clover_cli.drafters.medusa import MedusaDrafter
     from clover_cli.drafters.merged import MergedDrafter
     from clover_cli.drafters.ngram import NgramDrafter
@@ -639,7 +640,7 @@ def test_heads_beside_a_quantized_target_run_as_int8_copies_and_decoding_stays_e
     from clover_cli.target import Target
     from test_lossless import make_model, random_heads
 
-    cls = {"clover2": CloverDrafter, "medusa": MedusaDrafter}[arch]
+    cls = {"clover2": CloverDrafter, "medusa": MedusaDrafter, "eagle": EagleDrafter}[arch]
     model = make_model("llama", seed=3)
     heads = random_heads(model, arch, 5, 3, 1)
     heads.draft_vocab = torch.arange(3, model.config.vocab_size // 2)

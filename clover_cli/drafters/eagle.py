@@ -32,12 +32,13 @@ import torch.nn as nn
 
 from ..errors import CloverError
 from ..families import Layout, Spec, Training
-from ..packed import pack_linears, packed_linears
+from ..packed import packed_linears
 from ..target import Target, TreeKVCache, cache_kwarg, find_final_norm
 from ..tree import DraftTree
 from .common import (STATIC_TREE, DraftProjection, GrowsTree, HeadsConfig, TreeGrower, check_size, draft_config,
-                     finish_loading, first_file, join_pending, keep_pending, near_identity, quiet_residuals,
-                     read_config, read_tensors, rotary_for, same_weights, target_layer_class, top_tokens)
+                     finish_loading, first_file, heads_to_run, join_pending, keep_pending, near_identity,
+                     quiet_residuals, read_config, read_tensors, rotary_for, same_weights, target_layer_class,
+                     top_tokens)
 
 ARCHITECTURE = "eagle"
 LAYOUT = "eagle"
@@ -125,12 +126,12 @@ class EagleDrafter(GrowsTree):
     name = "eagle"
 
     def __init__(self, heads, target: Target, **grow):
+        heads, self.int8 = heads_to_run(heads, target)  # 8-bit integers beside a quantized target
         self.heads, self.target = heads, target
         # EAGLE-2's rule: every expanded node gets its top-k tokens, and the best `width` of a depth are expanded;
         # no cut by probability ratio or mass (Clover's grower rule, off here)
         self.grower = TreeGrower(**{"topk": TOPK, "width": TOPK, "min_ratio": 0.0, "top_p": 1.0, **grow})
         self.dtype = next(heads.parameters()).dtype
-        pack_linears(heads)
         self._model_parts(heads, target)
         self.max_depth = heads.cfg.num_heads
         room = self.grower.width * self.max_depth + len(STATIC_TREE)  # tree nodes run in one proposal, at most
@@ -143,7 +144,7 @@ class EagleDrafter(GrowsTree):
     def _model_parts(self, heads, target: Target) -> None:
         """What the model drafts with besides its weights: the vocabulary projection, the target's final norm (its
         features are post-norm), the token embedding and the rotary embedding."""
-        self.project = DraftProjection(target.lm_head, getattr(heads, "draft_vocab", None))
+        self.project = DraftProjection(target.lm_head, getattr(heads, "draft_vocab", None), int8=self.int8)
         self.norm = find_final_norm(target.base)
         self.embed = heads.token_embedding(target.model)
         self.rotary = heads.rotary(target.model)
