@@ -367,14 +367,13 @@ class BenchSession:
         elif method == heads_rows()[-1]:  # clover+ngram
             # exactly what --draft auto runs; what it learns about when the heads pay carries over between runs,
             # as in a chat session, and starts from what earlier processes stored, as a session's does
-            if method not in self.choices:
-                from .quantized import runs_quantized
-
-                self.choices[method] = ChoiceStats(), s.engine.policy.cost_store.choices_path(
-                    heads_path, self.repetition_penalty, self.temperature, runs_quantized(s.model))
+            first = method not in self.choices
+            choices = ChoiceStats() if first else self.choices[method][0]
+            drafter = make_drafter("auto", s.target, heads=heads, prior=s.ngram_prior, choices=choices)
+            if first:  # kept apart for heads run as 8-bit integers, as the session keeps them (drafter.primary.int8)
+                self.choices[method] = choices, s.engine.policy.cost_store.choices_path(
+                    heads_path, self.repetition_penalty, self.temperature, drafter.primary.int8)
                 s.engine.policy.cost_store.load_choices(*self.choices[method])
-            drafter = make_drafter("auto", s.target, heads=heads, prior=s.ngram_prior,
-                                   choices=self.choices[method][0])
         else:  # plain, ngram, and the heads alone: medusa, eagle (eager: EAGLE heads have no compiled programs), clover
             drafter = make_drafter({"plain": "none"}.get(method, method), s.target, heads=heads,
                                    prior=s.ngram_prior if method == "ngram" else None)

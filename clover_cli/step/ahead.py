@@ -117,12 +117,10 @@ def _compile_draft(name: str | None, resolved, target_context: int, trust_remote
 def heads_topk(path: Path) -> int:
     """The children per expanded node the drafter of the heads in `path` grows (registry.drafter_for: their
     config's tree rule over TreeGrower's default), which their compiled levels are made for."""
-    import inspect
-
     from ..drafters.common import TreeGrower
     from ..drafters.registry import detect, load_heads_config
 
-    default = inspect.signature(TreeGrower).parameters["topk"].default
+    default = TreeGrower().topk
     if detect(path) != "clover":
         return default
     tree = load_heads_config(path).tree or {}
