@@ -23,8 +23,9 @@ from . import atomic
 from .options import compile_sizes, env, kv16
 
 # bump when the compiled programs or their metadata change (12: file sizes and checksums; 13: quantized weights, their
-# q/k/v and gate/up fused, and the build's check on real cached keys and values): old packages are not reused
-PROGRAM_VERSION = 13
+# q/k/v and gate/up fused, and the build's check on real cached keys and values; 14: a quantized model's programs
+# built without their weights, reading the model's): old packages are not reused
+PROGRAM_VERSION = 14
 
 if TYPE_CHECKING:
     import torch

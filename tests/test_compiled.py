@@ -79,9 +79,11 @@ def _build_programs(root):
 
 
 def compiled_target(programs, family) -> tuple:
+    """(model, a Target running its compiled step), the package loaded for the model as a session loads it (programs
+    built with their weights keep them: llama's narrow float16 ones read their own, not the model's float32 ones)."""
     model, path, capacity = programs[family]
     target = Target(model)
-    target.attach_program(Package.find(path).load())
+    target.attach_program(Package.find(path).load(model))
     return model, target
 
 
@@ -164,7 +166,7 @@ def test_a_draft_model_runs_its_own_compiled_step(programs, draft_family):
     draft_model, draft_path, _ = programs[draft_family]
     for tree in ("mcsd", "chain"):
         drafter = ModelDrafter(draft_model, target, tree=tree)
-        drafter.draft.attach_program(Package.find(draft_path).load())
+        drafter.draft.attach_program(Package.find(draft_path).load(draft_model))
         calls = counting(drafter.draft)
         engine = Engine(target, drafter, budget=16, auto_budget=False)
         for _ in range(3):

@@ -582,7 +582,7 @@ def test_the_compiled_step_runs_quantized_weights_losslessly(weights, tmp_path):
     plain decoding's tokens (bfloat16: transformers' greedy generate on the same model)."""
     from clover_cli.decode.engine import Engine
     from clover_cli.decode.verify import StopCheck
-    from clover_cli.step.aot import Package
+    from clover_cli.step.aot import Package, step_weights
     from clover_cli.step.aot_export import build_for
     from clover_cli.target import Target
     from test_lossless import drafter_for, make_model
@@ -594,23 +594,21 @@ def test_the_compiled_step_runs_quantized_weights_losslessly(weights, tmp_path):
     target = Target(model)
     meta = build_for(target, tmp_path / "pkg", log=lambda text: None, static=(1,), autotune=False)
     assert set(meta["ranges"]) == {"step-1.pt2", "step.pt2"}
-    # every program reads the weights from one copy (share_weights) and computes the same bits as with its own
+    # the programs were built without the weights and read the model's: its tensors, or (the records streamed at
+    # every step) one copy of them in large pages
+    assert sorted(meta["weights_outside"]) == ["step-1.pt2", "step.pt2"]
     package = Package.find(tmp_path / "pkg")
-    own, shared = package.load(), package.load()
-    assert shared.share_weights(model) == 2
+    with pytest.raises(ValueError, match="built without their weights"):
+        package.load()  # nothing to read them from
+    step = package.load(model)
+    named = step_weights(model)
+    assert set(step._shared) == {"step-1.pt2", "step.pt2"}
+    for constants in step._shared.values():
+        assert constants and set(constants) <= set(named)
+        for name, t in constants.items():
+            assert torch.equal(t, named[name]) and (t.data_ptr() == named[name].data_ptr()) != (t.dtype == torch.uint8)
     target = Target(model)
-    target.attach_program(own)
-    target.forward(torch.tensor(list(range(3, 23))))
-    target.cache.append(20)
-    for n in (1, 3, 7, 20):  # step-1, and the program for any size
-        tokens = torch.tensor(list(range(40, 40 + n)))
-        target.program = own
-        want = [t.clone() for t in target.forward(tokens)]
-        target.program = shared
-        got = target.forward(tokens)
-        assert all(torch.equal(a, b) for a, b in zip(got, want)), n
-    target = Target(model)
-    target.attach_program(shared)
+    target.attach_program(step)
     prompt = list(range(5, 30))
     # bfloat16 weights multiply floats: transformers' generate (eager) is the reference. int8 activations: the
     # compiled step is exact with respect to itself (its build checked every program gives a row the same bits),
@@ -660,3 +658,54 @@ def test_heads_beside_a_quantized_target_run_as_int8_copies_and_decoding_stays_e
     out, events = run_engine(Engine(target, merged, budget=8, auto_budget=False), prompt, StopCheck(32))
     assert out == plain
     assert any(e.proposed for e in events)  # the heads (or lookup) drafted
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["clover2", "medusa"])
+def test_int8_heads_programs_read_the_drafters_weights_and_decode_exactly(arch, tmp_path):
+    """The compiled programs of heads of 8-bit integers (beside a quantized target) are built without their weights
+    (no copy of the target's embedding in each) and read the drafter's own tensors; loaded without heads to read them
+    from they are refused in one line; with them, the merged drafter on the compiled heads gives plain decoding's
+    tokens."""
+    from clover_cli.decode.engine import Engine
+    from clover_cli.decode.verify import StopCheck
+    from clover_cli.drafters.base import NoDrafter
+    from clover_cli.drafters.clover2 import CloverDrafter
+    from clover_cli.drafters.medusa import MedusaDrafter
+    from clover_cli.drafters.merged import MergedDrafter
+    from clover_cli.drafters.ngram import NgramDrafter
+    from clover_cli.step.aot import HeadsPrograms, heads_program_names, heads_weights
+    from clover_cli.step.aot_export import build_heads_for
+    from clover_cli.target import Target
+    from test_lossless import make_model, random_heads
+
+    cls = {"clover2": CloverDrafter, "medusa": MedusaDrafter}[arch]
+    model = make_model("llama", seed=3)
+    heads = random_heads(model, arch, 5, 3, 1)
+    heads.draft_vocab = torch.arange(3, model.config.vocab_size // 2)  # a shortlist, mapped back to token ids
+    quantized.apply(model, Path("."), "int4")
+    if not quantized.runs_quantized(model):
+        pytest.skip("this CPU's kernel has no SIMD int8 activations")
+    builder = cls(heads, Target(model))
+    assert builder.int8
+    meta = build_heads_for(builder, 512, tmp_path / "heads", log=lambda text: None, autotune=False)
+    names = heads_program_names(meta["kind"], meta["augment_ranges"])
+    assert sorted(meta["weights_outside"]) == sorted(names)
+    with pytest.raises(ValueError, match="built without their weights"):
+        HeadsPrograms(tmp_path / "heads", meta["kind"], meta["capacity"], meta["augment_ranges"],
+                      meta["weights_outside"])
+    target = Target(model)
+    drafter = cls(heads, target)
+    programs = HeadsPrograms(tmp_path / "heads", meta["kind"], meta["capacity"], meta["augment_ranges"],
+                             meta["weights_outside"], drafter, meta["weight_shapes"])
+    for name in names:  # the drafter's own tensors, not copies
+        named = heads_weights(drafter, name)
+        assert programs._shared[name] and all(t.data_ptr() == named[n].data_ptr()
+                                              for n, t in programs._shared[name].items())
+    drafter.attach_programs(programs)
+    prompt = list(range(5, 30))
+    plain, _ = run_engine(Engine(Target(model), NoDrafter(), budget=8, auto_budget=False), prompt, StopCheck(32))
+    out, events = run_engine(Engine(target, MergedDrafter(drafter, NgramDrafter()), budget=8, auto_budget=False),
+                             prompt, StopCheck(32))
+    assert out == plain
+    assert any(e.proposed for e in events)

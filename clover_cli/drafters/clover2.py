@@ -222,7 +222,8 @@ class CloverLevel(torch.nn.Module):
         self.heads, self.embed, self.out = heads, heads.token_embedding(target.model), project.linear
         self.first, self.k = first, k
         self.dtype = next(heads.parameters()).dtype
-        self.token_ids = project.token_ids
+        # a buffer (not a plain attribute): a compiled program names it, and reads the drafter's own
+        self.register_buffer("token_ids", project.token_ids, persistent=False)
         self.project = project
 
     def forward(self, states, tokens):

@@ -93,7 +93,8 @@ class MedusaLevels(torch.nn.Module):
         self.heads, self.out, self.k = heads, project.linear, k
         self.norm = find_final_norm(target.base)
         self.dtype = next(heads.parameters()).dtype
-        self.token_ids = project.token_ids
+        # a buffer (not a plain attribute): a compiled program names it, and reads the drafter's own
+        self.register_buffer("token_ids", project.token_ids, persistent=False)
         self.project = project
 
     def forward(self, hidden):

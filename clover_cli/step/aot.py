@@ -7,7 +7,8 @@ padded to the next of them) and one for any larger number (draft trees, prefills
 committed tokens export found it can, a tree mask, and the rows whose logits are wanted. They are the stock
 transformers forward with our attention function and cache (`Target.run`), traced by torch.export and compiled by
 AOTInductor with the weights frozen into them (on a CPU: prepacked for oneDNN, the q/k/v and gate/up projections
-each concatenated into one product; the fixed sizes with inductor's own autotuned kernels). A model whose float32
+each concatenated into one product; the fixed sizes with inductor's own autotuned kernels); a quantized model's
+programs are built without the weights and read the model's own (CompiledStep.share_weights). A model whose float32
 weights a float16 or bfloat16 checkpoint holds exactly, too large to stay in the CPU's cache, gets its programs for
 1, 2 and 4 tokens with those weights kept narrow and widened as they are read (NARROW_ROWS). They read and write
 the live cache's own buffers, so eager and compiled steps can follow each other in one conversation. Per step there
@@ -57,7 +58,7 @@ META = "meta.json"
 
 # The programs every heads package holds; a Clover-2 package also holds the fixed-size augment programs its metadata
 # names (augment_sizes). Bump HEADS_PROGRAM_VERSION when they change: old heads packages are rebuilt, not reused.
-HEADS_PROGRAM_VERSION = 3
+HEADS_PROGRAM_VERSION = 4
 HEADS_PACKAGES = {"clover": ("augment.pt2", "level0.pt2", "level.pt2", "level-small.pt2"),
                   "medusa": ("levels.pt2",)}
 MAX_LEVEL_ROWS = 64  # nodes a Clover level can expand at once in the compiled program
@@ -190,10 +191,30 @@ def inspect_package(d: Path, full: bool = False):
                                                   and 0 < int(k) <= 1 << 16 and _seconds(v)
                                                   for k, v in verify_s.items()):  # ("²".isdigit(), but int fails)
         return None, "its step times are not times"
+    outside, shapes = meta.get("weights_outside", []), meta.get("weight_shapes", {})
+    why = _outside_problem(outside, shapes, ranges)
+    if why:
+        return None, why
     why = _files_problem(d, meta, ranges, full)
     if why:
         return None, why
-    return Package(Path(d), capacity, {int(k): float(v) for k, v in verify_s.items()}, ranges), None
+    return Package(Path(d), capacity, {int(k): float(v) for k, v in verify_s.items()}, ranges, tuple(outside),
+                   shapes), None
+
+
+def _outside_problem(outside, shapes, names, per_program: bool = False) -> str | None:
+    """What is wrong with a package's list of programs built without their weights and its table of those weights'
+    types and shapes (describe_weights; per_program: one table for each of those programs), or None."""
+    if not isinstance(outside, list) or not all(isinstance(name, str) and name in names for name in outside):
+        return "its list of programs built without their weights names no programs of it"
+    tables = list(shapes.values()) if per_program and isinstance(shapes, dict) else [shapes]
+    if per_program and (not isinstance(shapes, dict) or set(shapes) != set(outside)):
+        return "its table of the weights' types and shapes is not one"
+    if not all(isinstance(table, dict) and all(
+            isinstance(v, list) and len(v) == 2 and isinstance(v[0], str) and isinstance(v[1], list)
+            and all(map(_count, v[1])) for v in table.values()) for table in tables):
+        return "its table of the weights' types and shapes is not one"
+    return None
 
 
 def damage(d: Path) -> str | None:
@@ -242,6 +263,8 @@ class Package:
     capacity: int
     verify_s: dict[int, float]
     ranges: dict
+    outside: tuple[str, ...] = ()  # programs built without their weights: they read the model's (share_weights)
+    shapes: dict | None = None  # their weights' {name: [type, shape]}
 
     @staticmethod
     def find(d: Path) -> "Package | None":
@@ -249,14 +272,20 @@ class Package:
         checked; see inspect_package)."""
         return inspect_package(d)[0]
 
-    def load(self) -> CompiledStep:
+    def load(self, model=None) -> CompiledStep:
         """The package's programs loaded, after checking every file against its checksum (a file damaged in place,
-        its size unchanged); raises ValueError when one does not match, or whatever loading raises."""
+        its size unchanged); programs built without their weights read those of `model` (share_weights). Raises
+        ValueError when a file does not match or `model` lacks weights a program needs, or whatever loading raises."""
         why = _files_problem(self.path, _read_meta(self.path)[0] or {}, self.ranges, full=True)
         if why:
             raise ValueError(why)
+        if self.outside and model is None:
+            raise ValueError("its programs were built without their weights, and no model was given to read them from")
         hold(self.path)  # in use from now while this process runs: neither `clover rm` nor the pruning removes it
-        return CompiledStep(self.path, self.capacity, self.ranges)
+        step = CompiledStep(self.path, self.capacity, self.ranges, self.outside, self.shapes)
+        if self.outside:
+            step.share_weights(model)
+        return step
 
 
 
@@ -279,6 +308,13 @@ class Program:
         with torch._inductor.config.patch({"cpp.vec_isa_ok": True}):
             self.loader = torch._inductor.aoti_load_package(str(path)).loader
         _LOADED.add(self)
+
+    def constant_names(self) -> list[str] | None:
+        """The names of the weights (and other constants) the program reads, or None when this torch cannot say."""
+        try:
+            return self.loader.get_constant_fqns()
+        except (AttributeError, RuntimeError):
+            return None
 
     def __call__(self, *inputs):
         if self.loader is None:
@@ -312,6 +348,54 @@ def _marker(past: int, memo: dict) -> torch.Tensor:
 
 
 HUGE_PAGE = 2 << 20
+
+
+def step_weights(model) -> dict[str, torch.Tensor]:
+    """The tensors of `model` on the CPU under the names a step program calls its constants (it was exported as
+    OnBuffers(TargetStep(target)), with the quantized records of q/k/v and gate/up fused: fused_linears)."""
+    from ..quantized import fused_linears
+
+    with fused_linears(model):
+        named = {f"block.model.{name}": t for name, t in model.named_parameters(remove_duplicate=False)}
+        named.update({f"block.model.{name}": t for name, t in model.named_buffers(remove_duplicate=False)})
+    return {name: t for name, t in named.items() if t.device.type == "cpu"}
+
+
+def describe_weights(named: dict[str, torch.Tensor], names) -> dict[str, list]:
+    """{name: [type, shape]} of the tensors `names` of `named`: what a package built without its weights records of
+    them (give_weights checks a model's against it)."""
+    return {n: [str(named[n].dtype).removeprefix("torch."), list(named[n].shape)] for n in sorted(names)}
+
+
+def give_weights(programs: dict, named: dict[str, torch.Tensor], shapes: dict, huge_pages: bool = False):
+    """Let each of `programs` (name -> Program, built without its weights) read its constants from `named` (the
+    tensors of the module it was exported from, under its names); with `huge_pages`, the uint8 records (streamed at
+    every step) from one copy in memory asked for 2 MB pages, the rest (norms, an embedding of which a step reads a
+    row) where they are. Returns ({program: the tensors it reads, to keep alive}, the copies' memory). ValueError
+    when one cannot: a constant `named` lacks, or has in another type or shape than `shapes` (from the build) says."""
+    plans = {}
+    for name, program in programs.items():
+        names = program.constant_names()
+        if not names:
+            raise ValueError(f"{name} was built without its weights, and this torch cannot say which they are")
+        for n in names:
+            if n not in named:
+                raise ValueError(f"{name} was built without its weights, and these have no {n[:80]}")
+            if describe_weights(named, [n])[n] != shapes.get(n):
+                raise ValueError(f"{name} was built without its weights, and their {n[:80]} is not of the type and "
+                                 f"shape it was built for")
+        plans[name] = names
+    streamed = {n for names in plans.values() for n in names if huge_pages and named[n].dtype == torch.uint8}
+    copies, region = huge_page_copies({n: named[n] for n in sorted(streamed)})
+    shared = {}
+    for name, names in plans.items():
+        constants = {n: copies[n] if n in copies else named[n].detach().contiguous() for n in names}
+        try:
+            programs[name].loader.load_constants(constants, False, True, True)  # the active buffer, all of it, ours
+        except (AttributeError, RuntimeError, TypeError) as e:
+            raise ValueError(f"{name} was built without its weights, and does not take them: {e}"[:300])
+        shared[name] = constants  # kept alive while the program reads them
+    return shared, region
 
 
 def huge_page_copies(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], object]:
@@ -350,9 +434,13 @@ def huge_page_copies(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.
 class CompiledStep:
     """A loaded package: call it like Target.forward, with the cache whose buffers it writes."""
 
-    def __init__(self, path: Path, capacity: int, ranges: dict[str, dict[str, list[int]]]):
+    def __init__(self, path: Path, capacity: int, ranges: dict[str, dict[str, list[int]]], outside=(),
+                 shapes: dict | None = None):
         self.path = Path(path)
         self.capacity = capacity
+        # the programs built without their weights (Package.outside), and the type and shape of each of those: they
+        # run only once share_weights gave them
+        self.outside, self.shapes = frozenset(outside), shapes or {}
         # (new tokens from, to, committed tokens from, to, program) for each program, fewest rows first; a program
         # whose least and most rows are the same is static: it takes exactly that many and makes all their logits
         self.programs = sorted(((*ranges[name]["n"], *ranges[name]["past"], Program(self.path / name))
@@ -367,43 +455,20 @@ class CompiledStep:
         self._region = None  # the memory holding share_weights' copies
 
     def share_weights(self, model) -> int:
-        """Let every program read the weights from one copy, made here in 2 MB pages, instead of its own; returns how
-        many programs do.
+        """Give the programs built without their weights (`outside`) the model's own tensors, its records streamed at
+        every step copied once into memory asked for 2 MB pages; returns how many programs read them. ValueError when
+        the model lacks one of them or has it in another type or shape than the build's (`shapes`).
 
-        Each program holds a copy of the weights it was compiled with (frozen into it): ~200 MB each for SmolLM2's
-        Q4_1 file, six of them. Speculative decoding alternates between them (a plain step, then a 2-node tree, ...),
-        and each one streamed its own copy from memory: a one-token step right after a 2-token one cost 3.15 ms, 2.68
-        ms when both read one copy in 2 MB pages (docs/BENCHMARKS.md, 2026-12-07). A program whose weights are all
-        parameters and buffers of `model` under their names (quantized records; q/k/v and gate/up fused as export
-        saw them, fused_linears) gets those values; one with other constants (folded or prepacked for oneDNN:
-        float32 weights) keeps its own."""
-        from ..quantized import fused_linears
-
-        with fused_linears(model):  # the fused records, as the programs were exported with them
-            named = {f"block.model.{name}": t for name, t in model.named_parameters(remove_duplicate=False)}
-            named.update({f"block.model.{name}": t for name, t in model.named_buffers(remove_duplicate=False)})
-        plans = []
-        for *_, program in self.programs:
-            try:
-                names = program.loader.get_constant_fqns()
-            except (AttributeError, RuntimeError):
-                continue
-            if names and all(n in named and named[n].device.type == "cpu" for n in names):
-                plans.append((program, names))
-        # the records streamed at every step (uint8) copied once into large pages; the rest (norms, the input
-        # embedding, of which a step reads a row) read where they are
-        streamed = {n for _, names in plans for n in names if named[n].dtype == torch.uint8}
-        copies, self._region = huge_page_copies({n: named[n] for n in sorted(streamed)})
-        shared = 0
-        for program, names in plans:
-            constants = {n: copies[n] if n in copies else named[n].detach().contiguous() for n in names}
-            try:
-                program.loader.load_constants(constants, False, True, True)  # the active buffer, all of it, ours
-            except (AttributeError, RuntimeError, TypeError):
-                continue  # a torch without this call, or a program that refuses it: its own copy stays
-            self._shared[program.name] = constants  # kept alive while the program reads them
-            shared += 1
-        return shared
+        Each program built with its weights holds a copy of them (frozen into it): ~200 MB each for SmolLM2's Q4_1
+        file, six of them, each ~400 MB of memory once loaded; and speculative decoding alternates between the
+        programs (a plain step, then a 2-node tree, ...), each streaming its own copy: a one-token step right after a
+        2-token one cost 3.15 ms, 2.68 ms when both read one copy in 2 MB pages (docs/BENCHMARKS.md, 2026-12-07). So
+        a quantized model's programs are built without them (aot_export.build_for). A program built with its
+        weights keeps them: those under a weight's name may be another type (a narrow program's float16 copy)."""
+        shared, self._region = give_weights({p.name: p for *_, p in self.programs if p.name in self.outside},
+                                            step_weights(model), self.shapes, huge_pages=True)
+        self._shared.update(shared)
+        return len(shared)
 
     def fits(self, cache, n: int) -> bool:
         if not fits(cache, self.capacity, n, AOT_SPARE):
@@ -519,12 +584,23 @@ class HeadsPrograms:
     SMALL_ROWS positions runs the program built for the smallest fixed size >= n (padded), a level of up to
     SMALL_ROWS nodes the small twin of the level program."""
 
-    def __init__(self, path: Path, kind: str, capacity: int, augment_ranges: dict | None = None):
+    def __init__(self, path: Path, kind: str, capacity: int, augment_ranges: dict | None = None, outside=(),
+                 drafter=None, shapes: dict | None = None):
+        """`outside`: the programs built without their weights (`shapes`: {name: [type, shape]} of those), which
+        read those of `drafter` (share_weights; ValueError when it is not given or lacks them)."""
         self.path, self.kind, self.capacity = Path(path), kind, capacity
         # program name -> {"n": [least, most], "past": [least, most]}: the sizes each augment program takes
         self.augment_ranges = augment_ranges
         hold(self.path)  # in use from now on (see CompiledStep's load)
-        programs = {name: Program(self.path / name) for name in heads_program_names(kind, augment_ranges)}
+        self.programs = programs = {name: Program(self.path / name)
+                                    for name in heads_program_names(kind, augment_ranges)}
+        self.outside, self.shapes = frozenset(outside), shapes or {}
+        self._shared: dict[str, dict] = {}  # program name -> the drafter's tensors it reads
+        if self.outside and drafter is None:
+            raise ValueError("the heads' programs were built without their weights, and no heads were given to read "
+                             "them from")
+        if self.outside:
+            self.share_weights(drafter)
         self._past: dict[int, torch.Tensor] = {}
         if kind == "clover":
             # fixed sizes first, smallest first; then the program for any size
@@ -536,6 +612,14 @@ class HeadsPrograms:
                                states.contiguous(), tokens)))
         else:
             self.levels = lambda hidden: tuple(programs["levels.pt2"](hidden.contiguous()))
+
+    def share_weights(self, drafter) -> int:
+        """Give the programs built without their weights (`outside`) the tensors of `drafter`'s module each was
+        exported from (heads_weights); returns how many read them. ValueError when one cannot (give_weights)."""
+        for name in sorted(self.outside):  # each program's names are those of its own module
+            self._shared.update(give_weights({name: self.programs[name]}, heads_weights(drafter, name),
+                                             self.shapes[name])[0])
+        return len(self.outside)
 
     def _augment_for(self, cache, n: int):
         """(the augment program that takes n new positions after the cache's, the rows it runs them as), or None."""
@@ -572,6 +656,22 @@ class HeadsPrograms:
                        *values)[0][:n]
 
 
+def heads_weights(drafter, program: str) -> dict[str, torch.Tensor]:
+    """The tensors (on the CPU) of the module of `drafter` that the heads' program named `program` was exported from
+    (aot_export.build_heads_for), under the names the program calls its constants."""
+    if AUGMENT_NAME.fullmatch(program):
+        module, prefix = drafter.augment_block, "block."  # exported as OnBuffers(augment_block)
+    elif program == "level0.pt2":
+        module, prefix = drafter.levels[0], ""
+    elif program in ("level.pt2", "level-small.pt2"):
+        module, prefix = drafter.levels[1], ""
+    else:
+        module, prefix = drafter.levels, ""
+    named = {f"{prefix}{name}": t for name, t in module.named_parameters(remove_duplicate=False)}
+    named.update({f"{prefix}{name}": t for name, t in module.named_buffers(remove_duplicate=False)})
+    return {name: t for name, t in named.items() if t.device.type == "cpu"}
+
+
 def inspect_heads(d: Path | None, full: bool = False):
     """(the metadata of complete, sound heads' programs built into `d`, None), (None, None) when there are none,
     (None, what is wrong) when they are damaged (as inspect_package)."""
@@ -591,7 +691,12 @@ def inspect_heads(d: Path | None, full: bool = False):
         why = _ranges_problem(augment_ranges, AUGMENT_NAME)
         if why:
             return None, why
-    why = _files_problem(d, meta, heads_program_names(kind, augment_ranges), full)
+    names = heads_program_names(kind, augment_ranges)
+    why = _outside_problem(meta.setdefault("weights_outside", []), meta.setdefault("weight_shapes", {}), names,
+                           per_program=True)
+    if why:
+        return None, why.replace("its ", "their ").replace("of it", "of theirs")
+    why = _files_problem(d, meta, names, full)
     if why:
         return None, why
     return meta, None

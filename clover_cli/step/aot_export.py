@@ -21,11 +21,11 @@ import torch
 
 from .. import atomic
 from ..errors import CloverError
-from ..quantized import fused_linears
+from ..quantized import QuantLinear, fused_linears
 from ..store import PROGRAM_VERSION
 from . import SIZES, STATIC, heads_kind, static_sizes, weight_bytes
-from .aot import (HEADS_PROGRAM_VERSION, MAX_LEVEL_ROWS, META, SMALL_ROWS, CompiledStep, HeadsPrograms, augment_name,
-                  heads_program_names, sums)
+from .aot import (HEADS_PROGRAM_VERSION, MAX_LEVEL_ROWS, META, SMALL_ROWS, CompiledStep, HeadsPrograms, Program,
+                  augment_name, describe_weights, heads_program_names, heads_weights, step_weights, sums)
 
 # A step of a few tokens reads every weight once for a few rows of arithmetic, so its time is the weights' bytes. A
 # checkpoint stored in float16 or bfloat16 and run in float32 (the bundled model; most Hub models on a CPU) holds only
@@ -194,13 +194,14 @@ def input_ranges(exported, dims: dict[str, tuple[int, int]]) -> dict[str, list[i
 
 
 def compile_package(exported, path: Path, autotune: bool = False, blocking: tuple[int, int] | None = None,
-                    freeze: bool = True) -> None:
+                    freeze: bool = True, weights: bool = True) -> None:
     """AOTInductor, the weights frozen into the program (on a CPU: prepacked for oneDNN; q/k/v and gate/up fused).
     autotune: inductor also times its own C++ matrix-product kernels on this machine and keeps what is fastest.
     blocking: (rows, columns) of the register blocks those kernels use for float32 on AVX-512, when inductor has
     them (see register_blocking). freeze=False keeps the weights as the program's constants without folding anything
-    into them (narrow weights: folding would widen them once, into float32 copies)."""
-    config = {"freezing": freeze, "cpp.enable_concat_linear": freeze}
+    into them (narrow weights: folding would widen them once, into float32 copies). weights=False leaves them out
+    of the package: whoever loads it gives them (CompiledStep.share_weights)."""
+    config = {"freezing": freeze, "cpp.enable_concat_linear": freeze, "aot_inductor.package_constants_in_so": weights}
     if autotune:  # quietly: inductor writes every product's timings to stderr otherwise
         config.update({"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
                        "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False})
@@ -309,14 +310,31 @@ def build_for(target, out: Path, log=print, static: tuple[int, ...] | None = Non
                 exported[name] = (export(program, (*example, *keys, *values), shapes), autotune and tuned, blocking)
             ranges[name] = input_ranges(exported[name][0], {"n": (0, 0), "past": (4, 0)})
     log(f"compiling (AOTInductor, weights frozen) ... {time.perf_counter() - t0:.0f} s")
+    # a quantized (or bfloat16) model's programs read its own records (CompiledStep.share_weights): built without a
+    # copy of them, which cost ~200 MB of disk and ~400 MB of memory once loaded for each of SmolLM2's Q4_1 programs
+    bare = any(isinstance(m, QuantLinear) for m in target.model.modules())
+    weights = step_weights(target.model)
+    outside, shapes = [], {}
     try:
         with building(out) as tmp:
             for name, (program, tuned, blocking) in exported.items():
-                compile_package(program, tmp / name, tuned, blocking, freeze=name not in narrowed)
-            step = CompiledStep(tmp, capacity, ranges)
+                freeze = name not in narrowed
+                if bare and freeze:
+                    compile_package(program, tmp / name, tuned, blocking, weights=False)
+                    names = Program(tmp / name).constant_names() or [None]
+                    if set(names) <= set(weights):
+                        outside.append(name)
+                        shapes.update(describe_weights(weights, names))
+                        continue
+                    # it reads a constant of its own (folded at build time): the package keeps its weights
+                compile_package(program, tmp / name, tuned, blocking, freeze=freeze)
+            step = CompiledStep(tmp, capacity, ranges, outside, shapes)
+            step.share_weights(target.model)
             check(step, target)
             meta = {"program": PROGRAM_VERSION, "capacity": capacity, "ranges": ranges, "torch": torch.__version__,
-                    "threads": torch.get_num_threads(), "narrow": narrowed, "verify_s": measure(step, target),
+                    "threads": torch.get_num_threads(), "narrow": narrowed, "weights_outside": outside,
+                    "weight_shapes": shapes,
+                    "verify_s": measure(step, target),
                     "build_s": round(time.perf_counter() - t0, 1), "files": sums(tmp, ranges)}
             atomic.write_text(tmp / META, json.dumps(meta, indent=1))
     finally:
@@ -485,12 +503,25 @@ def build_heads_for(drafter, capacity: int, out: Path, log=print, autotune: bool
         exported["levels.pt2"] = (export(drafter.levels.eval(), (torch.randn(1, H),), None), True)
         ranges = None
     log(f"compiling the {kind} heads' programs ... {time.perf_counter() - t0:.0f} s")
+    # heads of 8-bit integers (beside a quantized target) are built without their weights and read the drafter's
+    # (HeadsPrograms.share_weights): each program held a copy of the target's input embedding otherwise, ~113 MB of
+    # disk and ~226 MB of memory for SmolLM2's
+    bare = getattr(drafter, "int8", False)
+    outside, shapes = [], {}
     with building(out) as tmp:
         for name, (program, tuned) in exported.items():
+            if bare:
+                compile_package(program, tmp / name, autotune and tuned, weights=False)
+                names, named = Program(tmp / name).constant_names() or [None], heads_weights(drafter, name)
+                if set(names) <= set(named):
+                    outside.append(name)
+                    shapes[name] = describe_weights(named, names)
+                    continue
             compile_package(program, tmp / name, autotune and tuned)
-        check_heads(HeadsPrograms(tmp, kind, capacity, ranges), drafter)
+        check_heads(HeadsPrograms(tmp, kind, capacity, ranges, outside, drafter, shapes), drafter)
         meta = {"program": HEADS_PROGRAM_VERSION, "kind": kind, "capacity": capacity, "topk": drafter.grower.topk,
-                "augment_ranges": ranges, "build_s": round(time.perf_counter() - t0, 1),
+                "augment_ranges": ranges, "weights_outside": outside, "weight_shapes": shapes,
+                "build_s": round(time.perf_counter() - t0, 1),
                 "files": sums(tmp, heads_program_names(kind, ranges))}
         atomic.write_text(tmp / META, json.dumps(meta, indent=1))
     drafter.reset(0)

@@ -293,12 +293,11 @@ class StepCompiler:
                 self._discard(self.out, seen, why)
             return False
         try:
-            step = pkg.load()
+            step = pkg.load(self.target.model)
         except Exception as e:  # noqa: BLE001 - a package that does not load is damaged: built again
             self._discard(self.out, seen, (str(e).splitlines() or [""])[0][:200] if isinstance(e, ValueError)
                           else f"it does not load: {type(e).__name__}")
             return False
-        step.share_weights(self.target.model)
         self.target.attach_program(step)
         self.verify_s = pkg.verify_s
         self.state, self.reason = State.ACTIVE, "active"
@@ -321,7 +320,8 @@ class StepCompiler:
                 return False
             try:
                 programs = self._loaded[out] = HeadsPrograms(out, meta["kind"], meta["capacity"],
-                                                             meta.get("augment_ranges"))
+                                                             meta.get("augment_ranges"), meta["weights_outside"],
+                                                             drafter, meta["weight_shapes"])
             except Exception as e:  # noqa: BLE001 - programs that do not load are damaged: built again
                 self._discard(out, seen, f"they do not load: {type(e).__name__}", "heads")
                 return False
