@@ -211,6 +211,37 @@ def test_feature_norm_heads_start_quiet_train_resume_and_stay_lossless(fresh_mod
         assert code == 2 and needle in err and err.count("\n") == 1, (extra, err)
 
 
+def test_regenerated_replies_survive_another_max_conversations(fresh_model, data_file, tmp_path, run_cli,
+                                                               monkeypatch):
+    """A regeneration stopped (hours of it on a CPU) and started again with --overwrite on the conversations it had
+    (fewer --max-conversations) reuses its replies instead of deleting them; a run over more regenerates the rest
+    only."""
+    from clover_cli.train import loop as train_mod
+
+    out = tmp_path / "regen"
+    common = ["train", str(fresh_model), "--data", str(data_file), "--out", str(out), "--heads", "2", "--layers", "1",
+              "--max-steps", "1", "--batch-tokens", "2048", "--max-len", "384", "--regenerate"]
+    code, _, err = run_cli(*common, "--max-conversations", "6")
+    assert code == 0, err
+    first = (out / "regenerated.jsonl").read_text().splitlines()
+    assert len(first) == 6
+    real, asked = train_mod.regenerate, []
+
+    def counting(cfg, model, tokenizer, template, stop_strings, conversations, *a, **k):
+        done = len((out / "regenerated.jsonl").read_text().splitlines()) if (out / "regenerated.jsonl").exists() else 0
+        asked.append(max(0, len(conversations) - done))
+        return real(cfg, model, tokenizer, template, stop_strings, conversations, *a, **k)
+
+    monkeypatch.setattr(train_mod, "regenerate", counting)
+    code, _, err = run_cli(*common, "--max-conversations", "4", "--overwrite")
+    assert code == 0, err
+    assert asked == [0] and (out / "regenerated.jsonl").read_text().splitlines() == first
+    code, _, err = run_cli(*common, "--max-conversations", "8", "--overwrite")
+    assert code == 0, err
+    again = (out / "regenerated.jsonl").read_text().splitlines()
+    assert asked == [0, 2] and again[:6] == first and len(again) == 8
+
+
 def test_regenerate_uses_the_targets_own_replies(fresh_model, data_file, tmp_path, run_cli):
     out = tmp_path / "regen"
     code, _, err = run_cli("train", str(fresh_model), "--data", str(data_file), "--out", str(out), "--heads", "2",

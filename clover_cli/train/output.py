@@ -57,12 +57,14 @@ def check_out(cfg: TrainConfig) -> bool:
     return False
 
 
-# What the regenerated replies (--out/regenerated.jsonl) depend on: they are reused only when these match.
-REGEN_KEYS = ("model", "revision", "data", "max_conversations", "regen_turns", "regen_max_tokens", "max_len",
-             "repetition_penalty")
+# What the regenerated replies (--out/regenerated.jsonl) depend on: they are reused only when these match. Not
+# --max-conversations: the training conversations are the data's first ones (load_data) and their replies are kept
+# in that order, so a run over fewer reuses the first of them and a run over more regenerates only the rest (a run
+# stopped after hours of regeneration and started again on what it had).
+REGEN_KEYS = ("model", "revision", "data", "regen_turns", "regen_max_tokens", "max_len", "repetition_penalty")
 # What the feature cache (--out/features, the target's hidden states per conversation) depends on: the same
-# conversations (REGEN_KEYS and whether they were regenerated) through the same weights.
-FEATURE_KEYS = (*REGEN_KEYS, "regenerate", "device", "dtype")
+# conversations (REGEN_KEYS, how many, and whether they were regenerated) through the same weights.
+FEATURE_KEYS = (*REGEN_KEYS, "max_conversations", "regenerate", "device", "dtype")
 
 
 def _has_features(out: Path) -> bool:
