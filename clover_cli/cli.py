@@ -565,11 +565,13 @@ def compile_step(
     """Build the compiled target step of a model (and its draft heads' programs) ahead of time (CPU, float32; a
     CUDA GPU needs nothing built: its CUDA graphs are captured as the step runs).
 
-    clover runs the target's forward as one program compiled by AOTInductor, its weights frozen into it: a step
-    costs a fraction of the eager one; the Clover-2 or Medusa heads' per-step work likewise (EAGLE heads run
-    eager), and with --draft-model / --with-draft a draft model's step. Building takes 15-60 s per model; the packages are cached under the user cache directory (keyed by model
-    and heads files, versions and CPU), so chat, generate and bench load them in milliseconds afterwards. Without
-    this command, chat builds them in the background on first use.
+    clover runs the target's forward as one program compiled by AOTInductor, its weights frozen into it (a
+    quantized model's read from the model instead): a step costs a fraction of the eager one; the Clover-2 or Medusa
+    heads' per-step work likewise (EAGLE heads run eager), and with --draft-model / --with-draft a draft model's
+    step. Building takes minutes per model on two cores (smollm2, step and heads: 3.5 min on an idle machine); the
+    packages are cached under the user cache directory (keyed by model and heads files, versions and CPU), so chat,
+    generate and bench load them in milliseconds afterwards. Without this command, chat builds them in the
+    background on first use.
     """
     from .hub import resolve_model
     from .step.ahead import compile_model
