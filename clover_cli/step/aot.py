@@ -618,7 +618,7 @@ class HeadsPrograms:
         exported from (heads_weights); returns how many read them. ValueError when one cannot (give_weights)."""
         for name in sorted(self.outside):  # each program's names are those of its own module
             self._shared.update(give_weights({name: self.programs[name]}, heads_weights(drafter, name),
-                                             self.shapes[name])[0])
+                                             self.shapes.get(name, {}))[0])
         return len(self.outside)
 
     def _augment_for(self, cache, n: int):
