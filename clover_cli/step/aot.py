@@ -356,8 +356,13 @@ def step_weights(model) -> dict[str, torch.Tensor]:
     from ..quantized import fused_linears
 
     with fused_linears(model):
-        named = {f"block.model.{name}": t for name, t in model.named_parameters(remove_duplicate=False)}
-        named.update({f"block.model.{name}": t for name, t in model.named_buffers(remove_duplicate=False)})
+        return module_tensors(model, "block.model.")
+
+
+def module_tensors(module, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The parameters and buffers of `module` on the CPU, named as a program exported from it names its constants."""
+    named = {f"{prefix}{name}": t for name, t in module.named_parameters(remove_duplicate=False)}
+    named.update({f"{prefix}{name}": t for name, t in module.named_buffers(remove_duplicate=False)})
     return {name: t for name, t in named.items() if t.device.type == "cpu"}
 
 
@@ -667,9 +672,7 @@ def heads_weights(drafter, program: str) -> dict[str, torch.Tensor]:
         module, prefix = drafter.levels[1], ""
     else:
         module, prefix = drafter.levels, ""
-    named = {f"{prefix}{name}": t for name, t in module.named_parameters(remove_duplicate=False)}
-    named.update({f"{prefix}{name}": t for name, t in module.named_buffers(remove_duplicate=False)})
-    return {name: t for name, t in named.items() if t.device.type == "cpu"}
+    return module_tensors(module, prefix)
 
 
 def inspect_heads(d: Path | None, full: bool = False):
