@@ -9,11 +9,11 @@ ratios and how many rounds each side won.
 
 Everything after `--` goes to `clover bench` as it is (--json is added). Both sides run the same model directory
 (default: the new side's bundled `tiny`, or --model); each imports its own clover_cli and clover_kernels (a folder of
-links to its clover_cli/ and kernels/ on PYTHONPATH), so where the kernels differ each side builds and runs its own
-compiled package, with its own step costs. On the
-project's 2-core machine the second run of a pair was a few percent faster whatever it ran (the same code on both
-sides, the old side always first: 1.035-1.065x; docs/BENCHMARKS.md, 2026-11-27): an order kept fixed reads that as
-a gain. Prints one JSON object (--json) or a table.
+links to its clover_cli/ and clover_kernels/, or an older checkout's kernels/, on PYTHONPATH), so where the kernels
+differ each side builds and runs its own compiled package, with its own step costs. On the project's 2-core machine the
+second run of a pair was a few percent faster whatever it ran (the same code on both sides, the old side always first:
+1.035-1.065x; docs/BENCHMARKS.md, 2026-11-27): an order kept fixed reads that as a gain. Prints one JSON object (--json)
+or a table.
 """
 
 from __future__ import annotations
@@ -67,13 +67,15 @@ def env_pairs(items: list[str]) -> dict:
 
 
 def import_root(checkout: Path, shims: Path) -> Path:
-    """A folder whose clover_cli and clover_kernels are the checkout's own (links to its clover_cli/ and kernels/), for
-    PYTHONPATH. The checkout itself will not do: its kernels live in kernels/, so `import clover_kernels` would fall
-    through to the installed clover's (an editable install maps it to that checkout's kernels/), and both sides
-    would run one side's kernels."""
+    """A folder whose clover_cli and clover_kernels are the checkout's own (links to its clover_cli/ and
+    clover_kernels/), for PYTHONPATH. The checkout itself will not do for older ones, whose kernels live in kernels/:
+    `import clover_kernels` would fall through to the installed clover's, and both sides would run one side's
+    kernels; nor would it keep the checkout's other folders off the import path."""
     root = shims / hashlib.sha256(str(checkout).encode()).hexdigest()[:12]
     root.mkdir(parents=True, exist_ok=True)
-    for name, target in (("clover_cli", checkout / "clover_cli"), ("clover_kernels", checkout / "kernels")):
+    kernels = checkout / "clover_kernels"
+    for name, target in (("clover_cli", checkout / "clover_cli"),
+                         ("clover_kernels", kernels if kernels.is_dir() else checkout / "kernels")):
         link = root / name
         if target.is_dir() and not link.exists():
             link.symlink_to(target, target_is_directory=True)

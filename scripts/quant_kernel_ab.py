@@ -1,15 +1,15 @@
-"""Two versions of the quantized kernel (kernels/quant_cpu.cpp) timed against each other on all of SmolLM2's linears
-for one step (q/k/v fused, o, gate/up fused, down, 30 layers in Q4_1's layout, and the Q8_0 output embedding), in
+"""Two versions of the quantized kernel (clover_kernels/quant_cpu.cpp) timed against each other on all of SmolLM2's
+linears for one step (q/k/v fused, o, gate/up fused, down, 30 layers in Q4_1's layout, and the Q8_0 output embedding), in
 alternation (ABBA: the side that runs first alternates) in one process: each version is built as a library of its own
 (its op namespace renamed) with a loop in C++ that runs every linear, so no Python sits between the calls.
 
     python scripts/quant_kernel_ab.py HEAD~1 HEAD                 # two commits' kernels
-    python scripts/quant_kernel_ab.py old.cpp kernels/quant_cpu.cpp --rows 1,8,16 --rounds 6
+    python scripts/quant_kernel_ab.py old.cpp clover_kernels/quant_cpu.cpp --rows 1,8,16 --rounds 6
     python scripts/quant_kernel_ab.py HEAD HEAD --act8 b           # float32 against int8 activations, one kernel
     python scripts/quant_kernel_ab.py HEAD~1 HEAD --avx2           # the AVX2 path, built so on an AVX-512 CPU
 
-A version is a file or a git revision (its kernels/quant_cpu.cpp). Both must pack weights as kernels/quant.py does.
-Prints the median ms of each side per row count and B/A.
+A version is a file or a git revision (its clover_kernels/quant_cpu.cpp). Both must pack weights as
+clover_kernels/quant.py does. Prints the median ms of each side per row count and B/A.
 """
 
 from __future__ import annotations
@@ -47,11 +47,12 @@ TORCH_LIBRARY_IMPL(clover_quant, CPU, m) { m.impl("ab_model", &clover_ab_model);
 def source(version: str) -> str:
     if Path(version).is_file():
         return Path(version).read_text()
-    p = subprocess.run(["git", "-C", str(ROOT), "show", f"{version}:kernels/quant_cpu.cpp"], capture_output=True,
-                       text=True)
-    if p.returncode:
-        sys.exit(f"{version}: neither a file nor a git revision with kernels/quant_cpu.cpp")
-    return p.stdout
+    for folder in ("clover_kernels", "kernels"):  # kernels/ until the folder took its package's name
+        p = subprocess.run(["git", "-C", str(ROOT), "show", f"{version}:{folder}/quant_cpu.cpp"], capture_output=True,
+                           text=True)
+        if p.returncode == 0:
+            return p.stdout
+    sys.exit(f"{version}: neither a file nor a git revision with clover_kernels/quant_cpu.cpp")
 
 
 def main():

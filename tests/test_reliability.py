@@ -101,7 +101,7 @@ def test_every_torch_load_goes_through_the_one_helper():
     """Nothing in the project unpickles with weights_only off, and torch.load is called in one place only."""
     unsafe = "weights_only=" + "False"  # spelled apart so that grep finds it nowhere in the project
     offenders = []
-    for path in [*ROOT.glob("clover_cli/**/*.py"), *ROOT.glob("scripts/**/*.py"), *ROOT.glob("kernels/**/*.py")]:
+    for path in [*ROOT.glob("clover_cli/**/*.py"), *ROOT.glob("scripts/**/*.py"), *ROOT.glob("clover_kernels/**/*.py")]:
         text = path.read_text()
         rel = path.relative_to(ROOT).as_posix()
         if unsafe in text or ("torch.load(" in text and rel != "clover_cli/torchload.py"):
@@ -870,3 +870,14 @@ def test_each_reply_gives_freed_memory_back(run_cli, llama_dir, monkeypatch):
                            stdin="Hello\n" + "word " * 2000 + "\nHow are you?\n")
     assert code == 0, err
     assert calls == [0, 0], calls  # two replies (the message that was too long never got to generate)
+
+
+def test_the_checkout_puts_no_kernels_package_on_the_import_path():
+    """bitsandbytes (and transformers from 5.25) import a top-level `kernels` package when one is found: a checkout
+    folder of that name, on the import path whenever Python runs from the checkout (`python -m pytest`, `python -m
+    clover_cli`), was imported in its place and broke --load-in-8bit. clover's kernels are clover_kernels/."""
+    code = "import importlib.util as u; s = u.find_spec('kernels'); print(s.origin if s else '')"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    found = p.stdout.strip()
+    assert not found or not Path(found).resolve().is_relative_to(ROOT.resolve()), found

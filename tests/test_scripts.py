@@ -140,10 +140,12 @@ def test_ab_bench_alternates_the_first_side_and_pairs_rounds():
             ab.env_pairs([bad])
 
 
-def test_ab_bench_runs_each_checkouts_own_kernels(tmp_path):
-    """scripts/ab_bench.py: a side's clover_cli and clover_kernels both come from its own checkout (its kernels/
-    folder is not importable as clover_kernels by PYTHONPATH alone: the installed clover's kernels answered instead,
-    and both sides ran the same kernels)."""
+@pytest.mark.parametrize("folder", ["clover_kernels", "kernels"])
+def test_ab_bench_runs_each_checkouts_own_kernels(tmp_path, folder):
+    """scripts/ab_bench.py: a side's clover_cli and clover_kernels both come from its own checkout, whether its
+    kernels live in clover_kernels/ or, in a checkout from before the folder took its package's name, in kernels/
+    (not importable as clover_kernels by PYTHONPATH alone: the installed clover's kernels answered instead, and both
+    sides ran the same kernels)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("ab_bench", ROOT / "scripts" / "ab_bench.py")
@@ -151,9 +153,9 @@ def test_ab_bench_runs_each_checkouts_own_kernels(tmp_path):
     spec.loader.exec_module(ab)
     checkout = tmp_path / "old"
     (checkout / "clover_cli").mkdir(parents=True)
-    (checkout / "kernels").mkdir()
+    (checkout / folder).mkdir()
     (checkout / "clover_cli" / "__init__.py").write_text("")
-    (checkout / "kernels" / "__init__.py").write_text("")
+    (checkout / folder / "__init__.py").write_text("")
     root = ab.import_root(checkout, tmp_path / "shims")
     assert ab.import_root(checkout, tmp_path / "shims") == root  # again: the same folder, links kept
     code = "import clover_cli, clover_kernels; print(clover_cli.__file__); print(clover_kernels.__file__)"
@@ -162,7 +164,7 @@ def test_ab_bench_runs_each_checkouts_own_kernels(tmp_path):
     assert p.returncode == 0, p.stderr
     cli, kernels = (Path(line).resolve() for line in p.stdout.split())
     assert cli == (checkout / "clover_cli" / "__init__.py").resolve()
-    assert kernels == (checkout / "kernels" / "__init__.py").resolve()
+    assert kernels == (checkout / folder / "__init__.py").resolve()
 
 
 def test_attention_cost_prints_a_row_per_row_count():
@@ -228,9 +230,9 @@ def test_weight_kernels_times_every_kernel():
 def test_quant_kernel_ab_times_two_versions(tmp_path):
     """scripts/quant_kernel_ab.py with the working tree's kernel against a copy of it: both built, one row timed."""
     copy = tmp_path / "copy.cpp"
-    copy.write_text((ROOT / "kernels" / "quant_cpu.cpp").read_text())
+    copy.write_text((ROOT / "clover_kernels" / "quant_cpu.cpp").read_text())
     p = subprocess.run([sys.executable, str(ROOT / "scripts" / "quant_kernel_ab.py"), str(copy),
-                        str(ROOT / "kernels" / "quant_cpu.cpp"), "--rows", "1", "--rounds", "1", "--threads", "1",
+                        str(ROOT / "clover_kernels" / "quant_cpu.cpp"), "--rows", "1", "--rounds", "1", "--threads", "1",
                         "--act8", "b"],
                        capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert p.returncode == 0, p.stderr
