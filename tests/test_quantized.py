@@ -14,6 +14,7 @@ blocks decoded exactly, and models run on them losslessly.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -709,3 +710,44 @@ def test_int8_heads_programs_read_the_drafters_weights_and_decode_exactly(arch, 
                              prompt, StopCheck(32))
     assert out == plain
     assert any(e.proposed for e in events)
+
+
+@pytest.mark.parametrize("dtype,runs", [("auto", {"Q4_1"}), ("float32", set())])
+def test_regeneration_runs_a_gguf_targets_own_blocks(dtype, runs, written, cache, tmp_path, run_cli, monkeypatch):
+    """`clover train --regenerate` of a GGUF target on a CPU gets its replies from the GGUF's own blocks (the target a
+    session runs by default), in batches, from a copy: the features and the heads' training read the float model as
+    loaded. `--dtype float32` regenerates on the float weights, as a session with it runs."""
+    from transformers import GenerationMixin
+
+    from clover_cli.train import data as train_data
+    from clover_cli.train import features as train_features
+    from clover_cli.train import loop as train_loop
+
+    monkeypatch.setattr(train_data, "BATCHED_CPU_PARAMS", 0)  # the test model is small: force the batched path
+    generated, featured = [], []
+    real_generate, real_hidden = GenerationMixin.generate, train_features._hidden
+
+    def spy_generate(self, *a, **k):
+        generated.append({m.format for m in self.modules() if isinstance(m, quantized.QuantLinear)})
+        return real_generate(self, *a, **k)
+
+    def spy_hidden(model, x):
+        featured.append(any(isinstance(m, quantized.QuantLinear) for m in model.modules()))
+        return real_hidden(model, x)
+
+    monkeypatch.setattr(GenerationMixin, "generate", spy_generate)
+    monkeypatch.setattr(train_features, "_hidden", spy_hidden)
+    monkeypatch.setattr(train_loop, "_hidden", spy_hidden)
+    chats = [{"conversations": [{"from": "human", "value": f"Tell me about the number {i}."},
+                                {"from": "gpt", "value": f"The number {i} is a number."}]} for i in range(6)]
+    data = tmp_path / "chats.json"
+    data.write_text(json.dumps(chats))
+    out = tmp_path / "heads"
+    code, _, err = run_cli("train", str(written[("llama", "Q4_1")]), "--data", str(data), "--out", str(out),
+                           "--heads", "2", "--layers", "1", "--max-steps", "1", "--batch-tokens", "2048",
+                           "--max-len", "384", "--regenerate", "--regen-max-tokens", "12", "--dtype", dtype)
+    assert code == 0, err
+    assert generated and all(formats == runs for formats in generated), generated
+    assert ("regenerating on the GGUF's own weights" in err) == bool(runs)
+    assert featured and not any(featured)
+    assert len((out / "regenerated.jsonl").read_text().splitlines()) == 6

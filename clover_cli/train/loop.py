@@ -193,7 +193,7 @@ def _train(cfg, accelerator, device, log, resuming, resolved, model, tokenizer, 
         hint += f", --batch-tokens (now {cfg.batch_tokens})" if device.type == "cuda" else ""
         with _memory_advice(device, "regenerating replies", hint + " or --max-len"):
             train_msgs = regenerate(cfg, model, tokenizer, template, stop_strings, train_msgs, device, log,
-                                    target_box, rank, world, barrier)
+                                    target_box, rank, world, barrier, model_dir=resolved.path)
         ids, masks = encode(train_msgs, tokenizer, template, cfg.max_len)
     else:
         ids, masks = encoded
