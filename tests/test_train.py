@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -254,6 +255,8 @@ def test_regenerate_uses_the_targets_own_replies(fresh_model, data_file, tmp_pat
     changed = [r for r in rows if r[1]["content"] != original[r[0]["content"]]]
     assert changed, "assistant turns were not replaced"
     assert json.loads((out / "config.json").read_text())["training"]["repetition_penalty"] == 1.0  # not an alias
+    # progress with the time taken and what is left (the last line: nothing left)
+    assert re.search(r"regenerated 6/6 conversations · \d+s elapsed · ETA 0s", err), err
 
 
 def test_regenerate_in_batches_on_a_cpu_with_the_penalty(fresh_model, data_file, tmp_path, run_cli, monkeypatch):

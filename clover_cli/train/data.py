@@ -195,6 +195,8 @@ def regenerate(cfg: TrainConfig, model, tokenizer, template: str, stop_strings, 
     todo = convs[start:][rank::world]
     part = cache if world == 1 else cache.with_name(f"regenerated.{start}.{rank}-of-{world}.jsonl")
     mine = [] if world == 1 else _read_jsonl(part)
+    made_before = len(mine)  # the ETA comes from the replies made in this run
+    from .loop import _duration
     for c0 in range(len(mine), len(todo), chunk_size):
         chunk = [list(c) for c in todo[c0:c0 + chunk_size]]
         for turn in range(cfg.regen_turns):
@@ -209,8 +211,10 @@ def regenerate(cfg: TrainConfig, model, tokenizer, template: str, stop_strings, 
         atomic.append(part, "".join(json.dumps(c, ensure_ascii=False) + "\n" for c in chunk).encode(), 0o644)
         mine.extend(chunk)
         share = "" if world == 1 else f" (this process: {len(mine)}/{len(todo)})"
+        elapsed, made = time.time() - t0, len(mine) - made_before
+        eta = _duration(elapsed / made * (len(todo) - len(mine))) if made else "?"
         log(f"regenerated {start + min(len(convs) - start, len(mine) * world)}/{len(convs)} conversations"
-            f"{share} ({time.time() - t0:.0f}s)")
+            f"{share} · {_duration(elapsed)} elapsed · ETA {eta}")
     target_box.pop("batched", None)  # the copy on the GGUF's blocks is not needed again
     if world == 1:
         return done + mine
