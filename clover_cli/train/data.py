@@ -138,8 +138,8 @@ def regenerate(cfg: TrainConfig, model, tokenizer, template: str, stop_strings, 
         return outs
 
     def batched_model():
-        """The model the batches run: a GGUF target's own blocks on a CPU (a copy of the float model with its
-        linears made QuantLinears, once), else the model as loaded."""
+        """The model the batches run: a GGUF target's own blocks on a CPU (a copy of the float model's modules with
+        its linears made QuantLinears, once), else the model as loaded."""
         if "batched" not in target_box:
             target_box["batched"] = model
             from .. import quantized
@@ -147,8 +147,12 @@ def regenerate(cfg: TrainConfig, model, tokenizer, template: str, stop_strings, 
             if (device.type == "cpu" and model_dir is not None
                     and quantized.weights_for(None, cfg.dtype, device, model_dir) == "gguf"):
                 import copy
+                from itertools import chain
 
-                blocks = copy.deepcopy(model)
+                # the modules copied, their tensors shared (none is written: the linears are replaced, not changed),
+                # so that a big target does not take its float weights' memory twice
+                shared = {id(t): t for t in chain(model.parameters(), model.buffers())}
+                blocks = copy.deepcopy(model, shared)
                 what = quantized.apply(blocks, model_dir, "gguf", warn=log)
                 if what is not None:
                     log(f"regenerating on the GGUF's own weights ({what})")
