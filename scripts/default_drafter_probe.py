@@ -26,6 +26,7 @@ import torch
 
 def main():
     from clover_cli.bench import balanced_order, load_prompts
+    from clover_cli.decode.budget import mode_key, mode_parts
     from clover_cli.decode.engine import Engine
     from clover_cli.decode.verify import Sampling, StopCheck
     from clover_cli.drafters.factory import make_drafter
@@ -42,9 +43,16 @@ def main():
     ap.add_argument("-n", "--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--repetition-penalty", type=float, default=1.0,
+                    help="1.0 as clover bench runs (chat and generate run an alias's own, smollm2's 1.1)")
     ap.add_argument("--budgets", default="", help="fixed tree budgets for extra rows of the default, e.g. 3,6")
     ap.add_argument("--shipped", action="store_true", help="skip unpaid proposals (DraftValue) as clover does")
     args = ap.parse_args()
+    # the sampling mode as the engine keys what it learns (temperature to two decimals)
+    args.temperature, args.repetition_penalty = mode_parts(mode_key(args.temperature, args.repetition_penalty))
+    fixed = [int(x) for x in args.budgets.split(",") if x]
+    if any(b < 1 for b in fixed):
+        raise SystemExit("--budgets: tree budgets of 1 node or more")
     torch.set_num_threads(args.threads)
     s = Session(Options(model=args.model, draft="auto", compile="on"), quiet=True)
     if not isinstance(s.drafter, MergedDrafter):
@@ -63,12 +71,13 @@ def main():
 
     stored = ChoiceStats()
     store = s.engine.policy.cost_store
-    store.load_choices(stored, store.choices_path(s.heads_path, 1.0, args.temperature, s.drafter.primary.int8))
+    store.load_choices(stored, store.choices_path(s.heads_path, args.repetition_penalty, args.temperature,
+                                                  s.drafter.primary.int8))
     print("stored choice:", sum(stored.decisions.values()), "decisions")
     rows = {"plain": None, "ngram": None, "learned (default)": ChoiceStats(), "learned, stored": stored,
             "always heads": Fixed(True), "never heads": Fixed(False)}
     budgets = {}
-    for b in (int(x) for x in args.budgets.split(",") if x):
+    for b in fixed:
         rows[f"learned, budget {b}"] = ChoiceStats()
         budgets[f"learned, budget {b}"] = b
 
@@ -84,8 +93,12 @@ def main():
 
     def engine(name):
         b = budgets.get(name)
-        return Engine(s.target, make(name), budget=b or policy.budget, auto_budget=b is None and policy.auto_budget,
+        return Engine(s.target, make(name), budget=policy.budget if b is None else b,
+                      auto_budget=b is None and policy.auto_budget,
                       cost_store=store, skip_unpaid=args.shipped)
+
+    def sampling(seed):
+        return Sampling(args.temperature, args.top_p, seed, args.repetition_penalty)
 
     engines = {name: engine(name) for name in rows}
     totals = {name: [0.0, 0, 0, 0, 0, 0] for name in rows}  # seconds, tokens, steps, drafting steps, heads, nodes
@@ -102,7 +115,7 @@ def main():
     with torch.inference_mode():
         for name, eng in engines.items():  # warm-up
             eng.reset()
-            for _ in eng.generate(encoded[0][:64], StopCheck(8, s.eos_ids), Sampling(args.temperature, args.top_p, 0)):
+            for _ in eng.generate(encoded[0][:64], StopCheck(8, s.eos_ids), sampling(0)):
                 pass
         for i, ids in enumerate(encoded * args.rounds):
             for name in (names[j] for j in balanced_order(len(names), i)):
@@ -111,8 +124,7 @@ def main():
                 eng.reset()
                 stats = Stats()
                 heads_steps["n"] = drafting = nodes = 0
-                sampling = Sampling(args.temperature, args.top_p, seed=i % len(encoded))
-                for ev in eng.generate(ids, StopCheck(args.max_new_tokens, s.eos_ids), sampling):
+                for ev in eng.generate(ids, StopCheck(args.max_new_tokens, s.eos_ids), sampling(i % len(encoded))):
                     stats.add(ev)
                     drafting += ev.proposed > 0
                     nodes += ev.proposed

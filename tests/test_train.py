@@ -256,7 +256,7 @@ def test_regenerate_uses_the_targets_own_replies(fresh_model, data_file, tmp_pat
     assert changed, "assistant turns were not replaced"
     assert json.loads((out / "config.json").read_text())["training"]["repetition_penalty"] == 1.0  # not an alias
     # progress with the time taken and what is left (the last line: nothing left)
-    assert re.search(r"regenerated 6/6 conversations · \d+s elapsed · ETA 0s", err), err
+    assert re.search(r"regenerated 6/6 conversations · [\dmh]+s? elapsed · ETA 0s", err), err
 
 
 def test_regenerate_in_batches_on_a_cpu_with_the_penalty(fresh_model, data_file, tmp_path, run_cli, monkeypatch):

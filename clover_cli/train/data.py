@@ -92,10 +92,11 @@ def regenerate(cfg: TrainConfig, model, tokenizer, template: str, stop_strings, 
     target of BATCHED_CPU_PARAMS parameters or more, from batched transformers generate over prompts sorted by length
     (on a GPU at most 32 and at most 4 * --batch-tokens / --max-len at a time, on a CPU CPU_BATCH: transformers'
     generate on SmolLM2-135M, float32, two cores, made 13 tokens/s one reply at a time, 103 sixteen at a time, 130
-    forty-eight at a time). On a CPU a GGUF target's batches run the GGUF's own blocks on clover's kernels, as a
-    session runs it by default (model_dir: the converted directory holding them; a copy of the model, dropped when
-    done): the replies are then those of the target users run, and come twice as fast as from its float32 weights
-    (SmolLM2's Q4_1 file, 95 ShareGPT first turns of up to 200 tokens, two cores: 48 s against 105 s).
+    forty-eight at a time). On a CPU a GGUF target's batches run the GGUF's own blocks on clover's kernels, the
+    weights a session runs by default (model_dir: the converted directory holding them; a copy of the model's modules,
+    dropped when done), with SDPA and transformers' cache over the padded batch (so not a session's replies bit for
+    bit, whose attention and float16 cache differ in rounding): twice as fast as from its float32 weights (SmolLM2's
+    Q4_1 file, 95 ShareGPT first turns of up to 200 tokens, two cores: 48 s against 105 s).
     Finished conversations are appended to --out/regenerated.jsonl, so an interrupted run resumes where it stopped.
     With several processes (rank of world), process r regenerates conversations r, r+world, ... of those still to
     do into its own regenerated.<start>.<r>-of-<world>.jsonl; the main process then merges them in order into
@@ -194,6 +195,8 @@ def regenerate(cfg: TrainConfig, model, tokenizer, template: str, stop_strings, 
     small_on_cpu = device.type == "cpu" and weight_count(model) < BATCHED_CPU_PARAMS
     generate = replies_engine if small_on_cpu else replies_batched
     chunk_size = 8 if small_on_cpu else CPU_BATCH if device.type == "cpu" else 256
+    if not small_on_cpu:
+        batched_model()  # made before the clock starts: the ETA times replies, not the kernels' build or the copy
     t0 = time.time()
     start = len(done)
     todo = convs[start:][rank::world]
