@@ -324,7 +324,7 @@ def load(build_dir: Path, generic: bool = False, verbose: bool = False, avx2: bo
         where.mkdir(parents=True, exist_ok=True)
         build(name=name, sources=[str(s) for s in SOURCES], extra_cflags=_variant_flags(generic, avx2),
               extra_ldflags=["-fopenmp"], build_directory=str(where), is_python_module=False, verbose=verbose)
-        done.write_text(key)
+        done.write_text(key)  # not atomic: a marker written once the library is whole, only its presence is read
     else:
         torch.ops.load_library(str(so))
     _register_fake()

@@ -733,7 +733,8 @@ def test_every_file_the_project_writes_goes_through_atomic():
     atomic (`atomic.write_with(path, lambda tmp: ...)`), writes the temporary path atomic gave (`tmp`, or `tmp_file` opened on it), or says why
     it cannot be atomic (`# not atomic: ...`: a lock, a log being streamed, a directory transformers writes)."""
     offenders = []
-    for path in sorted([*ROOT.glob("clover_cli/**/*.py"), *ROOT.glob("scripts/**/*.py")]):
+    for path in sorted([*ROOT.glob("clover_cli/**/*.py"), *ROOT.glob("scripts/**/*.py"),
+                        *ROOT.glob("clover_kernels/**/*.py")]):
         if path.name == "atomic.py":
             continue
         for n, line in enumerate(path.read_text().splitlines(), 1):
