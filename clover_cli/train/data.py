@@ -140,28 +140,26 @@ def regenerate(cfg: TrainConfig, model, tokenizer, template: str, stop_strings, 
 
     def batched_model():
         """The model the batches run: a GGUF target's own blocks on a CPU (a copy of the float model's modules with
-        its linears made QuantLinears, once), else the model as loaded."""
-        if "batched" not in target_box:
-            target_box["batched"] = model
-            from .. import quantized
+        its linears made QuantLinears), else the model as loaded."""
+        from .. import quantized
 
-            if (device.type == "cpu" and model_dir is not None
-                    and quantized.weights_for(None, cfg.dtype, device, model_dir) == "gguf"):
-                import copy
-                from itertools import chain
+        if (device.type != "cpu" or model_dir is None
+                or quantized.weights_for(None, cfg.dtype, device, model_dir) != "gguf"):
+            return model
+        import copy
+        from itertools import chain
 
-                # the modules copied, their tensors shared (none is written: the linears are replaced, not changed),
-                # so that a big target does not take its float weights' memory twice
-                shared = {id(t): t for t in chain(model.parameters(), model.buffers())}
-                blocks = copy.deepcopy(model, shared)
-                what = quantized.apply(blocks, model_dir, "gguf", warn=log)
-                if what is not None:
-                    log(f"regenerating on the GGUF's own weights ({what})")
-                    target_box["batched"] = blocks
-        return target_box["batched"]
+        # the modules copied, their tensors shared (none is written: the linears are replaced, not changed), so that a
+        # big target does not take its float weights' memory twice
+        shared = {id(t): t for t in chain(model.parameters(), model.buffers())}
+        blocks = copy.deepcopy(model, shared)
+        what = quantized.apply(blocks, model_dir, "gguf", warn=log)
+        if what is None:
+            return model
+        log(f"regenerating on the GGUF's own weights ({what})")
+        return blocks
 
     def replies_batched(prompts):
-        runs = batched_model()
         # a padding token that ends no reply: the repetition penalty reads the padding as part of each prompt
         pad = next(t for t in (tokenizer.pad_token_id, 0, 1, 2, 3) if t is not None and t not in eos)
         order = sorted(range(len(prompts)), key=lambda k: len(prompts[k]))
@@ -195,8 +193,8 @@ def regenerate(cfg: TrainConfig, model, tokenizer, template: str, stop_strings, 
     small_on_cpu = device.type == "cpu" and weight_count(model) < BATCHED_CPU_PARAMS
     generate = replies_engine if small_on_cpu else replies_batched
     chunk_size = 8 if small_on_cpu else CPU_BATCH if device.type == "cpu" else 256
-    if not small_on_cpu:
-        batched_model()  # made before the clock starts: the ETA times replies, not the kernels' build or the copy
+    # made before the clock starts: the ETA times replies, not the kernels' build or the copy
+    runs = None if small_on_cpu else batched_model()
     t0 = time.time()
     start = len(done)
     todo = convs[start:][rank::world]
@@ -222,7 +220,7 @@ def regenerate(cfg: TrainConfig, model, tokenizer, template: str, stop_strings, 
         eta = _duration(elapsed / made * (len(todo) - len(mine))) if made else "?"
         log(f"regenerated {start + min(len(convs) - start, len(mine) * world)}/{len(convs)} conversations"
             f"{share} · {_duration(elapsed)} elapsed · ETA {eta}")
-    target_box.pop("batched", None)  # the copy on the GGUF's blocks is not needed again
+    runs = None  # the copy on the GGUF's blocks is not needed again (nor held while other processes finish)
     if world == 1:
         return done + mine
     barrier()
